@@ -1,0 +1,98 @@
+"""hf-linear-attn: Linformer and kernelized linear attention as first-class Transformers models.
+
+Importing the package registers every model with the Auto classes (AutoConfig, AutoModel, AutoModelFor...), and
+marks each class for its Auto class so `save_pretrained` writes the model code beside the weights.
+"""
+
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForMaskedLM,
+    AutoModelForMultipleChoice,
+    AutoModelForQuestionAnswering,
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+)
+
+from .configuration_linear_roberta import LinearRobertaConfig
+from .configuration_linformer import LinformerConfig
+from .feature_maps import FEATURE_MAPS, build_feature_map
+from .linear_attention import bidirectional_linear_attention, linear_attention_weights
+from .linformer_projection import LINFORMER_SHARING, linformer_attention, project_sequence
+from .modeling_linear_roberta import (
+    LinearRobertaForMaskedLM,
+    LinearRobertaForMultipleChoice,
+    LinearRobertaForQuestionAnswering,
+    LinearRobertaForSequenceClassification,
+    LinearRobertaForTokenClassification,
+    LinearRobertaModel,
+    LinearRobertaPreTrainedModel,
+)
+from .modeling_linformer import (
+    LinformerForMaskedLM,
+    LinformerForMultipleChoice,
+    LinformerForQuestionAnswering,
+    LinformerForSequenceClassification,
+    LinformerForTokenClassification,
+    LinformerModel,
+    LinformerPreTrainedModel,
+)
+
+__version__ = "0.1.0"
+
+_AUTO_CLASSES = {
+    "AutoModel": AutoModel,
+    "AutoModelForMaskedLM": AutoModelForMaskedLM,
+    "AutoModelForSequenceClassification": AutoModelForSequenceClassification,
+    "AutoModelForTokenClassification": AutoModelForTokenClassification,
+    "AutoModelForQuestionAnswering": AutoModelForQuestionAnswering,
+    "AutoModelForMultipleChoice": AutoModelForMultipleChoice,
+}
+
+# family config -> {Auto class name: model class}
+MODEL_FAMILIES = {
+    LinformerConfig: {
+        "AutoModel": LinformerModel,
+        "AutoModelForMaskedLM": LinformerForMaskedLM,
+        "AutoModelForSequenceClassification": LinformerForSequenceClassification,
+        "AutoModelForTokenClassification": LinformerForTokenClassification,
+        "AutoModelForQuestionAnswering": LinformerForQuestionAnswering,
+        "AutoModelForMultipleChoice": LinformerForMultipleChoice,
+    },
+    LinearRobertaConfig: {
+        "AutoModel": LinearRobertaModel,
+        "AutoModelForMaskedLM": LinearRobertaForMaskedLM,
+        "AutoModelForSequenceClassification": LinearRobertaForSequenceClassification,
+        "AutoModelForTokenClassification": LinearRobertaForTokenClassification,
+        "AutoModelForQuestionAnswering": LinearRobertaForQuestionAnswering,
+        "AutoModelForMultipleChoice": LinearRobertaForMultipleChoice,
+    },
+}
+
+
+def _register() -> None:
+    for config_class, models in MODEL_FAMILIES.items():
+        AutoConfig.register(config_class.model_type, config_class, exist_ok=True)
+        config_class.register_for_auto_class()
+        for auto_name, model_class in models.items():
+            _AUTO_CLASSES[auto_name].register(config_class, model_class, exist_ok=True)
+            model_class.register_for_auto_class(auto_name)
+
+
+_register()
+
+__all__ = [
+    "FEATURE_MAPS",
+    "LINFORMER_SHARING",
+    "MODEL_FAMILIES",
+    "LinearRobertaConfig",
+    "LinformerConfig",
+    "bidirectional_linear_attention",
+    "build_feature_map",
+    "linear_attention_weights",
+    "linformer_attention",
+    "project_sequence",
+] + [model.__name__ for models in MODEL_FAMILIES.values() for model in models.values()] + [
+    "LinformerPreTrainedModel",
+    "LinearRobertaPreTrainedModel",
+]

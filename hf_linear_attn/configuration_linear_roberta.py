@@ -1,0 +1,53 @@
+"""Configuration of the kernelized linear-attention encoder (Katharopoulos et al. 2020)."""
+
+from huggingface_hub.dataclasses import strict
+
+from .configuration_roberta_style import RobertaStyleConfig
+from .feature_maps import FEATURE_MAPS
+
+
+@strict
+class LinearRobertaConfig(RobertaStyleConfig):
+    r"""
+    A RoBERTa-style encoder whose softmax attention is replaced by a feature map phi:
+    `out_i = phi(q_i) (sum_j phi(k_j) v_j^T) / (phi(q_i) . sum_j phi(k_j) + eps)`, linear in n.
+    All RoBERTa fields are as in [`RobertaStyleConfig`] (`attention_probs_dropout_prob` is unused: there are no
+    explicit attention probabilities); in addition:
+
+    Args:
+        feature_map (`str`, defaults to `"elu"`): `"elu"` (elu(x) + 1), `"relu"`, `"favor"` (Performer FAVOR+
+            positive orthogonal random features, an unbiased estimate of softmax attention) or `"hedgehog"` (a
+            learnable per-head map [softmax(xW), softmax(-xW)], W initialised to the identity).
+        num_random_features (`int`, defaults to 256): number of FAVOR+ random features m.
+        learned_feature_dim (`int`, *optional*): width f of each half of the hedgehog map (defaults to the head size).
+        linear_attention_eps (`float`, defaults to 1e-6): eps added to the normaliser phi(q) . z.
+    """
+
+    model_type = "linear_roberta"
+
+    feature_map: str = "elu"
+    num_random_features: int = 256
+    learned_feature_dim: int | None = None
+    linear_attention_eps: float = 1e-6
+
+    default_auto_map = {
+        "AutoConfig": "configuration_linear_roberta.LinearRobertaConfig",
+        "AutoModel": "modeling_linear_roberta.LinearRobertaModel",
+        "AutoModelForMaskedLM": "modeling_linear_roberta.LinearRobertaForMaskedLM",
+        "AutoModelForSequenceClassification": "modeling_linear_roberta.LinearRobertaForSequenceClassification",
+        "AutoModelForTokenClassification": "modeling_linear_roberta.LinearRobertaForTokenClassification",
+        "AutoModelForQuestionAnswering": "modeling_linear_roberta.LinearRobertaForQuestionAnswering",
+        "AutoModelForMultipleChoice": "modeling_linear_roberta.LinearRobertaForMultipleChoice",
+    }
+
+    def validate_linear_attention(self):
+        if self.feature_map not in FEATURE_MAPS:
+            raise ValueError(f"Unknown feature_map {self.feature_map!r}; choose one of {', '.join(FEATURE_MAPS)}.")
+        if self.num_random_features < 1:
+            raise ValueError(f"num_random_features must be positive, got {self.num_random_features}.")
+        if self.learned_feature_dim is not None and self.learned_feature_dim < 1:
+            raise ValueError(f"learned_feature_dim must be positive or None, got {self.learned_feature_dim}.")
+        if not self.linear_attention_eps > 0:
+            raise ValueError(
+                f"linear_attention_eps must be > 0 (it keeps the normaliser away from 0), got {self.linear_attention_eps}."
+            )

@@ -1,0 +1,71 @@
+"""Configuration of the Linformer encoder (Wang et al. 2020)."""
+
+from huggingface_hub.dataclasses import strict
+
+from .configuration_roberta_style import RobertaStyleConfig
+from .linformer_projection import LINFORMER_INIT, LINFORMER_SHARING
+
+
+@strict
+class LinformerConfig(RobertaStyleConfig):
+    r"""
+    A RoBERTa-style encoder whose self-attention projects keys and values along the sequence from n to k rows:
+    `softmax(Q (E K)^T / sqrt(d)) (F V)`. All RoBERTa fields are as in [`RobertaStyleConfig`]; in addition:
+
+    Args:
+        linformer_k (`int` or `list[int]`, defaults to 128): projected length k; one value for every layer, or one
+            per layer as the paper allows (not with `linformer_sharing="layerwise"`). Each k is at most
+            `max_sequence_length`.
+        linformer_sharing (`str`, defaults to `"headwise"`): how E and F are shared, as in the paper:
+            `"none"` (separate E and F for every head and layer: 2 x layers x heads matrices),
+            `"headwise"` (one E and one F per layer, shared by its heads: 2 x layers),
+            `"key-value"` (headwise and E = F: one per layer),
+            `"layerwise"` (a single matrix for keys and values of every layer).
+        linformer_init (`str`, defaults to `"xavier_uniform"`): init of E and F: `"xavier_uniform"` as the authors'
+            fairseq code (gain 1/sqrt(2) on each k x n matrix) or `"normal"` (N(0, initializer_range), as a later
+            BERT-style re-init of every weight does).
+    """
+
+    model_type = "linformer"
+
+    linformer_k: int | list[int] = 128
+    linformer_sharing: str = "headwise"
+    linformer_init: str = "xavier_uniform"
+
+    default_auto_map = {
+        "AutoConfig": "configuration_linformer.LinformerConfig",
+        "AutoModel": "modeling_linformer.LinformerModel",
+        "AutoModelForMaskedLM": "modeling_linformer.LinformerForMaskedLM",
+        "AutoModelForSequenceClassification": "modeling_linformer.LinformerForSequenceClassification",
+        "AutoModelForTokenClassification": "modeling_linformer.LinformerForTokenClassification",
+        "AutoModelForQuestionAnswering": "modeling_linformer.LinformerForQuestionAnswering",
+        "AutoModelForMultipleChoice": "modeling_linformer.LinformerForMultipleChoice",
+    }
+
+    def k_for_layer(self, layer_idx: int) -> int:
+        """The projected length k of layer ``layer_idx``."""
+        return self.linformer_k if isinstance(self.linformer_k, int) else self.linformer_k[layer_idx]
+
+    def validate_linformer(self):
+        if self.linformer_sharing not in LINFORMER_SHARING:
+            raise ValueError(
+                f"Unknown linformer_sharing {self.linformer_sharing!r}; choose one of {', '.join(LINFORMER_SHARING)}."
+            )
+        if self.linformer_init not in LINFORMER_INIT:
+            raise ValueError(f"Unknown linformer_init {self.linformer_init!r}; choose one of {', '.join(LINFORMER_INIT)}.")
+        ks = [self.linformer_k] if isinstance(self.linformer_k, int) else list(self.linformer_k)
+        if not isinstance(self.linformer_k, int) and len(ks) != self.num_hidden_layers:
+            raise ValueError(
+                f"linformer_k lists {len(ks)} values for {self.num_hidden_layers} layers; give one per layer or a single int."
+            )
+        if self.linformer_sharing == "layerwise" and len(set(ks)) > 1:
+            raise ValueError(
+                "linformer_sharing='layerwise' uses one matrix for every layer, so it needs a single k; "
+                f"got {self.linformer_k}. Use one int, or sharing 'key-value' for a k per layer."
+            )
+        for k in ks:
+            if not 1 <= k <= self.max_sequence_length:
+                raise ValueError(
+                    f"linformer_k={k} must be between 1 and the maximum sequence length {self.max_sequence_length} "
+                    "(max_position_embeddings - pad_token_id - 1): lower k or raise max_position_embeddings."
+                )

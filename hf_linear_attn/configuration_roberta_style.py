@@ -1,0 +1,88 @@
+"""Configuration fields shared by the RoBERTa-style encoders (Linformer and linear attention)."""
+
+from huggingface_hub.dataclasses import strict
+from transformers import PreTrainedConfig
+
+
+@strict
+class RobertaStyleConfig(PreTrainedConfig):
+    r"""
+    The RoBERTa fields, with RoBERTa's names and meanings, so that a RoBERTa checkpoint maps one to one.
+
+    Args:
+        vocab_size (`int`, defaults to 50265): size of the token vocabulary.
+        hidden_size (`int`, defaults to 768): width of the encoder layers.
+        num_hidden_layers (`int`, defaults to 12): number of encoder layers.
+        num_attention_heads (`int`, defaults to 12): heads per attention layer; must divide `hidden_size`.
+        intermediate_size (`int`, defaults to 3072): width of the feed-forward layer.
+        hidden_act (`str`, defaults to `"gelu"`): feed-forward activation.
+        hidden_dropout_prob (`float`, defaults to 0.1): dropout on embeddings and layer outputs.
+        attention_probs_dropout_prob (`float`, defaults to 0.1): dropout on attention probabilities (where the
+            attention has explicit probabilities).
+        max_position_embeddings (`int`, defaults to 514): rows of the learned position table. As in RoBERTa,
+            positions start after `pad_token_id`, so the longest input is `max_position_embeddings - pad_token_id - 1`
+            tokens (`max_sequence_length`, 512 by default).
+        type_vocab_size (`int`, defaults to 1): token type vocabulary (RoBERTa uses 1).
+        initializer_range (`float`, defaults to 0.02): std of the N(0, std) init of linear and embedding weights.
+        layer_norm_eps (`float`, defaults to 1e-5): LayerNorm epsilon.
+        classifier_dropout (`float`, *optional*): dropout of classification heads (defaults to `hidden_dropout_prob`).
+        pad_token_id, bos_token_id, eos_token_id (`int`): special tokens (RoBERTa's 1, 0, 2).
+    """
+
+    vocab_size: int = 50265
+    hidden_size: int = 768
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    intermediate_size: int = 3072
+    hidden_act: str = "gelu"
+    hidden_dropout_prob: float | int = 0.1
+    attention_probs_dropout_prob: float | int = 0.1
+    max_position_embeddings: int = 514
+    type_vocab_size: int = 1
+    initializer_range: float = 0.02
+    layer_norm_eps: float = 1e-5
+    classifier_dropout: float | int | None = None
+    pad_token_id: int | None = 1
+    bos_token_id: int | None = 0
+    eos_token_id: int | list[int] | None = 2
+    use_cache: bool = False
+    is_decoder: bool = False
+    add_cross_attention: bool = False
+    tie_word_embeddings: bool = True
+    auto_map: dict | None = None
+
+    # Filled in by each family: every Auto class a checkpoint of this family opens with (trust_remote_code).
+    default_auto_map = {}
+
+    def __post_init__(self, **kwargs):
+        if self.auto_map is None:
+            self.auto_map = dict(self.default_auto_map)
+        super().__post_init__(**kwargs)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def max_sequence_length(self) -> int:
+        """Longest input in tokens: the position table minus the rows RoBERTa reserves below the pad index."""
+        return self.max_position_embeddings - (self.pad_token_id or 0) - 1
+
+    def validate_encoder_shape(self):
+        if self.hidden_size % self.num_attention_heads != 0:
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) must be a multiple of num_attention_heads "
+                f"({self.num_attention_heads}); change one of them."
+            )
+        if self.pad_token_id is None:
+            raise ValueError("pad_token_id must be set: RoBERTa-style positions are numbered from pad_token_id + 1.")
+        if self.max_sequence_length < 1:
+            raise ValueError(
+                f"max_position_embeddings ({self.max_position_embeddings}) leaves no positions after the pad index "
+                f"({self.pad_token_id}); use at least pad_token_id + 2."
+            )
+        if self.is_decoder or self.add_cross_attention:
+            raise ValueError(
+                "These encoders are bidirectional: is_decoder and add_cross_attention must be False. "
+                "For causal models use the GPT-style decoders of this package."
+            )

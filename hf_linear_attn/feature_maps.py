@@ -1,0 +1,147 @@
+"""Feature maps phi for kernelized linear attention (layer 1: torch only, no transformers import).
+
+Every map takes per-head vectors ``x`` of shape (batch, heads, n, head_dim) and returns non-negative features of
+shape (batch, heads, n, feature_dim) in float32, whatever the input dtype: the sums built from them (S, z and the
+normaliser) must accumulate in float32, and exp-based maps overflow in fp16.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+FEATURE_MAPS = ("elu", "relu", "favor", "hedgehog")
+
+
+class EluFeatureMap(nn.Module):
+    """phi(x) = elu(x) + 1 (Katharopoulos et al. 2020): (B, H, n, d) -> (B, H, n, d)."""
+
+    def feature_dim(self, head_dim: int) -> int:
+        return head_dim
+
+    def forward(self, x: torch.Tensor, is_query: bool, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return F.elu(x.float()) + 1.0
+
+
+class ReluFeatureMap(nn.Module):
+    """phi(x) = relu(x): (B, H, n, d) -> (B, H, n, d). A row of zeros leaves only eps in the normaliser."""
+
+    def feature_dim(self, head_dim: int) -> int:
+        return head_dim
+
+    def forward(self, x: torch.Tensor, is_query: bool, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return F.relu(x.float())
+
+
+def orthogonal_gaussian_matrix(
+    num_rows: int, dim: int, generator: torch.Generator | None = None, device=None
+) -> torch.Tensor:
+    """(num_rows, dim) matrix whose rows are orthogonal in blocks of ``dim`` with Gaussian-distributed norms."""
+    blocks = []
+    for _ in range(math.ceil(num_rows / dim)):
+        gaussian = torch.randn(dim, dim, generator=generator, device=device)
+        q, _ = torch.linalg.qr(gaussian)
+        blocks.append(q.T)
+    directions = torch.cat(blocks)[:num_rows]
+    # Rows of a Gaussian matrix have chi-distributed norms; orthogonal rows must keep them for unbiasedness.
+    norms = torch.randn(num_rows, dim, generator=generator, device=device).norm(dim=1, keepdim=True)
+    return directions * norms
+
+
+class FavorFeatureMap(nn.Module):
+    """Performer FAVOR+ positive random features for the softmax kernel exp(q.k / sqrt(d)).
+
+    phi(x) = m^-1/2 exp(w_i . x' - |x'|^2 / 2 - c) with x' = x / d^(1/4) and orthogonal Gaussian rows w_i
+    (Choromanski et al. 2020). The random matrix is a persistent buffer, so a saved model reproduces exactly and
+    evaluation is deterministic; :meth:`redraw` draws a new one (the same on every distributed process).
+
+    The stabiliser c is a constant that cancels in the normalised attention: for queries it is the row's own
+    maximum; for keys in bidirectional mode the maximum over the (non-pad) keys of the sequence. In causal mode
+    keys get no stabiliser, since any maximum over the sequence would look at future tokens; in float32 the
+    exponent is bounded by |w|^2 / 2, which does not overflow.
+    """
+
+    def __init__(self, head_dim: int, num_features: int, causal: bool = False):
+        super().__init__()
+        self.head_dim = head_dim
+        self.num_features = num_features
+        self.causal = causal
+        self.projection = nn.Buffer(orthogonal_gaussian_matrix(num_features, head_dim), persistent=True)
+
+    def feature_dim(self, head_dim: int) -> int:
+        return self.num_features
+
+    @torch.no_grad()
+    def redraw(self, generator: torch.Generator | None = None) -> None:
+        """Draw a new random matrix; under torch.distributed, rank 0's draw is broadcast to every process."""
+        new = orthogonal_gaussian_matrix(self.num_features, self.head_dim, generator=generator)
+        new = new.to(device=self.projection.device, dtype=self.projection.dtype)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.broadcast(new, src=0)
+        self.projection.copy_(new)
+
+    def forward(self, x: torch.Tensor, is_query: bool, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x.float() * self.head_dim**-0.25
+        logits = torch.matmul(x, self.projection.float().T)  # (B, H, n, m)
+        logits = logits - 0.5 * (x * x).sum(-1, keepdim=True)
+        if is_query:
+            stabiliser = logits.amax(dim=-1, keepdim=True).detach()
+        elif self.causal:
+            stabiliser = torch.zeros((), device=x.device)
+        else:
+            masked = logits if key_mask is None else logits.masked_fill(~key_mask[:, None, :, None], -torch.inf)
+            stabiliser = masked.amax(dim=(-2, -1), keepdim=True).detach()
+            stabiliser = torch.where(torch.isfinite(stabiliser), stabiliser, 0.0)  # an all-pad row
+        return torch.exp(logits - stabiliser) * self.num_features**-0.5
+
+
+class HedgehogFeatureMap(nn.Module):
+    """Learnable per-head map phi(x) = [softmax(x W_h), softmax(-x W_h)] (Zhang et al. 2024, "Hedgehog").
+
+    W_h is (head_dim, feature_dim) per head, initialised to the identity; the output has 2 * feature_dim features.
+    The softmax over features keeps phi positive and bounded, so it is stable in any precision.
+    """
+
+    def __init__(self, num_heads: int, head_dim: int, feature_dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_heads, head_dim, feature_dim))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Identity start: the map is then a fixed function of x, not of a random draw."""
+        self.weight.copy_(identity_weight(self.weight))
+
+    def feature_dim(self, head_dim: int) -> int:
+        return 2 * self.weight.shape[-1]
+
+    def forward(self, x: torch.Tensor, is_query: bool, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+        projected = torch.matmul(x.float(), self.weight.float())  # (B, H, n, f)
+        return torch.cat([projected.softmax(-1), (-projected).softmax(-1)], dim=-1)
+
+
+def identity_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A tensor shaped like ``weight`` (heads, d, f) holding the (rectangular) identity for every head."""
+    eye = torch.eye(weight.shape[-2], weight.shape[-1], device=weight.device, dtype=weight.dtype)
+    return eye.expand_as(weight).clone()
+
+
+def build_feature_map(
+    name: str,
+    num_heads: int,
+    head_dim: int,
+    num_random_features: int = 256,
+    learned_feature_dim: int | None = None,
+    causal: bool = False,
+) -> nn.Module:
+    """The feature map called ``name`` (one of FEATURE_MAPS) for heads of size ``head_dim``."""
+    if name == "elu":
+        return EluFeatureMap()
+    if name == "relu":
+        return ReluFeatureMap()
+    if name == "favor":
+        return FavorFeatureMap(head_dim, num_random_features, causal=causal)
+    if name == "hedgehog":
+        return HedgehogFeatureMap(num_heads, head_dim, learned_feature_dim or head_dim)
+    raise ValueError(f"Unknown feature map {name!r}; choose one of {', '.join(FEATURE_MAPS)}.")

@@ -1,0 +1,71 @@
+"""Linformer sequence projection (Wang et al. 2020), layer 1: torch only, no transformers import.
+
+Keys and values of shape (batch, heads, n, d) are projected along the sequence to (batch, heads, k, d) by a
+learned matrix E of shape (P, k, n_max), P = heads (no sharing) or 1 (shared by the heads). Inputs shorter than
+n_max use the first n columns of E, as the authors' code does. Pad rows are zeroed before the projection (the
+authors' code skips this, so outputs there depend on how much padding the batch has).
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+LINFORMER_SHARING = ("none", "headwise", "key-value", "layerwise")
+LINFORMER_INIT = ("xavier_uniform", "normal")
+
+
+class LinformerProjection(nn.Module):
+    """A learned sequence projection E with ``weight`` of shape (num_matrices, k, max_length)."""
+
+    def __init__(self, num_matrices: int, k: int, max_length: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_matrices, k, max_length))
+        nn.init.uniform_(self.weight, -xavier_bound(k, max_length), xavier_bound(k, max_length))
+
+    def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, H, n, d) -> (B, H, k, d), pad rows (``key_mask`` False) removed first."""
+        return project_sequence(x, self.weight, key_mask)
+
+
+def xavier_bound(k: int, max_length: int) -> float:
+    """Uniform bound of fairseq's Linformer init: xavier_uniform with gain 1/sqrt(2) on a (k, n) matrix."""
+    return math.sqrt(6.0 / (k + max_length)) / math.sqrt(2.0)
+
+
+def project_sequence(x: torch.Tensor, projection: torch.Tensor, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """E[..., :n] @ x: x (B, H, n, d), projection (P, k, n_max) with P in {1, H} -> (B, H, k, d)."""
+    n, max_length = x.shape[-2], projection.shape[-1]
+    if n > max_length:
+        raise ValueError(
+            f"Sequence length {n} exceeds the Linformer projection length {max_length}: E and F have one column "
+            "per position. Truncate the input (tokenizer(..., truncation=True)) or extend the model's maximum length."
+        )
+    if key_mask is not None:
+        x = torch.where(key_mask[:, None, :, None], x, 0.0)
+    return torch.matmul(projection[..., :n].to(x.dtype), x)
+
+
+def linformer_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_projection: torch.Tensor,
+    value_projection: torch.Tensor,
+    key_mask: torch.Tensor | None = None,
+    dropout: float = 0.0,
+    need_weights: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """softmax(Q (E K)^T / sqrt(d)) (F V): q, k, v (B, H, n, d) -> output (B, H, n, d), weights (B, H, n, k) or None.
+
+    No mask is needed after the projection: each of the k projected rows is a mix of real tokens only.
+    """
+    projected_k = project_sequence(k, key_projection, key_mask)
+    projected_v = project_sequence(v, value_projection, key_mask)
+    if not need_weights:
+        return F.scaled_dot_product_attention(q, projected_k, projected_v, dropout_p=dropout), None
+    scores = torch.matmul(q, projected_k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    weights = scores.softmax(dim=-1)
+    output = torch.matmul(F.dropout(weights, p=dropout, training=dropout > 0), projected_v)
+    return output, weights

@@ -1,0 +1,118 @@
+"""Kernelized linear-attention encoder (Katharopoulos et al. 2020) as a RoBERTa-style Transformers model.
+
+Softmax attention is replaced by a feature map phi: out_i = phi(q_i) S / (phi(q_i) . z + eps) with
+S = sum_j phi(k_j) v_j^T and z = sum_j phi(k_j), so cost and memory are linear in n. Pads are removed after the
+feature map; S, z and the normaliser are float32 under bf16 / fp16.
+"""
+
+import torch
+from torch import nn
+from transformers import initialization as init
+
+from .configuration_linear_roberta import LinearRobertaConfig
+from .feature_maps import FavorFeatureMap, HedgehogFeatureMap, build_feature_map, identity_weight, orthogonal_gaussian_matrix
+from .linear_attention import bidirectional_linear_attention, linear_attention_weights
+from .modeling_roberta_style import (
+    RobertaStyleForMaskedLM,
+    RobertaStyleForMultipleChoice,
+    RobertaStyleForQuestionAnswering,
+    RobertaStyleForSequenceClassification,
+    RobertaStyleForTokenClassification,
+    RobertaStyleModel,
+    RobertaStylePreTrainedModel,
+)
+
+
+class LinearRobertaSelfAttention(nn.Module):
+    """Multi-head bidirectional linear attention: hidden (B, n, D) -> (B, n, D).
+
+    With ``output_attentions`` it also returns the n x n matrix it applies implicitly (quadratic: for inspection
+    and distillation only).
+    """
+
+    def __init__(self, config: LinearRobertaConfig, layer_idx: int):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.head_dim = config.hidden_size // config.num_attention_heads
+        self.query = nn.Linear(config.hidden_size, config.hidden_size)
+        self.key = nn.Linear(config.hidden_size, config.hidden_size)
+        self.value = nn.Linear(config.hidden_size, config.hidden_size)
+        self.eps = config.linear_attention_eps
+        self.feature_map = build_feature_map(
+            config.feature_map, self.num_heads, self.head_dim,
+            num_random_features=config.num_random_features, learned_feature_dim=config.learned_feature_dim,
+        )
+
+    @staticmethod
+    def build_shared_projection(config: LinearRobertaConfig) -> None:
+        """Linear attention shares nothing across layers."""
+        return None
+
+    def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
+        return x.view(*x.shape[:2], self.num_heads, self.head_dim).transpose(1, 2)
+
+    def forward(self, hidden_states, key_mask=None, output_attentions=False, shared_projection=None):
+        q, k, v = (self._split_heads(proj(hidden_states)) for proj in (self.query, self.key, self.value))
+        phi_q = self.feature_map(q, is_query=True)
+        phi_k = self.feature_map(k, is_query=False, key_mask=key_mask)
+        output = bidirectional_linear_attention(phi_q, phi_k, v, key_mask, eps=self.eps)
+        weights = linear_attention_weights(phi_q, phi_k, key_mask, eps=self.eps) if output_attentions else None
+        return output.transpose(1, 2).reshape(hidden_states.shape), weights
+
+
+class LinearRobertaPreTrainedModel(RobertaStylePreTrainedModel):
+    """Init of the feature maps: FAVOR+ draws orthogonal random features, hedgehog starts at the identity."""
+
+    config_class = LinearRobertaConfig
+    self_attention_class = LinearRobertaSelfAttention
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if isinstance(module, FavorFeatureMap):
+            projection = orthogonal_gaussian_matrix(module.num_features, module.head_dim)
+            init.copy_(module.projection, projection.to(module.projection.device))
+        elif isinstance(module, HedgehogFeatureMap):
+            init.copy_(module.weight, identity_weight(module.weight))
+
+    @torch.no_grad()
+    def redraw_random_features(self, generator: torch.Generator | None = None) -> int:
+        """Draw new FAVOR+ features in every layer (rank 0's draw on every process); returns the number redrawn."""
+        maps = [m for m in self.modules() if isinstance(m, FavorFeatureMap)]
+        for feature_map in maps:
+            feature_map.redraw(generator)
+        return len(maps)
+
+
+class LinearRobertaModel(LinearRobertaPreTrainedModel, RobertaStyleModel):
+    """The bare linear-attention encoder: last_hidden_state (B, n, D) and pooler_output (B, D)."""
+
+
+class LinearRobertaForMaskedLM(LinearRobertaPreTrainedModel, RobertaStyleForMaskedLM):
+    """Linear-attention encoder with RoBERTa's masked-LM head."""
+
+    base_model_class = LinearRobertaModel
+
+
+class LinearRobertaForSequenceClassification(LinearRobertaPreTrainedModel, RobertaStyleForSequenceClassification):
+    """Linear-attention encoder with RoBERTa's sequence classification / regression head."""
+
+    base_model_class = LinearRobertaModel
+
+
+class LinearRobertaForTokenClassification(LinearRobertaPreTrainedModel, RobertaStyleForTokenClassification):
+    """Linear-attention encoder with a token classification head."""
+
+    base_model_class = LinearRobertaModel
+
+
+class LinearRobertaForQuestionAnswering(LinearRobertaPreTrainedModel, RobertaStyleForQuestionAnswering):
+    """Linear-attention encoder with an extractive question-answering head."""
+
+    base_model_class = LinearRobertaModel
+
+
+class LinearRobertaForMultipleChoice(LinearRobertaPreTrainedModel, RobertaStyleForMultipleChoice):
+    """Linear-attention encoder with a multiple-choice head."""
+
+    base_model_class = LinearRobertaModel

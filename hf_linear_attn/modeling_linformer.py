@@ -1,0 +1,130 @@
+"""Linformer encoder (Wang et al. 2020) as a RoBERTa-style Transformers model.
+
+Self-attention is `softmax(Q (E K)^T / sqrt(d)) (F V)` with learned E, F of shape (k, n_max): cost O(n k) instead
+of O(n^2). Inputs shorter than n_max use the first n columns of E and F; pad rows of K and V are zeroed before the
+projection, so an example gives the same outputs alone or in a right-padded batch.
+"""
+
+
+import torch
+from torch import nn
+from transformers import initialization as init
+
+from .configuration_linformer import LinformerConfig
+from .linformer_projection import LinformerProjection, linformer_attention, xavier_bound
+from .modeling_roberta_style import (
+    RobertaStyleForMaskedLM,
+    RobertaStyleForMultipleChoice,
+    RobertaStyleForQuestionAnswering,
+    RobertaStyleForSequenceClassification,
+    RobertaStyleForTokenClassification,
+    RobertaStyleModel,
+    RobertaStylePreTrainedModel,
+)
+
+
+class LinformerSelfAttention(nn.Module):
+    """Multi-head Linformer attention: hidden (B, n, D) -> (B, n, D), weights (B, H, n, k) on request.
+
+    Projections by sharing mode: "none": `key_projection` / `value_projection` with one matrix per head;
+    "headwise": one matrix each, shared by the heads; "key-value": `key_projection` only, used for keys and values;
+    "layerwise": none here, the encoder's `shared_projection` is used for keys and values of every layer.
+    """
+
+    def __init__(self, config: LinformerConfig, layer_idx: int):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.head_dim = config.hidden_size // config.num_attention_heads
+        self.query = nn.Linear(config.hidden_size, config.hidden_size)
+        self.key = nn.Linear(config.hidden_size, config.hidden_size)
+        self.value = nn.Linear(config.hidden_size, config.hidden_size)
+        self.dropout = config.attention_probs_dropout_prob
+        self.sharing = config.linformer_sharing
+        k, max_length = config.k_for_layer(layer_idx), config.max_sequence_length
+        num_matrices = self.num_heads if self.sharing == "none" else 1
+        if self.sharing in ("none", "headwise", "key-value"):
+            self.key_projection = LinformerProjection(num_matrices, k, max_length)
+        if self.sharing in ("none", "headwise"):
+            self.value_projection = LinformerProjection(num_matrices, k, max_length)
+
+    @staticmethod
+    def build_shared_projection(config: LinformerConfig) -> LinformerProjection | None:
+        """The single matrix of layerwise sharing, owned by the encoder; None for the other modes."""
+        if config.linformer_sharing != "layerwise":
+            return None
+        return LinformerProjection(1, config.k_for_layer(0), config.max_sequence_length)
+
+    def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
+        return x.view(*x.shape[:2], self.num_heads, self.head_dim).transpose(1, 2)
+
+    def forward(self, hidden_states, key_mask=None, output_attentions=False, shared_projection=None):
+        q, k, v = (self._split_heads(proj(hidden_states)) for proj in (self.query, self.key, self.value))
+        if self.sharing == "layerwise":
+            key_projection = value_projection = shared_projection.weight
+        else:
+            key_projection = self.key_projection.weight
+            value_projection = key_projection if self.sharing == "key-value" else self.value_projection.weight
+        output, weights = linformer_attention(
+            q, k, v, key_projection, value_projection, key_mask,
+            dropout=self.dropout if self.training else 0.0, need_weights=output_attentions,
+        )
+        return output.transpose(1, 2).reshape(hidden_states.shape), weights
+
+
+class LinformerPreTrainedModel(RobertaStylePreTrainedModel):
+    """Linformer init (E and F by `config.linformer_init`) and its padding rule."""
+
+    config_class = LinformerConfig
+    self_attention_class = LinformerSelfAttention
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if isinstance(module, LinformerProjection):
+            if self.config.linformer_init == "normal":
+                init.normal_(module.weight, mean=0.0, std=self.config.initializer_range)
+            else:
+                bound = xavier_bound(module.weight.shape[-2], module.weight.shape[-1])
+                init.uniform_(module.weight, -bound, bound)
+
+    def check_key_mask(self, key_mask: torch.Tensor) -> None:
+        """Refuse left padding: E and F index absolute positions, so a shifted example would be projected differently."""
+        if (key_mask[:, 1:] & ~key_mask[:, :-1]).any():
+            raise ValueError(
+                "Linformer needs right padding: the attention_mask has padding before real tokens, and E / F "
+                "project by absolute position. Set tokenizer.padding_side = 'right'."
+            )
+
+
+class LinformerModel(LinformerPreTrainedModel, RobertaStyleModel):
+    """The bare Linformer encoder: last_hidden_state (B, n, D) and pooler_output (B, D)."""
+
+
+class LinformerForMaskedLM(LinformerPreTrainedModel, RobertaStyleForMaskedLM):
+    """Linformer with RoBERTa's masked-LM head."""
+
+    base_model_class = LinformerModel
+
+
+class LinformerForSequenceClassification(LinformerPreTrainedModel, RobertaStyleForSequenceClassification):
+    """Linformer with RoBERTa's sequence classification / regression head."""
+
+    base_model_class = LinformerModel
+
+
+class LinformerForTokenClassification(LinformerPreTrainedModel, RobertaStyleForTokenClassification):
+    """Linformer with a token classification head."""
+
+    base_model_class = LinformerModel
+
+
+class LinformerForQuestionAnswering(LinformerPreTrainedModel, RobertaStyleForQuestionAnswering):
+    """Linformer with an extractive question-answering head."""
+
+    base_model_class = LinformerModel
+
+
+class LinformerForMultipleChoice(LinformerPreTrainedModel, RobertaStyleForMultipleChoice):
+    """Linformer with a multiple-choice head."""
+
+    base_model_class = LinformerModel

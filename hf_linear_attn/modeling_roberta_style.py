@@ -1,0 +1,412 @@
+"""RoBERTa-style encoder with a pluggable self-attention: layers, base model and the five task heads.
+
+The families (Linformer, linear attention) supply only their self-attention module and their init. Everything
+else reuses RoBERTa's own building blocks from transformers, so parameter names (``roberta.embeddings...``,
+``roberta.encoder.layer.N.attention.self.query``, ``lm_head``, ``classifier``...) match RoBERTa one to one.
+
+The attention modules take a boolean ``key_mask`` (batch, n), True at real tokens, instead of an additive
+n x n mask: neither family ever builds an n x n matrix.
+"""
+
+import torch
+from torch import nn
+from torch.nn import BCEWithLogitsLoss, CrossEntropyLoss, MSELoss
+from transformers import PreTrainedModel
+from transformers import initialization as init
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import (
+    BaseModelOutputWithPooling,
+    MaskedLMOutput,
+    MultipleChoiceModelOutput,
+    QuestionAnsweringModelOutput,
+    SequenceClassifierOutput,
+    TokenClassifierOutput,
+)
+from transformers.models.roberta.modeling_roberta import (
+    RobertaClassificationHead,
+    RobertaEmbeddings,
+    RobertaIntermediate,
+    RobertaLMHead,
+    RobertaOutput,
+    RobertaPooler,
+    RobertaSelfOutput,
+)
+
+
+class RobertaStyleAttention(nn.Module):
+    """Self-attention of a family plus RoBERTa's output projection, residual and LayerNorm."""
+
+    def __init__(self, config, self_attention: nn.Module):
+        super().__init__()
+        self.self = self_attention
+        self.output = RobertaSelfOutput(config)
+
+    def forward(self, hidden_states, key_mask=None, output_attentions=False, shared_projection=None):
+        attention_output, weights = self.self(hidden_states, key_mask, output_attentions, shared_projection)
+        return self.output(attention_output, hidden_states), weights
+
+
+class RobertaStyleLayer(GradientCheckpointingLayer):
+    """One post-LayerNorm encoder layer: attention, then GELU feed-forward (RoBERTa's layout)."""
+
+    def __init__(self, config, layer_idx: int, self_attention_class):
+        super().__init__()
+        self.attention = RobertaStyleAttention(config, self_attention_class(config, layer_idx))
+        self.intermediate = RobertaIntermediate(config)
+        self.output = RobertaOutput(config)
+
+    def forward(self, hidden_states, key_mask=None, output_attentions=False, shared_projection=None):
+        attention_output, weights = self.attention(hidden_states, key_mask, output_attentions, shared_projection)
+        layer_output = self.output(self.intermediate(attention_output), attention_output)
+        return layer_output, weights
+
+
+class RobertaStyleEncoder(nn.Module):
+    """The stack of layers, plus parameters shared by all of them (Linformer's layerwise projection)."""
+
+    def __init__(self, config, self_attention_class):
+        super().__init__()
+        self.layer = nn.ModuleList(
+            [RobertaStyleLayer(config, i, self_attention_class) for i in range(config.num_hidden_layers)]
+        )
+        self.shared_projection = self_attention_class.build_shared_projection(config)
+
+    def forward(self, hidden_states, key_mask=None, output_attentions=False, output_hidden_states=False):
+        all_hidden_states = (hidden_states,) if output_hidden_states else None
+        all_attentions = () if output_attentions else None
+        for layer in self.layer:
+            hidden_states, weights = layer(
+                hidden_states, key_mask=key_mask, output_attentions=output_attentions,
+                shared_projection=self.shared_projection,
+            )
+            if output_hidden_states:
+                all_hidden_states += (hidden_states,)
+            if output_attentions:
+                all_attentions += (weights,)
+        return hidden_states, all_hidden_states, all_attentions
+
+
+class RobertaStylePreTrainedModel(PreTrainedModel):
+    """Init and loading plumbing shared by both encoder families."""
+
+    base_model_prefix = "roberta"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["RobertaEmbeddings", "RobertaStyleLayer"]
+    # Set by each family: its self-attention class (with build_shared_projection) and its base model class.
+    self_attention_class = None
+    base_model_class = None
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if isinstance(module, RobertaLMHead):
+            init.zeros_(module.bias)
+        elif isinstance(module, RobertaEmbeddings):
+            init.copy_(module.position_ids, torch.arange(module.position_ids.shape[-1]).expand((1, -1)))
+            init.zeros_(module.token_type_ids)
+
+    def check_key_mask(self, key_mask: torch.Tensor) -> None:
+        """Raise if this family cannot honour ``key_mask`` (batch, n); every mask is fine by default."""
+
+    def _run_base_model(self, **inputs):
+        return self.roberta(**inputs, return_dict=True)
+
+    @staticmethod
+    def _finish(output, return_dict):
+        return output if return_dict is not False else output.to_tuple()
+
+
+class RobertaStyleModel(RobertaStylePreTrainedModel):
+    """The bare encoder: embeddings, layers and (optionally) RoBERTa's pooler."""
+
+    def __init__(self, config, add_pooling_layer: bool = True):
+        super().__init__(config)
+        self.embeddings = RobertaEmbeddings(config)
+        self.encoder = RobertaStyleEncoder(config, self.self_attention_class)
+        self.pooler = RobertaPooler(config) if add_pooling_layer else None
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embeddings.word_embeddings
+
+    def set_input_embeddings(self, value):
+        self.embeddings.word_embeddings = value
+
+    def _key_mask(self, attention_mask, input_shape):
+        if attention_mask is None:
+            return None
+        if tuple(attention_mask.shape) != tuple(input_shape):
+            raise ValueError(
+                f"attention_mask has shape {tuple(attention_mask.shape)} but the input is {tuple(input_shape)}: "
+                "these encoders take the tokenizer's 2-D 0/1 mask (batch, sequence), not an expanded 4-D mask."
+            )
+        key_mask = attention_mask.bool()
+        if not torch.compiler.is_compiling():
+            self.check_key_mask(key_mask)
+        return key_mask
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.LongTensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+    ) -> BaseModelOutputWithPooling | tuple:
+        """input_ids (batch, n) -> last_hidden_state (batch, n, hidden), pooler_output (batch, hidden)."""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
+        input_shape = input_ids.shape if input_ids is not None else inputs_embeds.shape[:-1]
+        if input_shape[-1] > self.config.max_sequence_length:
+            raise ValueError(
+                f"The input has {input_shape[-1]} tokens but this model takes at most {self.config.max_sequence_length} "
+                "(max_position_embeddings - pad_token_id - 1). Truncate it, e.g. "
+                f"tokenizer(..., truncation=True, max_length={self.config.max_sequence_length})."
+            )
+        output_attentions = self.config.output_attentions if output_attentions is None else output_attentions
+        if output_hidden_states is None:
+            output_hidden_states = self.config.output_hidden_states
+        key_mask = self._key_mask(attention_mask, input_shape)
+
+        embeddings = self.embeddings(
+            input_ids=input_ids, position_ids=position_ids, token_type_ids=token_type_ids, inputs_embeds=inputs_embeds
+        )
+        sequence_output, hidden_states, attentions = self.encoder(
+            embeddings, key_mask, output_attentions=output_attentions, output_hidden_states=output_hidden_states
+        )
+        pooled_output = self.pooler(sequence_output) if self.pooler is not None else None
+        output = BaseModelOutputWithPooling(
+            last_hidden_state=sequence_output,
+            pooler_output=pooled_output,
+            hidden_states=hidden_states,
+            attentions=attentions,
+        )
+        return self._finish(output, return_dict)
+
+
+class RobertaStyleForMaskedLM(RobertaStylePreTrainedModel):
+    """Encoder with RoBERTa's masked-LM head; the decoder weight is tied to the word embeddings."""
+
+    _tied_weights_keys = {
+        "lm_head.decoder.weight": "roberta.embeddings.word_embeddings.weight",
+        "lm_head.decoder.bias": "lm_head.bias",
+    }
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.roberta = self.base_model_class(config, add_pooling_layer=False)
+        self.lm_head = RobertaLMHead(config)
+        self.post_init()
+
+    def get_output_embeddings(self):
+        return self.lm_head.decoder
+
+    def set_output_embeddings(self, new_embeddings):
+        self.lm_head.decoder = new_embeddings
+
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        token_type_ids=None,
+        position_ids=None,
+        inputs_embeds=None,
+        labels: torch.LongTensor | None = None,
+        output_attentions=None,
+        output_hidden_states=None,
+        return_dict=None,
+    ) -> MaskedLMOutput | tuple:
+        """logits (batch, n, vocab); loss: mean cross-entropy over labels != -100."""
+        outputs = self._run_base_model(
+            input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
+            position_ids=position_ids, inputs_embeds=inputs_embeds,
+            output_attentions=output_attentions, output_hidden_states=output_hidden_states,
+        )
+        logits = self.lm_head(outputs.last_hidden_state)
+        loss = None
+        if labels is not None:
+            loss = CrossEntropyLoss()(logits.view(-1, self.config.vocab_size), labels.to(logits.device).view(-1))
+        output = MaskedLMOutput(
+            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
+        )
+        return self._finish(output, return_dict)
+
+
+class RobertaStyleForSequenceClassification(RobertaStylePreTrainedModel):
+    """Encoder with RoBERTa's classification head on the <s> token (regression when num_labels == 1)."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.roberta = self.base_model_class(config, add_pooling_layer=False)
+        self.classifier = RobertaClassificationHead(config)
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        token_type_ids=None,
+        position_ids=None,
+        inputs_embeds=None,
+        labels: torch.Tensor | None = None,
+        output_attentions=None,
+        output_hidden_states=None,
+        return_dict=None,
+    ) -> SequenceClassifierOutput | tuple:
+        """logits (batch, num_labels); loss chosen by config.problem_type, as in RoBERTa."""
+        outputs = self._run_base_model(
+            input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
+            position_ids=position_ids, inputs_embeds=inputs_embeds,
+            output_attentions=output_attentions, output_hidden_states=output_hidden_states,
+        )
+        logits = self.classifier(outputs.last_hidden_state)
+        loss = None if labels is None else self._classification_loss(logits, labels.to(logits.device))
+        output = SequenceClassifierOutput(
+            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
+        )
+        return self._finish(output, return_dict)
+
+    def _classification_loss(self, logits, labels):
+        if self.config.problem_type is None:
+            if self.num_labels == 1:
+                self.config.problem_type = "regression"
+            elif labels.dtype in (torch.long, torch.int):
+                self.config.problem_type = "single_label_classification"
+            else:
+                self.config.problem_type = "multi_label_classification"
+        if self.config.problem_type == "regression":
+            return MSELoss()(logits.squeeze(), labels.squeeze().to(logits.dtype))
+        if self.config.problem_type == "single_label_classification":
+            return CrossEntropyLoss()(logits.view(-1, self.num_labels), labels.view(-1))
+        return BCEWithLogitsLoss()(logits, labels.to(logits.dtype))
+
+
+class RobertaStyleForTokenClassification(RobertaStylePreTrainedModel):
+    """Encoder with a linear classifier on every token."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.roberta = self.base_model_class(config, add_pooling_layer=False)
+        dropout = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
+        self.dropout = nn.Dropout(dropout)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        token_type_ids=None,
+        position_ids=None,
+        inputs_embeds=None,
+        labels: torch.LongTensor | None = None,
+        output_attentions=None,
+        output_hidden_states=None,
+        return_dict=None,
+    ) -> TokenClassifierOutput | tuple:
+        """logits (batch, n, num_labels); loss: cross-entropy over labels != -100."""
+        outputs = self._run_base_model(
+            input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
+            position_ids=position_ids, inputs_embeds=inputs_embeds,
+            output_attentions=output_attentions, output_hidden_states=output_hidden_states,
+        )
+        logits = self.classifier(self.dropout(outputs.last_hidden_state))
+        loss = None
+        if labels is not None:
+            loss = CrossEntropyLoss()(logits.view(-1, self.num_labels), labels.to(logits.device).view(-1))
+        output = TokenClassifierOutput(
+            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
+        )
+        return self._finish(output, return_dict)
+
+
+class RobertaStyleForQuestionAnswering(RobertaStylePreTrainedModel):
+    """Encoder with span start / end logits for extractive question answering."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.roberta = self.base_model_class(config, add_pooling_layer=False)
+        self.qa_outputs = nn.Linear(config.hidden_size, config.num_labels)
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        token_type_ids=None,
+        position_ids=None,
+        inputs_embeds=None,
+        start_positions: torch.LongTensor | None = None,
+        end_positions: torch.LongTensor | None = None,
+        output_attentions=None,
+        output_hidden_states=None,
+        return_dict=None,
+    ) -> QuestionAnsweringModelOutput | tuple:
+        """start_logits, end_logits (batch, n); loss: mean of the start and end cross-entropies."""
+        outputs = self._run_base_model(
+            input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
+            position_ids=position_ids, inputs_embeds=inputs_embeds,
+            output_attentions=output_attentions, output_hidden_states=output_hidden_states,
+        )
+        logits = self.qa_outputs(outputs.last_hidden_state)
+        start_logits, end_logits = (part.squeeze(-1).contiguous() for part in logits.split(1, dim=-1))
+        loss = None
+        if start_positions is not None and end_positions is not None:
+            # Positions outside the input are ignored, as in RoBERTa.
+            ignored = start_logits.size(1)
+            start = start_positions.view(-1).clamp(0, ignored).to(logits.device)
+            end = end_positions.view(-1).clamp(0, ignored).to(logits.device)
+            loss_fct = CrossEntropyLoss(ignore_index=ignored)
+            loss = (loss_fct(start_logits, start) + loss_fct(end_logits, end)) / 2
+        output = QuestionAnsweringModelOutput(
+            loss=loss, start_logits=start_logits, end_logits=end_logits,
+            hidden_states=outputs.hidden_states, attentions=outputs.attentions,
+        )
+        return self._finish(output, return_dict)
+
+
+class RobertaStyleForMultipleChoice(RobertaStylePreTrainedModel):
+    """Encoder scoring each of num_choices sequences with a linear layer on the pooled output."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.roberta = self.base_model_class(config)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.classifier = nn.Linear(config.hidden_size, 1)
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        token_type_ids=None,
+        position_ids=None,
+        inputs_embeds=None,
+        labels: torch.LongTensor | None = None,
+        output_attentions=None,
+        output_hidden_states=None,
+        return_dict=None,
+    ) -> MultipleChoiceModelOutput | tuple:
+        """Inputs (batch, num_choices, n) -> logits (batch, num_choices)."""
+        num_choices = (input_ids if input_ids is not None else inputs_embeds).shape[1]
+
+        def flat(tensor, trailing=1):
+            return None if tensor is None else tensor.reshape(-1, *tensor.shape[-trailing:])
+
+        outputs = self._run_base_model(
+            input_ids=flat(input_ids), attention_mask=flat(attention_mask), token_type_ids=flat(token_type_ids),
+            position_ids=flat(position_ids), inputs_embeds=flat(inputs_embeds, trailing=2),
+            output_attentions=output_attentions, output_hidden_states=output_hidden_states,
+        )
+        logits = self.classifier(self.dropout(outputs.pooler_output)).view(-1, num_choices)
+        loss = None if labels is None else CrossEntropyLoss()(logits, labels.to(logits.device))
+        output = MultipleChoiceModelOutput(
+            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
+        )
+        return self._finish(output, return_dict)
