@@ -55,7 +55,7 @@ class LinformerSelfAttention(nn.Module):
         return LinformerProjection(1, config.k_for_layer(0), config.max_sequence_length)
 
     def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
-        return x.view(*x.shape[:2], self.num_heads, self.head_dim).transpose(1, 2)
+        return x.reshape(*x.shape[:2], self.num_heads, self.head_dim).transpose(1, 2)
 
     def forward(self, hidden_states, key_mask=None, output_attentions=False, shared_projection=None):
         q, k, v = (self._split_heads(proj(hidden_states)) for proj in (self.query, self.key, self.value))

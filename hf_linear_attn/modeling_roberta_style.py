@@ -228,7 +228,7 @@ class RobertaStyleForMaskedLM(RobertaStylePreTrainedModel):
         logits = self.lm_head(outputs.last_hidden_state)
         loss = None
         if labels is not None:
-            loss = CrossEntropyLoss()(logits.view(-1, self.config.vocab_size), labels.to(logits.device).view(-1))
+            loss = CrossEntropyLoss()(logits.reshape(-1, self.config.vocab_size), labels.to(logits.device).reshape(-1))
         output = MaskedLMOutput(
             loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
         )
@@ -281,7 +281,7 @@ class RobertaStyleForSequenceClassification(RobertaStylePreTrainedModel):
         if self.config.problem_type == "regression":
             return MSELoss()(logits.squeeze(), labels.squeeze().to(logits.dtype))
         if self.config.problem_type == "single_label_classification":
-            return CrossEntropyLoss()(logits.view(-1, self.num_labels), labels.view(-1))
+            return CrossEntropyLoss()(logits.reshape(-1, self.num_labels), labels.reshape(-1))
         return BCEWithLogitsLoss()(logits, labels.to(logits.dtype))
 
 
@@ -318,7 +318,7 @@ class RobertaStyleForTokenClassification(RobertaStylePreTrainedModel):
         logits = self.classifier(self.dropout(outputs.last_hidden_state))
         loss = None
         if labels is not None:
-            loss = CrossEntropyLoss()(logits.view(-1, self.num_labels), labels.to(logits.device).view(-1))
+            loss = CrossEntropyLoss()(logits.reshape(-1, self.num_labels), labels.to(logits.device).reshape(-1))
         output = TokenClassifierOutput(
             loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
         )
@@ -360,8 +360,8 @@ class RobertaStyleForQuestionAnswering(RobertaStylePreTrainedModel):
         if start_positions is not None and end_positions is not None:
             # Positions outside the input are ignored, as in RoBERTa.
             ignored = start_logits.size(1)
-            start = start_positions.view(-1).clamp(0, ignored).to(logits.device)
-            end = end_positions.view(-1).clamp(0, ignored).to(logits.device)
+            start = start_positions.reshape(-1).clamp(0, ignored).to(logits.device)
+            end = end_positions.reshape(-1).clamp(0, ignored).to(logits.device)
             loss_fct = CrossEntropyLoss(ignore_index=ignored)
             loss = (loss_fct(start_logits, start) + loss_fct(end_logits, end)) / 2
         output = QuestionAnsweringModelOutput(
@@ -404,7 +404,7 @@ class RobertaStyleForMultipleChoice(RobertaStylePreTrainedModel):
             position_ids=flat(position_ids), inputs_embeds=flat(inputs_embeds, trailing=2),
             output_attentions=output_attentions, output_hidden_states=output_hidden_states,
         )
-        logits = self.classifier(self.dropout(outputs.pooler_output)).view(-1, num_choices)
+        logits = self.classifier(self.dropout(outputs.pooler_output)).reshape(-1, num_choices)
         loss = None if labels is None else CrossEntropyLoss()(logits, labels.to(logits.device))
         output = MultipleChoiceModelOutput(
             loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions

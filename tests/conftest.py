@@ -1,0 +1,67 @@
+"""Shared fixtures: tiny configs of both encoder families and a small byte-level BPE tokenizer built offline."""
+
+import os
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a Hub miss otherwise costs ~25 s of retries
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+import torch
+
+import hf_linear_attn  # noqa: F401  (registers the Auto classes)
+from hf_linear_attn import LinearRobertaConfig, LinformerConfig
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
+
+TINY = dict(
+    vocab_size=300, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+    max_position_embeddings=66, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+)
+
+# (name, config factory): every sharing mode and feature map of the two families
+FAMILY_VARIANTS = {
+    "linformer-none": lambda **kw: LinformerConfig(**{**TINY, "linformer_k": 8, "linformer_sharing": "none", **kw}),
+    "linformer-headwise": lambda **kw: LinformerConfig(**{**TINY, "linformer_k": [8, 12], **kw}),
+    "linformer-key-value": lambda **kw: LinformerConfig(**{**TINY, "linformer_k": 8, "linformer_sharing": "key-value", **kw}),
+    "linformer-layerwise": lambda **kw: LinformerConfig(**{**TINY, "linformer_k": 8, "linformer_sharing": "layerwise", **kw}),
+    "linear-elu": lambda **kw: LinearRobertaConfig(**{**TINY, **kw}),
+    "linear-relu": lambda **kw: LinearRobertaConfig(**{**TINY, "feature_map": "relu", **kw}),
+    "linear-favor": lambda **kw: LinearRobertaConfig(**{**TINY, "feature_map": "favor", "num_random_features": 32, **kw}),
+    "linear-hedgehog": lambda **kw: LinearRobertaConfig(**{**TINY, "feature_map": "hedgehog", **kw}),
+}
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Linear attention replaces the softmax by a feature map, so its cost grows linearly with the length.",
+    "Linformer projects keys and values along the sequence to a fixed number of rows.",
+    "This movie was wonderful, the acting was great and the story moved me.",
+    "A terrible film: boring, too long and badly written.",
+    "Transformers are RNNs: a causal linear attention model generates with a state of constant size.",
+] * 20
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tmp_path_factory):
+    """A RoBERTa-style byte-level BPE tokenizer (<s>=0, <pad>=1, </s>=2, <unk>=3, <mask>=4) trained offline."""
+    from tokenizers import ByteLevelBPETokenizer
+    from tokenizers.processors import RobertaProcessing
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(CORPUS, vocab_size=TINY["vocab_size"], min_frequency=1,
+                            special_tokens=["<s>", "<pad>", "</s>", "<unk>", "<mask>"])
+    bpe.post_processor = RobertaProcessing(("</s>", 2), ("<s>", 0))
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>",
+        mask_token="<mask>", cls_token="<s>", sep_token="</s>", model_max_length=64,
+    )
+    assert tok.pad_token_id == 1 and tok.mask_token_id == 4
+    return tok
+
+
+def random_ids(batch, n, vocab=TINY["vocab_size"], seed=0):
+    """Random non-special token ids (batch, n)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(5, vocab, (batch, n), generator=g)
