@@ -52,9 +52,10 @@ def tokenizer(tmp_path_factory):
     bpe = ByteLevelBPETokenizer()
     bpe.train_from_iterator(CORPUS, vocab_size=TINY["vocab_size"], min_frequency=1,
                             special_tokens=["<s>", "<pad>", "</s>", "<unk>", "<mask>"])
-    bpe.post_processor = RobertaProcessing(("</s>", 2), ("<s>", 0))
+    backend = bpe._tokenizer  # the tokenizers.Tokenizer inside the convenience wrapper
+    backend.post_processor = RobertaProcessing(("</s>", 2), ("<s>", 0))
     tok = PreTrainedTokenizerFast(
-        tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>",
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>",
         mask_token="<mask>", cls_token="<s>", sep_token="</s>", model_max_length=64,
     )
     assert tok.pad_token_id == 1 and tok.mask_token_id == 4

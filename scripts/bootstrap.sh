@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Create the project's virtual environment (.venv) if needed and install everything the project uses.
+# torch goes first and pinned: an unpinned torch pulled in by another package downloads GBs of CUDA wheels.
+# Override with TORCH_SPEC (e.g. TORCH_SPEC="torch==2.13.0" on a GPU machine with its own index) if you need to.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+.venv/bin/python -m pip install --quiet --disable-pip-version-check --upgrade pip
+.venv/bin/python -m pip install --quiet --disable-pip-version-check "$TORCH_SPEC"
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[test]"
