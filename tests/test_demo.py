@@ -1,0 +1,34 @@
+"""The README's main command, on real WikiText-2, at its smallest size (a real subprocess, as a user runs it)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO_ROOT, SHARED_DATA
+
+WIKITEXT = SHARED_DATA / "wikitext-2"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (WIKITEXT / "wiki.train.tokens").is_file(), reason=f"WikiText-2 not found at {WIKITEXT}")
+def test_demo_trains_saves_and_reloads_every_encoder(tmp_path):
+    cmd = [sys.executable, str(REPO_ROOT / "scripts" / "demo_encoders.py"), "--dataset", str(WIKITEXT),
+           "--output-dir", str(tmp_path), "--steps", "3", "--batch-size", "4", "--seq-len", "64",
+           "--eval-batches", "2", "--vocab-size", "2000", "--linformer-k", "16"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())["results"]
+    assert len(results) == 3
+    for name, result in results.items():
+        assert result["reload_identical"] is True, name
+        assert 0 < result["mlm_loss"] < 10 and 0 <= result["mlm_accuracy"] <= 1
+    assert "| linformer k=16 |" in proc.stdout
+
+
+def test_demo_names_a_missing_data_folder(tmp_path):
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "demo_encoders.py"), "--dataset",
+                           str(tmp_path / "nowhere"), "--output-dir", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "WikiText-2 files not found" in proc.stderr and "--dataset hub" in proc.stderr
