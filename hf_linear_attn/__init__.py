@@ -17,7 +17,12 @@ from transformers import (
 from .configuration_linear_roberta import LinearRobertaConfig
 from .configuration_linformer import LinformerConfig
 from .feature_maps import FEATURE_MAPS, build_feature_map
-from .linear_attention import bidirectional_linear_attention, linear_attention_weights
+from .linear_attention import (
+    bidirectional_linear_attention,
+    causal_linear_attention,
+    linear_attention_weights,
+    recurrent_linear_attention_step,
+)
 from .linformer_projection import LINFORMER_SHARING, linformer_attention, project_sequence
 from .modeling_linear_roberta import (
     LinearRobertaForMaskedLM,
@@ -89,6 +94,8 @@ __all__ = [
     "LinformerConfig",
     "bidirectional_linear_attention",
     "build_feature_map",
+    "causal_linear_attention",
+    "recurrent_linear_attention_step",
     "linear_attention_weights",
     "linformer_attention",
     "project_sequence",
