@@ -17,18 +17,12 @@ FEATURE_MAPS = ("elu", "relu", "favor", "hedgehog")
 class EluFeatureMap(nn.Module):
     """phi(x) = elu(x) + 1 (Katharopoulos et al. 2020): (B, H, n, d) -> (B, H, n, d)."""
 
-    def feature_dim(self, head_dim: int) -> int:
-        return head_dim
-
     def forward(self, x: torch.Tensor, is_query: bool, key_mask: torch.Tensor | None = None) -> torch.Tensor:
         return F.elu(x.float()) + 1.0
 
 
 class ReluFeatureMap(nn.Module):
     """phi(x) = relu(x): (B, H, n, d) -> (B, H, n, d). A row of zeros leaves only eps in the normaliser."""
-
-    def feature_dim(self, head_dim: int) -> int:
-        return head_dim
 
     def forward(self, x: torch.Tensor, is_query: bool, key_mask: torch.Tensor | None = None) -> torch.Tensor:
         return F.relu(x.float())
@@ -68,9 +62,6 @@ class FavorFeatureMap(nn.Module):
         self.num_features = num_features
         self.causal = causal
         self.projection = nn.Buffer(orthogonal_gaussian_matrix(num_features, head_dim), persistent=True)
-
-    def feature_dim(self, head_dim: int) -> int:
-        return self.num_features
 
     @torch.no_grad()
     def redraw(self, generator: torch.Generator | None = None) -> None:
@@ -112,9 +103,6 @@ class HedgehogFeatureMap(nn.Module):
     def reset_parameters(self) -> None:
         """Identity start: the map is then a fixed function of x, not of a random draw."""
         self.weight.copy_(identity_weight(self.weight))
-
-    def feature_dim(self, head_dim: int) -> int:
-        return 2 * self.weight.shape[-1]
 
     def forward(self, x: torch.Tensor, is_query: bool, key_mask: torch.Tensor | None = None) -> torch.Tensor:
         projected = torch.matmul(x.float(), self.weight.float())  # (B, H, n, f)
