@@ -23,6 +23,12 @@ def mask_keys(phi_k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | Non
     return torch.where(keep, phi_k, 0.0), torch.where(keep, v, 0.0)
 
 
+def _float32_inputs(phi_q, phi_k, v, key_mask):
+    """phi(Q), phi(K), V in float32 with the pad rows of phi(K) and V zeroed (call with autocast off)."""
+    phi_k, v = mask_keys(phi_k.float(), v.float(), key_mask)
+    return phi_q.float(), phi_k, v
+
+
 def bidirectional_linear_attention(
     phi_q: torch.Tensor,
     phi_k: torch.Tensor,
@@ -33,8 +39,7 @@ def bidirectional_linear_attention(
     """out_i = phi(q_i) S / (phi(q_i) . z + eps), S = phi(K)^T V, z = sum_j phi(k_j): (B, H, n, d_v) in O(n m d)."""
     out_dtype = v.dtype
     with _no_autocast(v):
-        phi_q, phi_k, v = phi_q.float(), phi_k.float(), v.float()
-        phi_k, v = mask_keys(phi_k, v, key_mask)
+        phi_q, phi_k, v = _float32_inputs(phi_q, phi_k, v, key_mask)
         state = torch.matmul(phi_k.transpose(-1, -2), v)  # (B, H, m, d_v)
         normaliser_state = phi_k.sum(dim=-2, keepdim=True)  # (B, H, 1, m)
         numerator = torch.matmul(phi_q, state)
@@ -82,8 +87,7 @@ def causal_linear_attention(
     batch, heads, n, m = phi_q.shape
     d_v = v.shape[-1]
     with _no_autocast(v):
-        phi_q, phi_k, v = phi_q.float(), phi_k.float(), v.float()
-        phi_k, v = mask_keys(phi_k, v, key_mask)
+        phi_q, phi_k, v = _float32_inputs(phi_q, phi_k, v, key_mask)
         if state is None:
             state = (phi_q.new_zeros(batch, heads, m, d_v), phi_q.new_zeros(batch, heads, m))
         c = max(1, min(chunk_size, n))
@@ -125,8 +129,7 @@ def recurrent_linear_attention_step(
     """
     out_dtype = v.dtype
     with _no_autocast(v):
-        phi_q, phi_k, v = phi_q.float(), phi_k.float(), v.float()
-        phi_k, v = mask_keys(phi_k, v, key_mask)
+        phi_q, phi_k, v = _float32_inputs(phi_q, phi_k, v, key_mask)
         s = state[0] + torch.matmul(phi_k.transpose(-1, -2), v)
         z = state[1] + phi_k.squeeze(-2)
         y = torch.matmul(phi_q, s) / ((phi_q.squeeze(-2) * z).sum(-1)[..., None, None] + eps)
