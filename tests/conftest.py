@@ -1,6 +1,7 @@
 """Shared fixtures: tiny configs of both encoder families and a small byte-level BPE tokenizer built offline."""
 
 import os
+import sys
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a Hub miss otherwise costs ~25 s of retries
@@ -14,6 +15,7 @@ from hf_linear_attn import LinearRobertaConfig, LinformerConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
+sys.path.insert(0, str(REPO_ROOT / "scripts"))  # the scripts' helpers are tested as users run them
 
 TINY = dict(
     vocab_size=300, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
@@ -43,21 +45,12 @@ CORPUS = [
 
 
 @pytest.fixture(scope="session")
-def tokenizer(tmp_path_factory):
-    """A RoBERTa-style byte-level BPE tokenizer (<s>=0, <pad>=1, </s>=2, <unk>=3, <mask>=4) trained offline."""
-    from tokenizers import ByteLevelBPETokenizer
-    from tokenizers.processors import RobertaProcessing
-    from transformers import PreTrainedTokenizerFast
+def tokenizer():
+    """A RoBERTa-style byte-level BPE tokenizer (<s>=0, <pad>=1, </s>=2, <unk>=3, <mask>=4), trained offline
+    by the demo's own tokenizer trainer."""
+    from demo_encoders import train_tokenizer
 
-    bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(CORPUS, vocab_size=TINY["vocab_size"], min_frequency=1,
-                            special_tokens=["<s>", "<pad>", "</s>", "<unk>", "<mask>"])
-    backend = bpe._tokenizer  # the tokenizers.Tokenizer inside the convenience wrapper
-    backend.post_processor = RobertaProcessing(("</s>", 2), ("<s>", 0))
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>",
-        mask_token="<mask>", cls_token="<s>", sep_token="</s>", model_max_length=64,
-    )
+    tok = train_tokenizer(CORPUS, vocab_size=TINY["vocab_size"], max_length=64)
     assert tok.pad_token_id == 1 and tok.mask_token_id == 4
     return tok
 

@@ -6,6 +6,7 @@ from conftest import CORPUS, FAMILY_VARIANTS
 from transformers import (
     AutoModelForMaskedLM,
     AutoModelForSequenceClassification,
+    DataCollatorWithPadding,
     Trainer,
     TrainingArguments,
     pipeline,
@@ -56,8 +57,6 @@ def _train_one_step(tokenizer, tmp_path, batch_size, accumulation):
         lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=0.0, report_to="none", save_strategy="no",
         use_cpu=True, disable_tqdm=True, seed=0, dataloader_drop_last=True,
     )
-    from transformers import DataCollatorWithPadding
-
     trainer = Trainer(model=model, args=args, train_dataset=dataset, data_collator=DataCollatorWithPadding(tokenizer))
     trainer.train()
     return {name: p.detach().clone() for name, p in model.named_parameters()}
