@@ -7,6 +7,7 @@ marks each class for its Auto class so `save_pretrained` writes the model code b
 from transformers import (
     AutoConfig,
     AutoModel,
+    AutoModelForCausalLM,
     AutoModelForMaskedLM,
     AutoModelForMultipleChoice,
     AutoModelForQuestionAnswering,
@@ -14,8 +15,11 @@ from transformers import (
     AutoModelForTokenClassification,
 )
 
+from .block_linformer import BlockLinformerState, block_linformer_step, causal_block_linformer_attention
+from .configuration_linear_gpt2 import LinearGPT2Config
 from .configuration_linear_roberta import LinearRobertaConfig
 from .configuration_linformer import LinformerConfig
+from .configuration_linformer_gpt2 import LinformerGPT2Config
 from .feature_maps import FEATURE_MAPS, build_feature_map
 from .linear_attention import (
     bidirectional_linear_attention,
@@ -24,6 +28,12 @@ from .linear_attention import (
     recurrent_linear_attention_step,
 )
 from .linformer_projection import LINFORMER_SHARING, linformer_attention, project_sequence
+from .modeling_linear_gpt2 import (
+    LinearGPT2ForCausalLM,
+    LinearGPT2ForSequenceClassification,
+    LinearGPT2Model,
+    LinearGPT2PreTrainedModel,
+)
 from .modeling_linear_roberta import (
     LinearRobertaForMaskedLM,
     LinearRobertaForMultipleChoice,
@@ -32,6 +42,12 @@ from .modeling_linear_roberta import (
     LinearRobertaForTokenClassification,
     LinearRobertaModel,
     LinearRobertaPreTrainedModel,
+)
+from .modeling_linformer_gpt2 import (
+    LinformerGPT2ForCausalLM,
+    LinformerGPT2ForSequenceClassification,
+    LinformerGPT2Model,
+    LinformerGPT2PreTrainedModel,
 )
 from .modeling_linformer import (
     LinformerForMaskedLM,
@@ -42,6 +58,7 @@ from .modeling_linformer import (
     LinformerModel,
     LinformerPreTrainedModel,
 )
+from .recurrent_cache import BlockLinformerCacheLayer, LinearAttentionStateLayer, RecurrentStateCache
 
 __version__ = "0.1.0"
 
@@ -52,6 +69,7 @@ _AUTO_CLASSES = {
     "AutoModelForTokenClassification": AutoModelForTokenClassification,
     "AutoModelForQuestionAnswering": AutoModelForQuestionAnswering,
     "AutoModelForMultipleChoice": AutoModelForMultipleChoice,
+    "AutoModelForCausalLM": AutoModelForCausalLM,
 }
 
 # family config -> {Auto class name: model class}
@@ -72,6 +90,16 @@ MODEL_FAMILIES = {
         "AutoModelForQuestionAnswering": LinearRobertaForQuestionAnswering,
         "AutoModelForMultipleChoice": LinearRobertaForMultipleChoice,
     },
+    LinearGPT2Config: {
+        "AutoModel": LinearGPT2Model,
+        "AutoModelForCausalLM": LinearGPT2ForCausalLM,
+        "AutoModelForSequenceClassification": LinearGPT2ForSequenceClassification,
+    },
+    LinformerGPT2Config: {
+        "AutoModel": LinformerGPT2Model,
+        "AutoModelForCausalLM": LinformerGPT2ForCausalLM,
+        "AutoModelForSequenceClassification": LinformerGPT2ForSequenceClassification,
+    },
 }
 
 
@@ -90,9 +118,17 @@ __all__ = [
     "FEATURE_MAPS",
     "LINFORMER_SHARING",
     "MODEL_FAMILIES",
+    "BlockLinformerCacheLayer",
+    "BlockLinformerState",
+    "LinearAttentionStateLayer",
+    "LinearGPT2Config",
     "LinearRobertaConfig",
     "LinformerConfig",
+    "LinformerGPT2Config",
+    "RecurrentStateCache",
     "bidirectional_linear_attention",
+    "block_linformer_step",
+    "causal_block_linformer_attention",
     "build_feature_map",
     "causal_linear_attention",
     "recurrent_linear_attention_step",
@@ -102,4 +138,6 @@ __all__ = [
 ] + [model.__name__ for models in MODEL_FAMILIES.values() for model in models.values()] + [
     "LinformerPreTrainedModel",
     "LinearRobertaPreTrainedModel",
+    "LinearGPT2PreTrainedModel",
+    "LinformerGPT2PreTrainedModel",
 ]

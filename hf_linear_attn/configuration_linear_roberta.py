@@ -3,7 +3,7 @@
 from huggingface_hub.dataclasses import strict
 
 from .configuration_roberta_style import RobertaStyleConfig
-from .feature_maps import FEATURE_MAPS
+from .feature_maps import check_feature_map_options
 
 
 @strict
@@ -41,13 +41,6 @@ class LinearRobertaConfig(RobertaStyleConfig):
     }
 
     def validate_linear_attention(self):
-        if self.feature_map not in FEATURE_MAPS:
-            raise ValueError(f"Unknown feature_map {self.feature_map!r}; choose one of {', '.join(FEATURE_MAPS)}.")
-        if self.num_random_features < 1:
-            raise ValueError(f"num_random_features must be positive, got {self.num_random_features}.")
-        if self.learned_feature_dim is not None and self.learned_feature_dim < 1:
-            raise ValueError(f"learned_feature_dim must be positive or None, got {self.learned_feature_dim}.")
-        if not self.linear_attention_eps > 0:
-            raise ValueError(
-                f"linear_attention_eps must be > 0 (it keeps the normaliser away from 0), got {self.linear_attention_eps}."
-            )
+        check_feature_map_options(
+            self.feature_map, self.num_random_features, self.learned_feature_dim, self.linear_attention_eps
+        )

@@ -3,7 +3,7 @@
 from huggingface_hub.dataclasses import strict
 
 from .configuration_roberta_style import RobertaStyleConfig
-from .linformer_projection import LINFORMER_INIT, LINFORMER_SHARING
+from .linformer_projection import check_linformer_options
 
 
 @strict
@@ -47,12 +47,7 @@ class LinformerConfig(RobertaStyleConfig):
         return self.linformer_k if isinstance(self.linformer_k, int) else self.linformer_k[layer_idx]
 
     def validate_linformer(self):
-        if self.linformer_sharing not in LINFORMER_SHARING:
-            raise ValueError(
-                f"Unknown linformer_sharing {self.linformer_sharing!r}; choose one of {', '.join(LINFORMER_SHARING)}."
-            )
-        if self.linformer_init not in LINFORMER_INIT:
-            raise ValueError(f"Unknown linformer_init {self.linformer_init!r}; choose one of {', '.join(LINFORMER_INIT)}.")
+        check_linformer_options(self.linformer_sharing, self.linformer_init)
         ks = [self.linformer_k] if isinstance(self.linformer_k, int) else list(self.linformer_k)
         if not isinstance(self.linformer_k, int) and len(ks) != self.num_hidden_layers:
             raise ValueError(

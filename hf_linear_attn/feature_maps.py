@@ -133,3 +133,17 @@ def build_feature_map(
     if name == "hedgehog":
         return HedgehogFeatureMap(num_heads, head_dim, learned_feature_dim or head_dim)
     raise ValueError(f"Unknown feature map {name!r}; choose one of {', '.join(FEATURE_MAPS)}.")
+
+
+def check_feature_map_options(
+    feature_map: str, num_random_features: int, learned_feature_dim: int | None, eps: float
+) -> None:
+    """Raise a ValueError naming the bad option of a linear-attention config."""
+    if feature_map not in FEATURE_MAPS:
+        raise ValueError(f"Unknown feature_map {feature_map!r}; choose one of {', '.join(FEATURE_MAPS)}.")
+    if num_random_features < 1:
+        raise ValueError(f"num_random_features must be positive, got {num_random_features}.")
+    if learned_feature_dim is not None and learned_feature_dim < 1:
+        raise ValueError(f"learned_feature_dim must be positive or None, got {learned_feature_dim}.")
+    if not eps > 0:
+        raise ValueError(f"linear_attention_eps must be > 0 (it keeps the normaliser away from 0), got {eps}.")

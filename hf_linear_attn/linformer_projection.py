@@ -29,6 +29,14 @@ class LinformerProjection(nn.Module):
         return project_sequence(x, self.weight, key_mask)
 
 
+def check_linformer_options(sharing: str, init: str) -> None:
+    """Raise a ValueError naming an unknown sharing mode or init of a Linformer config."""
+    if sharing not in LINFORMER_SHARING:
+        raise ValueError(f"Unknown linformer_sharing {sharing!r}; choose one of {', '.join(LINFORMER_SHARING)}.")
+    if init not in LINFORMER_INIT:
+        raise ValueError(f"Unknown linformer_init {init!r}; choose one of {', '.join(LINFORMER_INIT)}.")
+
+
 def xavier_bound(k: int, max_length: int) -> float:
     """Uniform bound of fairseq's Linformer init: xavier_uniform with gain 1/sqrt(2) on a (k, n) matrix."""
     return math.sqrt(6.0 / (k + max_length)) / math.sqrt(2.0)

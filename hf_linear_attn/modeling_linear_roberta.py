@@ -7,10 +7,8 @@ feature map; S, z and the normaliser are float32 under bf16 / fp16.
 
 import torch
 from torch import nn
-from transformers import initialization as init
-
 from .configuration_linear_roberta import LinearRobertaConfig
-from .feature_maps import FavorFeatureMap, HedgehogFeatureMap, build_feature_map, identity_weight, orthogonal_gaussian_matrix
+from .feature_maps import build_feature_map
 from .linear_attention import bidirectional_linear_attention, linear_attention_weights
 from .modeling_roberta_style import (
     RobertaStyleForMaskedLM,
@@ -21,6 +19,7 @@ from .modeling_roberta_style import (
     RobertaStyleModel,
     RobertaStylePreTrainedModel,
 )
+from .weight_init import init_feature_map, redraw_random_features
 
 
 class LinearRobertaSelfAttention(nn.Module):
@@ -69,19 +68,11 @@ class LinearRobertaPreTrainedModel(RobertaStylePreTrainedModel):
     @torch.no_grad()
     def _init_weights(self, module):
         super()._init_weights(module)
-        if isinstance(module, FavorFeatureMap):
-            projection = orthogonal_gaussian_matrix(module.num_features, module.head_dim)
-            init.copy_(module.projection, projection.to(module.projection.device))
-        elif isinstance(module, HedgehogFeatureMap):
-            init.copy_(module.weight, identity_weight(module.weight))
+        init_feature_map(module)
 
-    @torch.no_grad()
     def redraw_random_features(self, generator: torch.Generator | None = None) -> int:
         """Draw new FAVOR+ features in every layer (rank 0's draw on every process); returns the number redrawn."""
-        maps = [m for m in self.modules() if isinstance(m, FavorFeatureMap)]
-        for feature_map in maps:
-            feature_map.redraw(generator)
-        return len(maps)
+        return redraw_random_features(self, generator)
 
 
 class LinearRobertaModel(LinearRobertaPreTrainedModel, RobertaStyleModel):

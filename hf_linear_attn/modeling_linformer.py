@@ -8,10 +8,9 @@ projection, so an example gives the same outputs alone or in a right-padded batc
 
 import torch
 from torch import nn
-from transformers import initialization as init
 
 from .configuration_linformer import LinformerConfig
-from .linformer_projection import LinformerProjection, linformer_attention, xavier_bound
+from .linformer_projection import LinformerProjection, linformer_attention
 from .modeling_roberta_style import (
     RobertaStyleForMaskedLM,
     RobertaStyleForMultipleChoice,
@@ -21,6 +20,7 @@ from .modeling_roberta_style import (
     RobertaStyleModel,
     RobertaStylePreTrainedModel,
 )
+from .weight_init import init_linformer_projection
 
 
 class LinformerSelfAttention(nn.Module):
@@ -80,12 +80,7 @@ class LinformerPreTrainedModel(RobertaStylePreTrainedModel):
     @torch.no_grad()
     def _init_weights(self, module):
         super()._init_weights(module)
-        if isinstance(module, LinformerProjection):
-            if self.config.linformer_init == "normal":
-                init.normal_(module.weight, mean=0.0, std=self.config.initializer_range)
-            else:
-                bound = xavier_bound(module.weight.shape[-2], module.weight.shape[-1])
-                init.uniform_(module.weight, -bound, bound)
+        init_linformer_projection(module, self.config.linformer_init, self.config.initializer_range)
 
     def check_key_mask(self, key_mask: torch.Tensor) -> None:
         """Refuse left padding: E and F index absolute positions, so a shifted example would be projected differently."""

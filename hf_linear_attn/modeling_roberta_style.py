@@ -10,7 +10,7 @@ n x n mask: neither family ever builds an n x n matrix.
 
 import torch
 from torch import nn
-from torch.nn import BCEWithLogitsLoss, CrossEntropyLoss, MSELoss
+from torch.nn import CrossEntropyLoss
 from transformers import PreTrainedModel
 from transformers import initialization as init
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -31,6 +31,8 @@ from transformers.models.roberta.modeling_roberta import (
     RobertaPooler,
     RobertaSelfOutput,
 )
+
+from .sequence_classification import sequence_classification_loss
 
 
 class RobertaStyleAttention(nn.Module):
@@ -264,25 +266,11 @@ class RobertaStyleForSequenceClassification(RobertaStylePreTrainedModel):
             output_attentions=output_attentions, output_hidden_states=output_hidden_states,
         )
         logits = self.classifier(outputs.last_hidden_state)
-        loss = None if labels is None else self._classification_loss(logits, labels.to(logits.device))
+        loss = None if labels is None else sequence_classification_loss(self.config, logits, labels.to(logits.device))
         output = SequenceClassifierOutput(
             loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
         )
         return self._finish(output, return_dict)
-
-    def _classification_loss(self, logits, labels):
-        if self.config.problem_type is None:
-            if self.num_labels == 1:
-                self.config.problem_type = "regression"
-            elif labels.dtype in (torch.long, torch.int):
-                self.config.problem_type = "single_label_classification"
-            else:
-                self.config.problem_type = "multi_label_classification"
-        if self.config.problem_type == "regression":
-            return MSELoss()(logits.squeeze(), labels.squeeze().to(logits.dtype))
-        if self.config.problem_type == "single_label_classification":
-            return CrossEntropyLoss()(logits.reshape(-1, self.num_labels), labels.reshape(-1))
-        return BCEWithLogitsLoss()(logits, labels.to(logits.dtype))
 
 
 class RobertaStyleForTokenClassification(RobertaStylePreTrainedModel):

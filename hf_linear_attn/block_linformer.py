@@ -1,0 +1,228 @@
+"""Causal block Linformer, layer 1: torch only, no transformers import.
+
+Plain Linformer cannot be causal: each projected row E K mixes all n positions, so masking the n x k score matrix
+still lets position t see tokens after t. This causal variant splits each sequence into blocks of ``b`` tokens:
+
+* inside its own block, token t attends exactly (softmax over the keys of its block at positions <= t);
+* every earlier block i, once complete, is summarised by the Linformer projection of its b keys and values into k
+  rows, E K_i and F V_i with E, F of shape (k, b); token t also attends to the summaries of all completed blocks.
+
+One softmax covers both sets of keys. Token t therefore sees exactly tokens <= t (causal by construction), at
+cost O(b + k t / b) per token: O(n b + n^2 k / b) for a sequence, b / k times less than softmax attention and still
+quadratic in n. A decoder keeps the k-row summaries of completed blocks plus the raw keys / values of the current
+block, so its cache grows by k rows per b tokens instead of one row per token.
+
+Blocks are counted from each row's first real token, so a left-padded row gives the same outputs as the row alone.
+Tensors are (batch, heads, n, head_dim); projections are (P, k, b) with P = heads or 1 (shared by the heads).
+"""
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+
+class BlockLinformerState(NamedTuple):
+    """What a decoder keeps between steps: summaries of completed blocks and the current block's keys / values.
+
+    summary_keys, summary_values (B, H, S, k, d): k-row summaries of block slots 0..S-1;
+    summary_valid (B, S): whether slot s holds a completed block of that row;
+    block_keys, block_values (B, H, b, d): the current (incomplete) block, valid in slots < block_fill;
+    block_fill (B,): number of tokens in the current block.
+    """
+
+    summary_keys: torch.Tensor
+    summary_values: torch.Tensor
+    summary_valid: torch.Tensor
+    block_keys: torch.Tensor
+    block_values: torch.Tensor
+    block_fill: torch.Tensor
+
+    def index_select(self, index: torch.Tensor) -> "BlockLinformerState":
+        """The state of the rows ``index`` (beam reordering, batch selection)."""
+        return BlockLinformerState(*(t.index_select(0, index.to(t.device)) for t in self))
+
+    def to(self, device) -> "BlockLinformerState":
+        """The same state on ``device``."""
+        return BlockLinformerState(*(t.to(device) for t in self))
+
+    def num_cached_rows(self) -> int:
+        """Key rows held per sequence and head: k per summary slot plus the current block."""
+        return self.summary_keys.shape[2] * self.summary_keys.shape[3] + self.block_keys.shape[2]
+
+
+def project_blocks(blocks: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:
+    """E @ each block: blocks (B, H, N, b, d), projection (P, k, b) with P in {1, H} -> (B, H, N, k, d)."""
+    num_matrices, k, b = projection.shape
+    return torch.matmul(projection.to(blocks.dtype).reshape(1, num_matrices, 1, k, b), blocks)
+
+
+def real_token_offsets(key_mask: torch.Tensor) -> torch.Tensor:
+    """Index of each row's first real token (B,), for a mask (B, n) whose True entries form one run per row."""
+    n = key_mask.shape[-1]
+    first = torch.where(key_mask, torch.arange(n, device=key_mask.device), n).amin(-1)
+    return torch.where(first == n, 0, first)
+
+
+def _roll_rows(x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """out[r, ..., i, :] = x[r, ..., (i + shift[r]) % n, :] for x (B, H, n, d) or (B, n)."""
+    n = x.shape[-2] if x.dim() == 4 else x.shape[-1]
+    index = (torch.arange(n, device=x.device)[None, :] + shift[:, None]) % n  # (B, n)
+    if x.dim() == 2:
+        return x.gather(1, index)
+    return x.gather(2, index[:, None, :, None].expand(x.shape[0], x.shape[1], n, x.shape[-1]))
+
+
+def _masked_softmax(scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """softmax over the last axis (at least float32) where ``visible``; a row with nothing visible gets finite weights.
+
+    A finite fill value (not -inf) keeps fully masked rows (pad queries) free of NaN in the forward and backward.
+    """
+    dtype = torch.promote_types(scores.dtype, torch.float32)
+    scores = scores.to(dtype).masked_fill(~visible, torch.finfo(dtype).min)
+    return scores.softmax(dim=-1)
+
+
+def causal_block_linformer_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_projection: torch.Tensor,
+    value_projection: torch.Tensor,
+    block_size: int,
+    key_mask: torch.Tensor | None = None,
+    dropout: float = 0.0,
+    need_weights: bool = False,
+    return_state: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, BlockLinformerState | None]:
+    """Causal block Linformer over a whole sequence: q, k, v (B, H, n, d) -> output (B, H, n, d).
+
+    ``key_mask`` (B, n) is True at real tokens, which must form one contiguous run per row (left or right padding).
+    With ``need_weights`` also returns the weights (B, H, n, S k + b): per query, over the S = ceil(n / b) block
+    summaries (k rows each, slot i = block i) followed by the b keys of the query's own block.
+    With ``return_state`` also returns the :class:`BlockLinformerState` a decoder continues from.
+    """
+    batch, heads, n, head_dim = q.shape
+    b = block_size
+    proj_k = key_projection.shape[-2]
+    if key_mask is None:
+        key_mask = torch.ones(batch, n, dtype=torch.bool, device=q.device)
+    shift = real_token_offsets(key_mask)
+    shifted = bool(shift.any())
+    if shifted:  # left-align every row: blocks then start at each row's first real token
+        q, k, v, key_mask = (_roll_rows(t, shift) for t in (q, k, v, key_mask))
+    keep = key_mask[:, None, :, None]
+    k, v = torch.where(keep, k, 0.0), torch.where(keep, v, 0.0)
+
+    num_blocks = -(-n // b)
+    padded = num_blocks * b - n
+    if padded:
+        q, k, v = (F.pad(t, (0, 0, 0, padded)) for t in (q, k, v))
+        key_mask = F.pad(key_mask, (0, padded))
+    q_b, k_b, v_b = (t.reshape(batch, heads, num_blocks, b, head_dim) for t in (q, k, v))
+    summary_keys = project_blocks(k_b, key_projection)  # (B, H, N, k, d)
+    summary_values = project_blocks(v_b, value_projection)
+
+    scale = head_dim**-0.5
+    local_scores = torch.matmul(q_b, k_b.transpose(-1, -2)) * scale  # (B, H, N, b, b)
+    summary_scores = torch.matmul(q_b, summary_keys.flatten(2, 3).transpose(-1, -2).unsqueeze(2)) * scale
+    # summary_scores: (B, H, N, b, N k); block j sees the summaries of blocks i < j only.
+    block_index = torch.arange(num_blocks, device=q.device)
+    summary_visible = (block_index[None, :] < block_index[:, None]).repeat_interleave(proj_k, dim=-1)  # (N, N k)
+    local_visible = torch.ones(b, b, dtype=torch.bool, device=q.device).tril()
+    local_visible = local_visible & key_mask.reshape(batch, 1, num_blocks, 1, b)  # (B, 1, N, b, b)
+    visible = torch.cat(
+        [summary_visible[None, None, :, None, :].expand(batch, 1, num_blocks, b, -1), local_visible], dim=-1
+    )
+    weights = _masked_softmax(torch.cat([summary_scores, local_scores], dim=-1), visible)
+    dropped = F.dropout(weights, p=dropout, training=dropout > 0).to(v.dtype)
+    summary_part, local_part = dropped.split([num_blocks * proj_k, b], dim=-1)
+    output = torch.matmul(summary_part, summary_values.flatten(2, 3).unsqueeze(2)) + torch.matmul(local_part, v_b)
+    output = output.reshape(batch, heads, num_blocks * b, head_dim)[:, :, :n]
+
+    state = None
+    if return_state:
+        lengths = key_mask.sum(-1)  # (B,) real tokens, now at the start of each row
+        completed = lengths // b
+        valid = block_index[None, :] < completed[:, None]
+        current = completed.clamp(max=num_blocks - 1)[:, None, None, None, None]
+        in_current = completed < num_blocks  # False: the last block is complete and the next one is empty
+        pick = current.expand(batch, heads, 1, b, head_dim)
+        block_keys = torch.where(in_current[:, None, None, None], k_b.gather(2, pick).squeeze(2), 0.0)
+        block_values = torch.where(in_current[:, None, None, None], v_b.gather(2, pick).squeeze(2), 0.0)
+        state = BlockLinformerState(summary_keys, summary_values, valid, block_keys, block_values, lengths % b)
+
+    if shifted:
+        output = _roll_rows(output, -shift)
+    if need_weights:
+        weights = weights.reshape(batch, heads, num_blocks * b, -1)[:, :, :n]
+        weights = _roll_rows(weights, -shift) if shifted else weights
+        return output, weights, state
+    return output, None, state
+
+
+def block_linformer_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    state: BlockLinformerState,
+    key_projection: torch.Tensor,
+    value_projection: torch.Tensor,
+) -> tuple[torch.Tensor, BlockLinformerState]:
+    """One decoding step: q, k, v (B, H, 1, d) of one new real token per row -> output (B, H, 1, d), new state.
+
+    The token joins the current block and attends to it and to the summaries of completed blocks; a block that
+    becomes complete is projected into k rows and stored in the row's next summary slot.
+    """
+    batch, heads, _, head_dim = q.shape
+    b = state.block_keys.shape[2]
+    proj_k = state.summary_keys.shape[3]
+    slot = F.one_hot(state.block_fill, b).bool()[:, None, :, None]  # (B, 1, b, 1)
+    block_keys = torch.where(slot, k.to(state.block_keys.dtype), state.block_keys)
+    block_values = torch.where(slot, v.to(state.block_values.dtype), state.block_values)
+    fill = state.block_fill + 1
+
+    keys = torch.cat([state.summary_keys.flatten(2, 3), block_keys], dim=2).to(q.dtype)
+    values = torch.cat([state.summary_values.flatten(2, 3), block_values], dim=2).to(v.dtype)
+    visible = torch.cat(
+        [
+            state.summary_valid.repeat_interleave(proj_k, dim=-1),
+            torch.arange(b, device=q.device)[None, :] < fill[:, None],
+        ],
+        dim=-1,
+    )[:, None, None, :]
+    weights = _masked_softmax(torch.matmul(q, keys.transpose(-1, -2)) * head_dim**-0.5, visible)
+    output = torch.matmul(weights.to(values.dtype), values)
+
+    summary_keys, summary_values, valid = state.summary_keys, state.summary_values, state.summary_valid
+    complete = fill == b
+    if bool(complete.any()):
+        new_keys = project_blocks(block_keys.unsqueeze(2), key_projection).squeeze(2)  # (B, H, k, d)
+        new_values = project_blocks(block_values.unsqueeze(2), value_projection).squeeze(2)
+        slot_index = valid.sum(-1)  # completed blocks so far = the next free slot of each row
+        if int(slot_index[complete].max()) >= valid.shape[1]:  # first row to complete this block: add a slot
+            summary_keys = F.pad(summary_keys, (0, 0, 0, 0, 0, 1))
+            summary_values = F.pad(summary_values, (0, 0, 0, 0, 0, 1))
+            valid = F.pad(valid, (0, 1))
+        # Rows that complete nothing now may already fill every slot: clamp them (their write is masked out).
+        write = F.one_hot(slot_index.clamp(max=valid.shape[1] - 1), valid.shape[1]).bool() & complete[:, None]
+        write_rows = write[:, None, :, None, None]
+        summary_keys = torch.where(write_rows, new_keys.unsqueeze(2).to(summary_keys.dtype), summary_keys)
+        summary_values = torch.where(write_rows, new_values.unsqueeze(2).to(summary_values.dtype), summary_values)
+        valid = valid | write
+        fill = torch.where(complete, 0, fill)
+    return output, BlockLinformerState(summary_keys, summary_values, valid, block_keys, block_values, fill)
+
+
+def empty_block_linformer_state(
+    batch: int, heads: int, head_dim: int, proj_k: int, block_size: int, dtype: torch.dtype, device
+) -> BlockLinformerState:
+    """The state before any token: no summaries and an empty current block."""
+    return BlockLinformerState(
+        torch.zeros(batch, heads, 0, proj_k, head_dim, dtype=dtype, device=device),
+        torch.zeros(batch, heads, 0, proj_k, head_dim, dtype=dtype, device=device),
+        torch.zeros(batch, 0, dtype=torch.bool, device=device),
+        torch.zeros(batch, heads, block_size, head_dim, dtype=dtype, device=device),
+        torch.zeros(batch, heads, block_size, head_dim, dtype=dtype, device=device),
+        torch.zeros(batch, dtype=torch.long, device=device),
+    )

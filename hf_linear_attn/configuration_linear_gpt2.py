@@ -1,0 +1,50 @@
+"""Configuration of the causal linear-attention decoder (Katharopoulos et al. 2020, "Transformers are RNNs")."""
+
+from huggingface_hub.dataclasses import strict
+
+from .configuration_gpt2_style import GPT2StyleConfig
+from .feature_maps import check_feature_map_options
+
+
+@strict
+class LinearGPT2Config(GPT2StyleConfig):
+    r"""
+    A GPT-2-style decoder whose causal softmax attention is replaced by a feature map phi:
+    `y_t = phi(q_t) S_t / (phi(q_t) . z_t + eps)` with `S_t = sum_{j<=t} phi(k_j) v_j^T`, `z_t = sum_{j<=t} phi(k_j)`.
+    Training and prefill use the chunkwise-parallel form (time and memory linear in n); generation carries (S, z)
+    from token to token, a state whose size does not depend on the context. All GPT-2 fields are as in
+    [`GPT2StyleConfig`] (`attn_pdrop` is unused); in addition:
+
+    Args:
+        feature_map (`str`, defaults to `"elu"`): `"elu"` (elu(x) + 1), `"relu"`, `"favor"` (Performer FAVOR+
+            positive random features; in a decoder the keys get no stabiliser, since one would look at future
+            tokens) or `"hedgehog"` (learnable per-head [softmax(xW), softmax(-xW)], W initialised to the identity).
+        num_random_features (`int`, defaults to 256): number of FAVOR+ random features m.
+        learned_feature_dim (`int`, *optional*): width f of each half of the hedgehog map (defaults to the head size).
+        linear_attention_eps (`float`, defaults to 1e-6): eps added to the normaliser phi(q) . z.
+        linear_attention_chunk_size (`int`, defaults to 64): chunk length C of the chunkwise-parallel form (exact
+            masked attention inside a chunk, states across chunks). Any sequence length works; C trades the
+            O(n C) intra-chunk work against the O(n / C) chunk states.
+    """
+
+    model_type = "linear_gpt2"
+
+    feature_map: str = "elu"
+    num_random_features: int = 256
+    learned_feature_dim: int | None = None
+    linear_attention_eps: float = 1e-6
+    linear_attention_chunk_size: int = 64
+
+    default_auto_map = {
+        "AutoConfig": "configuration_linear_gpt2.LinearGPT2Config",
+        "AutoModel": "modeling_linear_gpt2.LinearGPT2Model",
+        "AutoModelForCausalLM": "modeling_linear_gpt2.LinearGPT2ForCausalLM",
+        "AutoModelForSequenceClassification": "modeling_linear_gpt2.LinearGPT2ForSequenceClassification",
+    }
+
+    def validate_linear_attention(self):
+        check_feature_map_options(
+            self.feature_map, self.num_random_features, self.learned_feature_dim, self.linear_attention_eps
+        )
+        if self.linear_attention_chunk_size < 1:
+            raise ValueError(f"linear_attention_chunk_size must be positive, got {self.linear_attention_chunk_size}.")

@@ -1,0 +1,359 @@
+"""GPT-2-style decoder with a pluggable causal attention: blocks, base model, causal-LM and classification heads.
+
+The families (linear attention, causal block Linformer) supply their attention (``attend``), their cache layer and
+their init. Everything else has GPT-2's layout and parameter names (``transformer.wte``, ``transformer.h.N.attn.c_attn``,
+``transformer.h.N.mlp.c_fc``, ``lm_head``...), so a GPT-2 state dict maps one to one; the feed-forward is GPT-2's own.
+
+Generation: the model creates a :class:`~.recurrent_cache.RecurrentStateCache` in ``forward`` (``use_cache``) and
+``generate`` passes it back; the cache holds a state per layer, never one key / value row per token. Positions are
+padding-aware: without ``position_ids``, they are counted over the real tokens of ``attention_mask``, so a
+left-padded prompt gets the positions it has alone.
+"""
+
+import torch
+from torch import nn
+from torch.nn import CrossEntropyLoss
+from transformers import GenerationMixin, PreTrainedModel
+from transformers import initialization as init
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import (
+    BaseModelOutputWithPast,
+    CausalLMOutputWithPast,
+    SequenceClassifierOutputWithPast,
+)
+from transformers.models.gpt2.modeling_gpt2 import GPT2MLP
+from transformers.pytorch_utils import Conv1D
+
+from .recurrent_cache import RecurrentStateCache
+from .sequence_classification import sequence_classification_loss
+
+
+class GPT2StyleAttention(nn.Module):
+    """GPT-2's fused q/k/v projection (`c_attn`) and output projection (`c_proj`) around a family's causal attention.
+
+    Subclasses set ``cache_layer_class`` and implement ``attend(q, k, v, key_mask, cache_layer, output_attentions,
+    shared_projection) -> (output, weights)`` on heads (B, H, n, d).
+    """
+
+    cache_layer_class = None
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.embed_dim = config.n_embd
+        self.num_heads = config.n_head
+        self.head_dim = config.n_embd // config.n_head
+        self.c_attn = Conv1D(3 * self.embed_dim, self.embed_dim)
+        self.c_proj = Conv1D(self.embed_dim, self.embed_dim)
+        self.resid_dropout = nn.Dropout(config.resid_pdrop)
+
+    @staticmethod
+    def build_shared_projection(config) -> nn.Module | None:
+        """Parameters shared by every layer, owned by the base model; none by default."""
+        return None
+
+    def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(*x.shape[:2], self.num_heads, self.head_dim).transpose(1, 2)
+
+    def forward(self, hidden_states, key_mask=None, past_key_values=None, output_attentions=False, shared_projection=None):
+        q, k, v = (self._split_heads(t) for t in self.c_attn(hidden_states).split(self.embed_dim, dim=-1))
+        cache_layer = None if past_key_values is None else past_key_values.layers[self.layer_idx]
+        output, weights = self.attend(q, k, v, key_mask, cache_layer, output_attentions, shared_projection)
+        output = output.transpose(1, 2).reshape(hidden_states.shape)
+        return self.resid_dropout(self.c_proj(output)), weights
+
+
+class GPT2StyleBlock(GradientCheckpointingLayer):
+    """One pre-LayerNorm block: x + attn(ln_1(x)), then x + mlp(ln_2(x)) (GPT-2's layout)."""
+
+    def __init__(self, config, layer_idx: int, attention_class):
+        super().__init__()
+        inner_dim = config.n_inner if config.n_inner is not None else 4 * config.n_embd
+        self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.attn = attention_class(config, layer_idx)
+        self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.mlp = GPT2MLP(inner_dim, config)
+
+    def forward(self, hidden_states, key_mask=None, past_key_values=None, output_attentions=False, shared_projection=None):
+        attn_output, weights = self.attn(
+            self.ln_1(hidden_states), key_mask, past_key_values, output_attentions, shared_projection
+        )
+        hidden_states = hidden_states + attn_output
+        hidden_states = hidden_states + self.mlp(self.ln_2(hidden_states))
+        return hidden_states, weights
+
+
+class GPT2StylePreTrainedModel(PreTrainedModel):
+    """Init, loading and generation plumbing shared by both decoder families."""
+
+    base_model_prefix = "transformer"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["GPT2StyleBlock"]
+    _skip_keys_device_placement = ["past_key_values"]
+    # Old GPT-2 checkpoints carry the causal-mask buffers of their attention: not weights, nothing to load.
+    _keys_to_ignore_on_load_unexpected = [r"\.attn\.bias$", r"\.attn\.masked_bias$"]
+    # The cache is a running state: generate() then refuses strategies that would roll it back (assisted decoding).
+    _is_stateful = True
+    # Set by each family: its attention class and its base model class.
+    attention_class = None
+    base_model_class = None
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        """generate() must not build a key/value DynamicCache: the model creates its own state cache."""
+        return False
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if isinstance(module, Conv1D):
+            init.normal_(module.weight, mean=0.0, std=self.config.initializer_range)
+            init.zeros_(module.bias)
+        if isinstance(module, (GPT2StyleAttention, GPT2MLP)):
+            # GPT-2's scaled init of the two residual projections per block.
+            init.normal_(module.c_proj.weight, mean=0.0, std=self.config.initializer_range / (2 * self.config.n_layer) ** 0.5)
+
+    def check_key_mask(self, key_mask: torch.Tensor, has_past: bool) -> None:
+        """Raise if this family cannot honour ``key_mask`` (batch, n) of the new tokens; every mask is fine by default."""
+
+    @staticmethod
+    def _finish(output, return_dict):
+        return output if return_dict is not False else output.to_tuple()
+
+
+class GPT2StyleModel(GPT2StylePreTrainedModel):
+    """The bare decoder: token and position embeddings, blocks, final LayerNorm."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = nn.Embedding(config.n_positions, config.n_embd)
+        self.drop = nn.Dropout(config.embd_pdrop)
+        self.h = nn.ModuleList([GPT2StyleBlock(config, i, self.attention_class) for i in range(config.n_layer)])
+        self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.shared_projection = self.attention_class.build_shared_projection(config)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.wte
+
+    def set_input_embeddings(self, new_embeddings):
+        self.wte = new_embeddings
+
+    def new_cache(self) -> RecurrentStateCache:
+        """An empty cache for this model: one state layer per block."""
+        return RecurrentStateCache([self.attention_class.cache_layer_class() for _ in self.h])
+
+    def _check_cache(self, cache) -> None:
+        expected = self.attention_class.cache_layer_class
+        if not isinstance(cache, RecurrentStateCache) or len(cache.layers) != len(self.h) or not all(
+            isinstance(layer, expected) for layer in cache.layers
+        ):
+            raise ValueError(
+                f"past_key_values must be the RecurrentStateCache this model returned (one {expected.__name__} per "
+                f"layer), got {type(cache).__name__}. These decoders keep a recurrent state, not keys and values: "
+                "pass past_key_values=None (or nothing) to start, then the returned past_key_values."
+            )
+
+    def _positions_and_mask(self, attention_mask, position_ids, batch, n, past_length, device):
+        """Position ids (B, n) and the key mask (B, n) of the new tokens (None: all real)."""
+        key_mask = None
+        if attention_mask is not None:
+            if attention_mask.dim() != 2 or attention_mask.shape[0] != batch or attention_mask.shape[1] not in (
+                n, past_length + n
+            ):
+                raise ValueError(
+                    f"attention_mask has shape {tuple(attention_mask.shape)}; these decoders take the tokenizer's 2-D "
+                    f"0/1 mask (batch, past + new tokens) = ({batch}, {past_length + n}), or ({batch}, {n}) for the "
+                    "new tokens only. 4-D masks are not supported."
+                )
+            key_mask = attention_mask[:, -n:].bool()
+        if position_ids is None:
+            if attention_mask is not None and attention_mask.shape[1] == past_length + n:
+                # Count real tokens only, so left padding does not shift the positions of a prompt.
+                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -n:]
+            else:
+                position_ids = torch.arange(past_length, past_length + n, device=device).expand(batch, n)
+        if position_ids.numel() and int(position_ids.max()) >= self.config.n_positions:
+            raise ValueError(
+                f"Position {int(position_ids.max())} is beyond this model's position table (n_positions = "
+                f"{self.config.n_positions}): prompt plus generated tokens must stay within {self.config.n_positions}. "
+                "Truncate the input (tokenizer(..., truncation=True)) or generate fewer tokens."
+            )
+        return position_ids, key_mask
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        past_key_values: RecurrentStateCache | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.LongTensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+    ) -> BaseModelOutputWithPast | tuple:
+        """input_ids (batch, n) -> last_hidden_state (batch, n, n_embd) and, with use_cache, the updated state."""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
+        if inputs_embeds is None:
+            inputs_embeds = self.wte(input_ids)
+        batch, n = inputs_embeds.shape[:2]
+        output_attentions = self.config.output_attentions if output_attentions is None else output_attentions
+        if output_hidden_states is None:
+            output_hidden_states = self.config.output_hidden_states
+        if use_cache is None:
+            use_cache = self.config.use_cache and not self.training
+        if self.is_activation_checkpointing and self.training:
+            use_cache = False  # recomputing a block in the backward pass would advance the state twice
+        if past_key_values is not None:
+            self._check_cache(past_key_values)
+        elif use_cache:
+            past_key_values = self.new_cache()
+        past_length = 0 if past_key_values is None else past_key_values.get_seq_length()
+
+        position_ids, key_mask = self._positions_and_mask(
+            attention_mask, position_ids, batch, n, past_length, inputs_embeds.device
+        )
+        if key_mask is not None and not torch.compiler.is_compiling():
+            self.check_key_mask(key_mask, has_past=past_length > 0)
+        hidden_states = inputs_embeds + self.wpe(position_ids).to(inputs_embeds.dtype)
+        if token_type_ids is not None:
+            hidden_states = hidden_states + self.wte(token_type_ids)
+        hidden_states = self.drop(hidden_states)
+
+        all_hidden_states = (hidden_states,) if output_hidden_states else None
+        all_attentions = () if output_attentions else None
+        last = len(self.h) - 1
+        for i, block in enumerate(self.h):
+            hidden_states, weights = block(
+                hidden_states, key_mask=key_mask, past_key_values=past_key_values,
+                output_attentions=output_attentions, shared_projection=self.shared_projection,
+            )
+            if output_hidden_states:
+                all_hidden_states += (self.ln_f(hidden_states) if i == last else hidden_states,)
+            if output_attentions:
+                all_attentions += (weights,)
+        hidden_states = self.ln_f(hidden_states)
+
+        output = BaseModelOutputWithPast(
+            last_hidden_state=hidden_states,
+            past_key_values=past_key_values if use_cache else None,
+            hidden_states=all_hidden_states,
+            attentions=all_attentions,
+        )
+        return self._finish(output, return_dict)
+
+
+class GPT2StyleForCausalLM(GPT2StylePreTrainedModel, GenerationMixin):
+    """Decoder with GPT-2's language-model head, tied to the token embeddings; generates with a recurrent cache."""
+
+    _tied_weights_keys = {"lm_head.weight": "transformer.wte.weight"}
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.transformer = self.base_model_class(config)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_output_embeddings(self, new_embeddings):
+        self.lm_head = new_embeddings
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        past_key_values: RecurrentStateCache | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.LongTensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+    ) -> CausalLMOutputWithPast | tuple:
+        """logits (batch, n, vocab); loss: mean next-token cross-entropy, labels shifted inside (labels = input_ids)."""
+        outputs = self.transformer(
+            input_ids, past_key_values=past_key_values, attention_mask=attention_mask, token_type_ids=token_type_ids,
+            position_ids=position_ids, inputs_embeds=inputs_embeds, use_cache=use_cache,
+            output_attentions=output_attentions, output_hidden_states=output_hidden_states, return_dict=True,
+        )
+        hidden_states = outputs.last_hidden_state
+        if isinstance(logits_to_keep, int):
+            hidden_states = hidden_states[:, -logits_to_keep:] if logits_to_keep > 0 else hidden_states
+        else:
+            hidden_states = hidden_states[:, logits_to_keep]
+        logits = self.lm_head(hidden_states)
+        loss = None
+        if labels is not None:
+            # Shift so that position t predicts token t + 1; the loss is computed in float32.
+            shift_logits = logits[:, :-1].float().reshape(-1, logits.shape[-1])
+            shift_labels = labels[:, 1:].to(logits.device).reshape(-1)
+            loss = CrossEntropyLoss()(shift_logits, shift_labels)
+        output = CausalLMOutputWithPast(
+            loss=loss, logits=logits, past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states, attentions=outputs.attentions,
+        )
+        return self._finish(output, return_dict)
+
+
+class GPT2StyleForSequenceClassification(GPT2StylePreTrainedModel):
+    """Decoder with a linear classifier (`score`) on the last real token of each sequence, as GPT-2."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.transformer = self.base_model_class(config)
+        self.score = nn.Linear(config.n_embd, config.num_labels, bias=False)
+        self.post_init()
+
+    def _last_token(self, input_ids, attention_mask, batch, n, device):
+        """Index (B,) of each row's last real token: from attention_mask, else the last non-pad token, as GPT-2."""
+        positions = torch.arange(n, device=device)
+        if attention_mask is not None:
+            return (positions * attention_mask[:, -n:].to(device=device, dtype=torch.long)).argmax(-1)
+        if self.config.pad_token_id is not None and input_ids is not None:
+            return (positions * (input_ids != self.config.pad_token_id).to(device, torch.long)).argmax(-1)
+        if batch != 1:
+            raise ValueError(
+                "Cannot find the last token of padded sequences: pass attention_mask, or set config.pad_token_id."
+            )
+        return torch.full((batch,), n - 1, device=device)
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        past_key_values: RecurrentStateCache | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.LongTensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+    ) -> SequenceClassifierOutputWithPast | tuple:
+        """logits (batch, num_labels) at the last real token; loss chosen by config.problem_type, as in GPT-2."""
+        outputs = self.transformer(
+            input_ids, past_key_values=past_key_values, attention_mask=attention_mask, token_type_ids=token_type_ids,
+            position_ids=position_ids, inputs_embeds=inputs_embeds, use_cache=use_cache,
+            output_attentions=output_attentions, output_hidden_states=output_hidden_states, return_dict=True,
+        )
+        logits = self.score(outputs.last_hidden_state)
+        batch, n = logits.shape[:2]
+        last = self._last_token(input_ids, attention_mask, batch, n, logits.device)
+        pooled_logits = logits[torch.arange(batch, device=logits.device), last]
+        loss = None if labels is None else sequence_classification_loss(self.config, pooled_logits, labels.to(logits.device))
+        output = SequenceClassifierOutputWithPast(
+            loss=loss, logits=pooled_logits, past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states, attentions=outputs.attentions,
+        )
+        return self._finish(output, return_dict)

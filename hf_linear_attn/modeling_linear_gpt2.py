@@ -1,0 +1,96 @@
+"""Causal linear-attention decoder ("Transformers are RNNs", Katharopoulos et al. 2020) as a GPT-2-style model.
+
+Training and prefill run the chunkwise-parallel causal form (no n x n matrix, no per-position state: memory linear
+in n); each generated token then updates a fixed-size state per layer, S (B, H, m, d) and z (B, H, m) in float32,
+so the cost of a token does not grow with the context.
+"""
+
+import torch
+
+from .configuration_linear_gpt2 import LinearGPT2Config
+from .feature_maps import build_feature_map
+from .linear_attention import causal_linear_attention, linear_attention_weights, recurrent_linear_attention_step
+from .modeling_gpt2_style import (
+    GPT2StyleAttention,
+    GPT2StyleForCausalLM,
+    GPT2StyleForSequenceClassification,
+    GPT2StyleModel,
+    GPT2StylePreTrainedModel,
+)
+from .recurrent_cache import LinearAttentionStateLayer
+from .weight_init import init_feature_map, redraw_random_features
+
+
+class LinearGPT2Attention(GPT2StyleAttention):
+    """Multi-head causal linear attention; with a cache layer it continues from, and stores, the (S, z) state.
+
+    With ``output_attentions`` (whole sequence, no past state) it also returns the causal n x n matrix it applies
+    implicitly (quadratic: for inspection and distillation only).
+    """
+
+    cache_layer_class = LinearAttentionStateLayer
+
+    def __init__(self, config: LinearGPT2Config, layer_idx: int):
+        super().__init__(config, layer_idx)
+        self.eps = config.linear_attention_eps
+        self.chunk_size = config.linear_attention_chunk_size
+        self.feature_map = build_feature_map(
+            config.feature_map, self.num_heads, self.head_dim, num_random_features=config.num_random_features,
+            learned_feature_dim=config.learned_feature_dim, causal=True,
+        )
+
+    def attend(self, q, k, v, key_mask, cache_layer, output_attentions, shared_projection):
+        phi_q = self.feature_map(q, is_query=True)
+        phi_k = self.feature_map(k, is_query=False, key_mask=key_mask)
+        state = None if cache_layer is None else cache_layer.state
+        if state is not None:
+            if output_attentions:
+                raise ValueError(
+                    "output_attentions needs the whole sequence in one forward: the recurrent state keeps no past keys. "
+                    "Call the model without past_key_values to inspect attention."
+                )
+            state = tuple(t.to(q.device) for t in state)
+        if state is not None and q.shape[2] == 1:
+            output, state = recurrent_linear_attention_step(phi_q, phi_k, v, state, key_mask, eps=self.eps)
+        else:
+            output, state = causal_linear_attention(
+                phi_q, phi_k, v, key_mask, eps=self.eps, chunk_size=self.chunk_size, state=state
+            )
+        if cache_layer is not None:
+            cache_layer.update(state, q.shape[2])
+        weights = None
+        if output_attentions:
+            weights = linear_attention_weights(phi_q, phi_k, key_mask, causal=True, eps=self.eps)
+        return output, weights
+
+
+class LinearGPT2PreTrainedModel(GPT2StylePreTrainedModel):
+    """Init of the feature maps: FAVOR+ draws orthogonal random features, hedgehog starts at the identity."""
+
+    config_class = LinearGPT2Config
+    attention_class = LinearGPT2Attention
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        init_feature_map(module)
+
+    def redraw_random_features(self, generator: torch.Generator | None = None) -> int:
+        """Draw new FAVOR+ features in every layer (rank 0's draw on every process); returns the number redrawn."""
+        return redraw_random_features(self, generator)
+
+
+class LinearGPT2Model(LinearGPT2PreTrainedModel, GPT2StyleModel):
+    """The bare linear-attention decoder: last_hidden_state (B, n, D) and the recurrent state."""
+
+
+class LinearGPT2ForCausalLM(LinearGPT2PreTrainedModel, GPT2StyleForCausalLM):
+    """Linear-attention decoder with GPT-2's LM head; generate() runs it as an RNN."""
+
+    base_model_class = LinearGPT2Model
+
+
+class LinearGPT2ForSequenceClassification(LinearGPT2PreTrainedModel, GPT2StyleForSequenceClassification):
+    """Linear-attention decoder classifying each sequence from its last real token."""
+
+    base_model_class = LinearGPT2Model

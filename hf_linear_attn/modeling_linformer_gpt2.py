@@ -1,0 +1,124 @@
+"""Causal block-Linformer decoder as a GPT-2-style model (semantics and cost in ``block_linformer.py``).
+
+Plain Linformer sees the future (every projected row mixes all positions). Here a token attends exactly to the
+earlier tokens of its own block of b tokens and to k-row Linformer summaries of the completed earlier blocks. The
+generation cache holds those summaries and the current block: it grows by k rows per b tokens.
+"""
+
+import torch
+
+from .block_linformer import block_linformer_step, causal_block_linformer_attention
+from .configuration_linformer_gpt2 import LinformerGPT2Config
+from .linformer_projection import LinformerProjection
+from .modeling_gpt2_style import (
+    GPT2StyleAttention,
+    GPT2StyleForCausalLM,
+    GPT2StyleForSequenceClassification,
+    GPT2StyleModel,
+    GPT2StylePreTrainedModel,
+)
+from .recurrent_cache import BlockLinformerCacheLayer
+from .weight_init import init_linformer_projection
+
+
+class LinformerGPT2Attention(GPT2StyleAttention):
+    """Multi-head causal block Linformer; E, F have shape (P, k, block size), shared as ``linformer_sharing`` says.
+
+    ``output_attentions`` (whole sequence, no past state) returns weights (B, H, n, S k + b): per query, over the
+    k-row summaries of blocks 0..S-1 (only earlier blocks get weight) followed by the b keys of its own block.
+    """
+
+    cache_layer_class = BlockLinformerCacheLayer
+
+    def __init__(self, config: LinformerGPT2Config, layer_idx: int):
+        super().__init__(config, layer_idx)
+        self.block_size = config.linformer_block_size
+        self.sharing = config.linformer_sharing
+        self.dropout = config.attn_pdrop
+        num_matrices = self.num_heads if self.sharing == "none" else 1
+        if self.sharing in ("none", "headwise", "key-value"):
+            self.key_projection = LinformerProjection(num_matrices, config.linformer_k, self.block_size)
+        if self.sharing in ("none", "headwise"):
+            self.value_projection = LinformerProjection(num_matrices, config.linformer_k, self.block_size)
+
+    @staticmethod
+    def build_shared_projection(config: LinformerGPT2Config) -> LinformerProjection | None:
+        """The single matrix of layerwise sharing, owned by the base model; None for the other modes."""
+        if config.linformer_sharing != "layerwise":
+            return None
+        return LinformerProjection(1, config.linformer_k, config.linformer_block_size)
+
+    def attend(self, q, k, v, key_mask, cache_layer, output_attentions, shared_projection):
+        if self.sharing == "layerwise":
+            key_projection = value_projection = shared_projection.weight
+        else:
+            key_projection = self.key_projection.weight
+            value_projection = key_projection if self.sharing == "key-value" else self.value_projection.weight
+        state = None if cache_layer is None else cache_layer.state
+        if state is None:
+            output, weights, state = causal_block_linformer_attention(
+                q, k, v, key_projection, value_projection, self.block_size, key_mask,
+                dropout=self.dropout if self.training else 0.0, need_weights=output_attentions,
+                return_state=cache_layer is not None,
+            )
+        else:
+            if output_attentions:
+                raise ValueError(
+                    "output_attentions needs the whole sequence in one forward (no past_key_values): the cache keeps "
+                    "block summaries, not every key."
+                )
+            state = state.to(q.device)
+            outputs = []
+            for t in range(q.shape[2]):  # new tokens after a cached prefix: one decoding step each
+                step_output, state = block_linformer_step(
+                    q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], state, key_projection, value_projection
+                )
+                outputs.append(step_output)
+            output, weights = torch.cat(outputs, dim=2).to(v.dtype), None
+        if cache_layer is not None:
+            cache_layer.update(state, q.shape[2])
+        return output, weights
+
+
+class LinformerGPT2PreTrainedModel(GPT2StylePreTrainedModel):
+    """Init of E and F by ``config.linformer_init``, and the block Linformer's padding rule."""
+
+    config_class = LinformerGPT2Config
+    attention_class = LinformerGPT2Attention
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        init_linformer_projection(module, self.config.linformer_init, self.config.initializer_range)
+
+    def check_key_mask(self, key_mask: torch.Tensor, has_past: bool) -> None:
+        """Blocks start at each row's first real token: the real tokens must be one run (left or right padding)."""
+        if has_past:
+            if not bool(key_mask.all()):
+                raise ValueError(
+                    "New tokens after past_key_values must all be real (attention_mask 1): the causal Linformer "
+                    "cannot skip a token in the middle of a sequence."
+                )
+            return
+        starts = key_mask & ~torch.nn.functional.pad(key_mask, (1, 0))[:, :-1]
+        if bool((starts.sum(-1) > 1).any()):
+            raise ValueError(
+                "The causal Linformer needs each row's real tokens to be one contiguous run (left or right padding); "
+                "the attention_mask has padding between real tokens. Pad on one side only."
+            )
+
+
+class LinformerGPT2Model(LinformerGPT2PreTrainedModel, GPT2StyleModel):
+    """The bare causal block-Linformer decoder: last_hidden_state (B, n, D) and the block cache."""
+
+
+class LinformerGPT2ForCausalLM(LinformerGPT2PreTrainedModel, GPT2StyleForCausalLM):
+    """Causal block-Linformer decoder with GPT-2's LM head."""
+
+    base_model_class = LinformerGPT2Model
+
+
+class LinformerGPT2ForSequenceClassification(LinformerGPT2PreTrainedModel, GPT2StyleForSequenceClassification):
+    """Causal block-Linformer decoder classifying each sequence from its last real token."""
+
+    base_model_class = LinformerGPT2Model

@@ -1,0 +1,41 @@
+"""Init of the parameters this package adds to RoBERTa / GPT-2 (feature maps, Linformer projections).
+
+Shared by the encoders and the decoders. The ``transformers.initialization`` functions skip weights that were
+loaded from a checkpoint, so these are safe to call from ``_init_weights``.
+"""
+
+import torch
+from torch import nn
+from transformers import initialization as init
+
+from .feature_maps import FavorFeatureMap, HedgehogFeatureMap, identity_weight, orthogonal_gaussian_matrix
+from .linformer_projection import LinformerProjection, xavier_bound
+
+
+def init_feature_map(module: nn.Module) -> None:
+    """FAVOR+ draws orthogonal random features; hedgehog starts at the identity; other modules are left alone."""
+    if isinstance(module, FavorFeatureMap):
+        projection = orthogonal_gaussian_matrix(module.num_features, module.head_dim)
+        init.copy_(module.projection, projection.to(module.projection.device))
+    elif isinstance(module, HedgehogFeatureMap):
+        init.copy_(module.weight, identity_weight(module.weight))
+
+
+def init_linformer_projection(module: nn.Module, linformer_init: str, initializer_range: float) -> None:
+    """E / F by ``linformer_init``: "xavier_uniform" (fairseq, gain 1/sqrt 2) or "normal" N(0, initializer_range)."""
+    if not isinstance(module, LinformerProjection):
+        return
+    if linformer_init == "normal":
+        init.normal_(module.weight, mean=0.0, std=initializer_range)
+    else:
+        bound = xavier_bound(module.weight.shape[-2], module.weight.shape[-1])
+        init.uniform_(module.weight, -bound, bound)
+
+
+@torch.no_grad()
+def redraw_random_features(model: nn.Module, generator: torch.Generator | None = None) -> int:
+    """Draw new FAVOR+ features in every layer of ``model`` (rank 0's draw on every process); returns how many."""
+    maps = [m for m in model.modules() if isinstance(m, FavorFeatureMap)]
+    for feature_map in maps:
+        feature_map.redraw(generator)
+    return len(maps)
