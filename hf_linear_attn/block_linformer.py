@@ -168,19 +168,22 @@ def block_linformer_step(
     state: BlockLinformerState,
     key_projection: torch.Tensor,
     value_projection: torch.Tensor,
+    key_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, BlockLinformerState]:
-    """One decoding step: q, k, v (B, H, 1, d) of one new real token per row -> output (B, H, 1, d), new state.
+    """One decoding step: q, k, v (B, H, 1, d) of one new token per row -> output (B, H, 1, d), new state.
 
     The token joins the current block and attends to it and to the summaries of completed blocks; a block that
-    becomes complete is projected into k rows and stored in the row's next summary slot.
+    becomes complete is projected into k rows and stored in the row's next summary slot. Rows where ``key_mask``
+    (B,) is False hold a pad: their state is left unchanged (and their output is meaningless).
     """
     batch, heads, _, head_dim = q.shape
     b = state.block_keys.shape[2]
     proj_k = state.summary_keys.shape[3]
-    slot = F.one_hot(state.block_fill, b).bool()[:, None, :, None]  # (B, 1, b, 1)
+    real = torch.ones(batch, dtype=torch.bool, device=q.device) if key_mask is None else key_mask.reshape(batch)
+    slot = (F.one_hot(state.block_fill, b).bool() & real[:, None])[:, None, :, None]  # (B, 1, b, 1)
     block_keys = torch.where(slot, k.to(state.block_keys.dtype), state.block_keys)
     block_values = torch.where(slot, v.to(state.block_values.dtype), state.block_values)
-    fill = state.block_fill + 1
+    fill = state.block_fill + real.long()
 
     keys = torch.cat([state.summary_keys.flatten(2, 3), block_keys], dim=2).to(q.dtype)
     values = torch.cat([state.summary_values.flatten(2, 3), block_values], dim=2).to(v.dtype)

@@ -12,7 +12,6 @@ left-padded prompt gets the positions it has alone.
 
 import torch
 from torch import nn
-from torch.nn import CrossEntropyLoss
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -251,6 +250,9 @@ class GPT2StyleForCausalLM(GPT2StylePreTrainedModel, GenerationMixin):
     """Decoder with GPT-2's language-model head, tied to the token embeddings; generates with a recurrent cache."""
 
     _tied_weights_keys = {"lm_head.weight": "transformer.wte.weight"}
+    # Trainer passes num_items_in_batch: with gradient accumulation the loss is then averaged over every token of the
+    # accumulated batch, exactly as one large batch would be (a mean per micro-batch would weight tokens unequally).
+    accepts_loss_kwargs = True
 
     def __init__(self, config):
         super().__init__(config)
@@ -278,8 +280,10 @@ class GPT2StyleForCausalLM(GPT2StylePreTrainedModel, GenerationMixin):
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
+        num_items_in_batch: int | torch.Tensor | None = None,
     ) -> CausalLMOutputWithPast | tuple:
-        """logits (batch, n, vocab); loss: mean next-token cross-entropy, labels shifted inside (labels = input_ids)."""
+        """logits (batch, n, vocab); loss: next-token cross-entropy in float32, labels shifted inside (labels = input_ids,
+        -100 ignored), averaged over the labelled tokens, or summed and divided by ``num_items_in_batch`` if given."""
         outputs = self.transformer(
             input_ids, past_key_values=past_key_values, attention_mask=attention_mask, token_type_ids=token_type_ids,
             position_ids=position_ids, inputs_embeds=inputs_embeds, use_cache=use_cache,
@@ -293,10 +297,9 @@ class GPT2StyleForCausalLM(GPT2StylePreTrainedModel, GenerationMixin):
         logits = self.lm_head(hidden_states)
         loss = None
         if labels is not None:
-            # Shift so that position t predicts token t + 1; the loss is computed in float32.
-            shift_logits = logits[:, :-1].float().reshape(-1, logits.shape[-1])
-            shift_labels = labels[:, 1:].to(logits.device).reshape(-1)
-            loss = CrossEntropyLoss()(shift_logits, shift_labels)
+            loss = self.loss_function(
+                logits, labels, vocab_size=self.config.vocab_size, num_items_in_batch=num_items_in_batch
+            )
         output = CausalLMOutputWithPast(
             loss=loss, logits=logits, past_key_values=outputs.past_key_values,
             hidden_states=outputs.hidden_states, attentions=outputs.attentions,

@@ -71,7 +71,8 @@ class LinformerGPT2Attention(GPT2StyleAttention):
             outputs = []
             for t in range(q.shape[2]):  # new tokens after a cached prefix: one decoding step each
                 step_output, state = block_linformer_step(
-                    q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], state, key_projection, value_projection
+                    q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], state, key_projection, value_projection,
+                    key_mask=None if key_mask is None else key_mask[:, t],
                 )
                 outputs.append(step_output)
             output, weights = torch.cat(outputs, dim=2).to(v.dtype), None
@@ -92,13 +93,11 @@ class LinformerGPT2PreTrainedModel(GPT2StylePreTrainedModel):
         init_linformer_projection(module, self.config.linformer_init, self.config.initializer_range)
 
     def check_key_mask(self, key_mask: torch.Tensor, has_past: bool) -> None:
-        """Blocks start at each row's first real token: the real tokens must be one run (left or right padding)."""
+        """Blocks start at each row's first real token: the real tokens must be one run (left or right padding).
+
+        After a cached prefix, new tokens are fed one step at a time and pads are simply skipped.
+        """
         if has_past:
-            if not bool(key_mask.all()):
-                raise ValueError(
-                    "New tokens after past_key_values must all be real (attention_mask 1): the causal Linformer "
-                    "cannot skip a token in the middle of a sequence."
-                )
             return
         starts = key_mask & ~torch.nn.functional.pad(key_mask, (1, 0))[:, :-1]
         if bool((starts.sum(-1) > 1).any()):

@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny configs of both encoder families and a small byte-level BPE tokenizer built offline."""
+"""Shared fixtures: tiny configs of the encoder and decoder families and a small byte-level BPE tokenizer."""
 
 import os
 import sys
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import hf_linear_attn  # noqa: F401  (registers the Auto classes)
-from hf_linear_attn import LinearRobertaConfig, LinformerConfig
+from hf_linear_attn import LinearGPT2Config, LinearRobertaConfig, LinformerConfig, LinformerGPT2Config
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
@@ -32,6 +32,36 @@ FAMILY_VARIANTS = {
     "linear-relu": lambda **kw: LinearRobertaConfig(**{**TINY, "feature_map": "relu", **kw}),
     "linear-favor": lambda **kw: LinearRobertaConfig(**{**TINY, "feature_map": "favor", "num_random_features": 32, **kw}),
     "linear-hedgehog": lambda **kw: LinearRobertaConfig(**{**TINY, "feature_map": "hedgehog", **kw}),
+}
+
+# GPT-2-shaped decoders; token ids follow the test tokenizer (<s>=0, <pad>=1, </s>=2). A wider init than GPT-2's
+# makes random models produce varied tokens, so generation comparisons are not trivially equal.
+TINY_DECODER = dict(
+    vocab_size=300, n_positions=128, n_embd=32, n_layer=2, n_head=4, n_inner=64, resid_pdrop=0.0, embd_pdrop=0.0,
+    attn_pdrop=0.0, bos_token_id=0, eos_token_id=2, pad_token_id=1, initializer_range=0.3,
+)
+
+# (name, config factory): every feature map and every sharing mode of the two decoder families. The causal
+# Linformer uses blocks of 8 and k = 4, so short sequences already span several blocks.
+DECODER_VARIANTS = {
+    "linear-elu": lambda **kw: LinearGPT2Config(**{**TINY_DECODER, "linear_attention_chunk_size": 8, **kw}),
+    "linear-relu": lambda **kw: LinearGPT2Config(**{**TINY_DECODER, "feature_map": "relu", **kw}),
+    "linear-favor": lambda **kw: LinearGPT2Config(
+        **{**TINY_DECODER, "feature_map": "favor", "num_random_features": 32, "linear_attention_chunk_size": 4, **kw}
+    ),
+    "linear-hedgehog": lambda **kw: LinearGPT2Config(**{**TINY_DECODER, "feature_map": "hedgehog", **kw}),
+    "linformer-none": lambda **kw: LinformerGPT2Config(
+        **{**TINY_DECODER, "linformer_k": 4, "linformer_block_size": 8, "linformer_sharing": "none", **kw}
+    ),
+    "linformer-headwise": lambda **kw: LinformerGPT2Config(
+        **{**TINY_DECODER, "linformer_k": 4, "linformer_block_size": 8, **kw}
+    ),
+    "linformer-key-value": lambda **kw: LinformerGPT2Config(
+        **{**TINY_DECODER, "linformer_k": 3, "linformer_block_size": 5, "linformer_sharing": "key-value", **kw}
+    ),
+    "linformer-layerwise": lambda **kw: LinformerGPT2Config(
+        **{**TINY_DECODER, "linformer_k": 4, "linformer_block_size": 8, "linformer_sharing": "layerwise", **kw}
+    ),
 }
 
 CORPUS = [

@@ -98,3 +98,73 @@ def test_a_checkpoint_with_misshaped_weights_is_refused(tmp_path, caplog):
     with pytest.raises(RuntimeError, match="ignore_mismatched_sizes"):
         AutoModel.from_pretrained(tmp_path)
     assert "key_projection" in caplog.text and "MISMATCH" in caplog.text  # the report names the bad weight
+
+
+FRESH_PROCESS_GENERATE = r"""
+import json, sys, torch
+import transformers
+cases = json.load(open(sys.argv[1]))
+results = {}
+for case in cases:
+    auto = getattr(transformers, case["auto"])
+    model = auto.from_pretrained(case["path"], trust_remote_code=True).eval()
+    inputs = torch.load(case["inputs"])
+    with torch.no_grad():
+        if case["auto"] == "AutoModelForCausalLM":
+            got = model.generate(**inputs, max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=1)
+        else:
+            got = model(**inputs)[0]
+    results[case["path"]] = {
+        "class": type(model).__module__ + "." + type(model).__name__,
+        "equal": bool(torch.equal(got, torch.load(case["expected"]))),
+    }
+assert "hf_linear_attn" not in sys.modules, "the fresh process imported the package"
+print(json.dumps(results))
+"""
+
+
+@pytest.mark.slow
+def test_decoders_load_in_a_fresh_process_and_generate_the_same_tokens(tmp_path):
+    from conftest import DECODER_VARIANTS
+    from test_decoders import causal_lm, left_padded_batch
+    from transformers import AutoModelForCausalLM
+
+    cases = []
+    prompts = [random_ids(1, 9)[0], random_ids(1, 5, seed=1)[0]]
+    ids, mask = left_padded_batch(prompts)
+    inputs = {"input_ids": ids, "attention_mask": mask}
+    for variant in ("linear-favor", "linear-hedgehog", "linformer-layerwise", "linformer-none"):
+        for auto in (AutoModelForCausalLM, AutoModel, AutoModelForSequenceClassification):
+            if auto is AutoModelForCausalLM:
+                model = causal_lm(variant)
+                with torch.no_grad():
+                    expected = model.generate(**inputs, max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                                              pad_token_id=1)
+            else:
+                torch.manual_seed(0)
+                model = auto.from_config(DECODER_VARIANTS[variant]()).eval()
+                with torch.no_grad():
+                    expected = model(**inputs)[0]
+            path = tmp_path / f"{variant}-{auto.__name__}"
+            model.save_pretrained(path)
+            torch.save(expected, path / "expected.pt")
+            torch.save(inputs, path / "inputs.pt")
+            cases.append({"auto": auto.__name__, "path": str(path), "inputs": str(path / "inputs.pt"),
+                          "expected": str(path / "expected.pt")})
+            saved = set(os.listdir(path))
+            assert {"modeling_gpt2_style.py", "recurrent_cache.py", "block_linformer.py"} <= saved, saved
+            config = json.loads((path / "config.json").read_text())
+            assert set(config["auto_map"]) == {
+                "AutoConfig", "AutoModel", "AutoModelForCausalLM", "AutoModelForSequenceClassification"
+            }
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    (tmp_path / "generate.py").write_text(FRESH_PROCESS_GENERATE)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": "", "HF_MODULES_CACHE": str(tmp_path / "modules")}
+    proc = subprocess.run([sys.executable, str(tmp_path / "generate.py"), str(tmp_path / "cases.json")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(results) == len(cases) == 12
+    for path, result in results.items():
+        assert result["class"].startswith("transformers_modules."), result
+        assert result["equal"], (path, result)
