@@ -1,16 +1,19 @@
-"""The paper-scale presets in configs/models load through AutoConfig and describe the models they name."""
+"""The presets in configs/models load through AutoConfig and describe the models they name."""
 
 import json
 
 import pytest
+import torch
 from conftest import REPO_ROOT
-from transformers import AutoConfig
+from transformers import AutoConfig, AutoModelForCausalLM
 
 PRESETS = sorted((REPO_ROOT / "configs" / "models").glob("*.json"))
+ENCODER_PRESETS = [p for p in PRESETS if "gpt2" not in p.stem]
+DECODER_PRESETS = [p for p in PRESETS if "gpt2" in p.stem]
 
 
-@pytest.mark.parametrize("path", PRESETS, ids=lambda p: p.stem)
-def test_preset_loads_with_roberta_base_dimensions(path):
+@pytest.mark.parametrize("path", ENCODER_PRESETS, ids=lambda p: p.stem)
+def test_encoder_preset_loads_with_roberta_base_dimensions(path):
     config = AutoConfig.from_pretrained(str(path))
     raw = json.loads(path.read_text())
     assert config.model_type == raw["model_type"]
@@ -25,3 +28,23 @@ def test_presets_cover_the_papers_table_2_variants():
         "linformer-base-k128", "linformer-base-k256", "linformer-base-k256-shared-kv",
         "linformer-base-k256-shared-kv-layer",
     }
+
+
+def _parameter_count(config) -> int:
+    with torch.device("meta"):  # shapes only, no memory
+        return sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+
+
+@pytest.mark.parametrize("path", DECODER_PRESETS, ids=lambda p: p.stem)
+def test_decoder_preset_has_the_softmax_controls_dimensions(path):
+    """The softmax control is stock GPT-2 (gpt2-small-softmax.json): every decoder preset matches it field by field."""
+    control = AutoConfig.from_pretrained(str(REPO_ROOT / "configs" / "models" / "gpt2-small-softmax.json"))
+    config = AutoConfig.from_pretrained(str(path))
+    shared = ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "n_inner", "activation_function",
+              "resid_pdrop", "embd_pdrop", "attn_pdrop", "layer_norm_epsilon", "initializer_range")
+    assert {f: getattr(config, f) for f in shared} == {f: getattr(control, f) for f in shared}
+    extra = _parameter_count(config) - _parameter_count(control)
+    if config.model_type == "linformer_gpt2":  # E and F per layer: 2 x 12 x k x block
+        assert extra == 2 * 12 * config.linformer_k * config.linformer_block_size
+    else:  # FAVOR+ features are a buffer, not parameters: identical parameter count
+        assert extra == 0
