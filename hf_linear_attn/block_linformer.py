@@ -150,7 +150,11 @@ def causal_block_linformer_attention(
         pick = current.expand(batch, heads, 1, b, head_dim)
         block_keys = torch.where(in_current[:, None, None, None], k_b.gather(2, pick).squeeze(2), 0.0)
         block_values = torch.where(in_current[:, None, None, None], v_b.gather(2, pick).squeeze(2), 0.0)
-        state = BlockLinformerState(summary_keys, summary_values, valid, block_keys, block_values, lengths % b)
+        slots = int(completed.max())  # keep only slots some row has completed: k rows per completed block
+        state = BlockLinformerState(
+            summary_keys[:, :, :slots], summary_values[:, :, :slots], valid[:, :slots], block_keys, block_values,
+            lengths % b,
+        )
 
     if shifted:
         output = _roll_rows(output, -shift)
@@ -194,8 +198,10 @@ def block_linformer_step(
         ],
         dim=-1,
     )[:, None, None, :]
-    weights = _masked_softmax(torch.matmul(q, keys.transpose(-1, -2)) * head_dim**-0.5, visible)
-    output = torch.matmul(weights.to(values.dtype), values)
+    # Broadcast products instead of matmuls: batched matmuls with a single query row hit slow paths on CPU.
+    scores = (q * keys).sum(-1).unsqueeze(-2) * head_dim**-0.5  # (B, H, 1, rows)
+    weights = _masked_softmax(scores, visible)
+    output = (weights.to(values.dtype).transpose(-1, -2) * values).sum(-2, keepdim=True)  # (B, H, 1, d)
 
     summary_keys, summary_values, valid = state.summary_keys, state.summary_values, state.summary_valid
     complete = fill == b

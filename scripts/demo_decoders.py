@@ -1,0 +1,163 @@
+"""Short demo of the decoders: causal-LM training of softmax GPT-2, linear attention and the causal Linformer.
+
+Same dimensions, data (WikiText-2), steps and seed for the three; prints a table of validation loss / perplexity,
+training time, then generates from a validation prompt with ``generate()``: per-token latency, the size of the
+cache after the prompt and after generation (GPT-2's key/value cache grows with every token; the linear decoder's
+state does not), and whether the saved checkpoint, reloaded through AutoModelForCausalLM, generates the same tokens.
+Uses only the public API (``import hf_linear_attn`` + transformers Auto classes).
+
+    python scripts/demo_decoders.py                      # local WikiText-2 from ../shared/data
+    python scripts/demo_decoders.py --dataset hub        # Salesforce/wikitext from the Hub
+"""
+
+import argparse
+import json
+import math
+import platform
+import time
+from pathlib import Path
+
+import torch
+from demo_encoders import DEFAULT_DATA, load_text, pack, train_tokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, get_linear_schedule_with_warmup
+
+import hf_linear_attn  # noqa: F401  (registers linear_gpt2 / linformer_gpt2 with the Auto classes)
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dataset", default=str(DEFAULT_DATA),
+                        help="WikiText-2 folder with wiki.{train,valid}.tokens, or 'hub' for Salesforce/wikitext")
+    parser.add_argument("--output-dir", default="outputs/demo-decoders")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--block-size", type=int, default=32, help="causal Linformer block length b")
+    parser.add_argument("--linformer-k", type=int, default=8, help="causal Linformer summary rows k per block")
+    parser.add_argument("--vocab-size", type=int, default=8000)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--eval-batches", type=int, default=20)
+    parser.add_argument("--new-tokens", type=int, default=64, help="tokens generated per model")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-bf16", action="store_true", help="train in float32 instead of bf16 autocast")
+    return parser.parse_args()
+
+
+def model_configs(args, vocab_size):
+    # n_positions leaves room for a prompt of seq_len tokens plus the generated ones
+    dims = dict(vocab_size=vocab_size, n_positions=args.seq_len + args.new_tokens + 1, n_embd=128, n_layer=2,
+                n_head=4, n_inner=512, bos_token_id=0, eos_token_id=2, pad_token_id=1)
+    return {
+        "gpt2 (softmax)": AutoConfig.for_model("gpt2", **dims),
+        "linear attention (elu+1)": AutoConfig.for_model("linear_gpt2", **dims),
+        f"causal linformer k={args.linformer_k} b={args.block_size}": AutoConfig.for_model(
+            "linformer_gpt2", **dims, linformer_k=args.linformer_k, linformer_block_size=args.block_size
+        ),
+    }
+
+
+@torch.no_grad()
+def evaluate_lm(model, rows, batch_size, batches):
+    """Mean next-token cross-entropy over the first ``batches`` validation batches."""
+    model.eval()
+    loss_sum = count = 0
+    for i in range(0, batches * batch_size, batch_size):
+        ids = rows[i: i + batch_size]
+        logits = model(input_ids=ids).logits[:, :-1].float()
+        loss_sum += torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
+                                                      reduction="sum").item()
+        count += ids[:, 1:].numel()
+    return {"val_loss": loss_sum / count, "perplexity": math.exp(loss_sum / count)}
+
+
+def cache_bytes(cache) -> int:
+    """Bytes held by a generation cache: our recurrent state, or the key/value tensors of a DynamicCache."""
+    if hasattr(cache, "state_bytes"):
+        return cache.state_bytes()
+    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+
+
+@torch.no_grad()
+def generate_and_time(model, prompt, new_tokens):
+    """Greedy generation: tokens, per-token latency (median of the decoding steps) and cache bytes before / after."""
+    model.eval()
+    out = model(prompt, use_cache=True)
+    cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    prompt_cache = cache_bytes(cache)
+    step_seconds = []
+    for _ in range(new_tokens - 1):
+        start = time.perf_counter()
+        out = model(token, past_key_values=cache, use_cache=True)
+        step_seconds.append(time.perf_counter() - start)
+        cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    generated = model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                               pad_token_id=1)
+    return generated, sorted(step_seconds)[len(step_seconds) // 2], prompt_cache, cache_bytes(cache)
+
+
+def main():
+    args = parse_args()
+    out_dir = Path(args.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(args.seed)
+    raw = load_text(args.dataset)
+    tokenizer = train_tokenizer(list(raw["train"]["text"]), args.vocab_size, args.seq_len)
+    tokenizer.save_pretrained(out_dir / "tokenizer")
+    train_rows, valid_rows = pack(raw["train"], tokenizer, args.seq_len), pack(raw["validation"], tokenizer, args.seq_len)
+    print(f"WikiText-2: {len(train_rows)} train rows, {len(valid_rows)} validation rows of {args.seq_len} tokens")
+    prompt = valid_rows[-1:, : args.seq_len - 1]  # <s> + a validation passage the models never trained on
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=not args.no_bf16)
+
+    results, samples = {}, {}
+    for name, config in model_configs(args, len(tokenizer)).items():
+        torch.manual_seed(args.seed)
+        model = AutoModelForCausalLM.from_config(config)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+        schedule = get_linear_schedule_with_warmup(optimizer, args.steps // 10, args.steps)
+        generator = torch.Generator().manual_seed(args.seed)
+        start = time.perf_counter()
+        model.train()
+        for step in range(args.steps):
+            ids = train_rows[torch.randint(len(train_rows), (args.batch_size,), generator=generator)]
+            with autocast:
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            schedule.step()
+            optimizer.zero_grad()
+            if (step + 1) % max(1, args.steps // 5) == 0:
+                print(f"  {name:32s} step {step + 1:5d}  loss {loss.item():.3f}")
+        seconds = time.perf_counter() - start
+        with autocast:
+            metrics = evaluate_lm(model, valid_rows, args.batch_size, args.eval_batches)
+        generated, latency, prompt_cache, final_cache = generate_and_time(model, prompt, args.new_tokens)
+        save_dir = out_dir / name.split()[0]
+        model.save_pretrained(save_dir)
+        reloaded = AutoModelForCausalLM.from_pretrained(save_dir).eval()
+        same = torch.equal(reloaded.generate(prompt, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
+                                             do_sample=False, pad_token_id=1), generated)
+        results[name] = {**metrics, "train_seconds": seconds, "parameters": sum(p.numel() for p in model.parameters()),
+                         "ms_per_token": 1e3 * latency, "cache_bytes_after_prompt": prompt_cache,
+                         "cache_bytes_after_generation": final_cache, "reload_generates_same": same}
+        samples[name] = tokenizer.decode(generated[0, prompt.shape[1]:], skip_special_tokens=True)
+
+    header = ("| model | params | val loss | val ppl | train time (s) | ms / token | cache after prompt -> after "
+              f"{args.new_tokens} tokens (KB) | reload generates same |\n|---|---|---|---|---|---|---|---|")
+    lines = [f"| {n} | {r['parameters']:,} | {r['val_loss']:.3f} | {r['perplexity']:.1f} | {r['train_seconds']:.0f} "
+             f"| {r['ms_per_token']:.1f} | {r['cache_bytes_after_prompt'] / 1e3:.0f} -> "
+             f"{r['cache_bytes_after_generation'] / 1e3:.0f} | {r['reload_generates_same']} |" for n, r in results.items()]
+    machine = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    table = "\n".join([header, *lines])
+    print(f"\n{args.steps} steps x batch {args.batch_size} x {args.seq_len} tokens, bf16={not args.no_bf16}, {machine}\n")
+    print(table)
+    for name, text in samples.items():
+        print(f"\n{name}: ...{text[:300]!r}")
+    (out_dir / "results.json").write_text(json.dumps(
+        {"args": vars(args), "machine": machine, "results": results, "samples": samples}, indent=2))
+    (out_dir / "results.md").write_text(table + "\n")
+    print(f"\nWrote {out_dir / 'results.json'} and the checkpoints under {out_dir}")
+
+
+if __name__ == "__main__":
+    main()
