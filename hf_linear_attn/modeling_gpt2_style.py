@@ -54,6 +54,10 @@ class GPT2StyleAttention(nn.Module):
     def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
         return x.reshape(*x.shape[:2], self.num_heads, self.head_dim).transpose(1, 2)
 
+    def attend(self, q, k, v, key_mask, cache_layer, output_attentions, shared_projection):
+        """The family's causal attention on heads (B, H, n, d), continuing from / updating ``cache_layer``."""
+        raise NotImplementedError(f"{type(self).__name__} must implement attend()")
+
     def forward(self, hidden_states, key_mask=None, past_key_values=None, output_attentions=False, shared_projection=None):
         q, k, v = (self._split_heads(t) for t in self.c_attn(hidden_states).split(self.embed_dim, dim=-1))
         cache_layer = None if past_key_values is None else past_key_values.layers[self.layer_idx]
