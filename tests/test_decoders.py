@@ -357,3 +357,13 @@ def test_bad_inputs_are_refused_with_a_fix():
         model(random_ids(1, 1), past_key_values=cache, output_attentions=True)
     with pytest.raises(ValueError, match="exactly one of input_ids or inputs_embeds"):
         model()
+
+
+def test_torch_compile_matches_eager_and_trains():
+    model = causal_lm("linear-elu").train()
+    ids = random_ids(2, 24)
+    eager = model(ids, labels=ids).loss
+    compiled = torch.compile(model)(input_ids=ids, labels=ids).loss  # inductor, the default backend
+    torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-5)
+    compiled.backward()
+    assert model.transformer.h[0].attn.c_attn.weight.grad.abs().sum() > 0
