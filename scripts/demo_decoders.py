@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 import torch
-from demo_encoders import DEFAULT_DATA, load_text, pack, train_tokenizer
-from transformers import AutoConfig, AutoModelForCausalLM, get_linear_schedule_with_warmup
+from demo_encoders import DEFAULT_DATA, prepare_data, train
+from transformers import AutoConfig, AutoModelForCausalLM
 
 import hf_linear_attn  # noqa: F401  (registers linear_gpt2 / linformer_gpt2 with the Auto classes)
 
@@ -99,12 +99,7 @@ def main():
     args = parse_args()
     out_dir = Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(args.seed)
-    raw = load_text(args.dataset)
-    tokenizer = train_tokenizer(list(raw["train"]["text"]), args.vocab_size, args.seq_len)
-    tokenizer.save_pretrained(out_dir / "tokenizer")
-    train_rows, valid_rows = pack(raw["train"], tokenizer, args.seq_len), pack(raw["validation"], tokenizer, args.seq_len)
-    print(f"WikiText-2: {len(train_rows)} train rows, {len(valid_rows)} validation rows of {args.seq_len} tokens")
+    tokenizer, train_rows, valid_rows = prepare_data(args, out_dir)
     prompt = valid_rows[-1:, : args.seq_len - 1]  # <s> + a validation passage the models never trained on
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=not args.no_bf16)
 
@@ -112,23 +107,7 @@ def main():
     for name, config in model_configs(args, len(tokenizer)).items():
         torch.manual_seed(args.seed)
         model = AutoModelForCausalLM.from_config(config)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
-        schedule = get_linear_schedule_with_warmup(optimizer, args.steps // 10, args.steps)
-        generator = torch.Generator().manual_seed(args.seed)
-        start = time.perf_counter()
-        model.train()
-        for step in range(args.steps):
-            ids = train_rows[torch.randint(len(train_rows), (args.batch_size,), generator=generator)]
-            with autocast:
-                loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            schedule.step()
-            optimizer.zero_grad()
-            if (step + 1) % max(1, args.steps // 5) == 0:
-                print(f"  {name:32s} step {step + 1:5d}  loss {loss.item():.3f}")
-        seconds = time.perf_counter() - start
+        seconds = train(model, args, name, train_rows, lambda rows: {"input_ids": rows, "labels": rows}, autocast)
         with autocast:
             metrics = evaluate_lm(model, valid_rows, args.batch_size, args.eval_batches)
         generated, latency, prompt_cache, final_cache = generate_and_time(model, prompt, args.new_tokens)

@@ -95,6 +95,38 @@ def model_configs(args, vocab_size):
     }
 
 
+def prepare_data(args, out_dir):
+    """Byte-level BPE trained on WikiText-2 train (saved under out_dir), and packed train / validation rows."""
+    torch.manual_seed(args.seed)
+    raw = load_text(args.dataset)
+    tokenizer = train_tokenizer(list(raw["train"]["text"]), args.vocab_size, args.seq_len)
+    tokenizer.save_pretrained(out_dir / "tokenizer")
+    train_rows, valid_rows = pack(raw["train"], tokenizer, args.seq_len), pack(raw["validation"], tokenizer, args.seq_len)
+    print(f"WikiText-2: {len(train_rows)} train rows, {len(valid_rows)} validation rows of {args.seq_len} tokens")
+    return tokenizer, train_rows, valid_rows
+
+
+def train(model, args, name, train_rows, make_batch, autocast) -> float:
+    """AdamW + linear warmup / decay for args.steps random batches of make_batch(rows); returns the seconds taken."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    schedule = get_linear_schedule_with_warmup(optimizer, args.steps // 10, args.steps)
+    generator = torch.Generator().manual_seed(args.seed)
+    start = time.perf_counter()
+    model.train()
+    for step in range(args.steps):
+        index = torch.randint(len(train_rows), (args.batch_size,), generator=generator)
+        with autocast:
+            loss = model(**make_batch(train_rows[index])).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad()
+        if (step + 1) % max(1, args.steps // 5) == 0:
+            print(f"  {name:32s} step {step + 1:5d}  loss {loss.item():.3f}")
+    return time.perf_counter() - start
+
+
 @torch.no_grad()
 def evaluate_mlm(model, batches):
     model.eval()
@@ -112,12 +144,7 @@ def main():
     args = parse_args()
     out_dir = Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(args.seed)
-    raw = load_text(args.dataset)
-    tokenizer = train_tokenizer(list(raw["train"]["text"]), args.vocab_size, args.seq_len)
-    tokenizer.save_pretrained(out_dir / "tokenizer")
-    train_rows, valid_rows = pack(raw["train"], tokenizer, args.seq_len), pack(raw["validation"], tokenizer, args.seq_len)
-    print(f"WikiText-2: {len(train_rows)} train rows, {len(valid_rows)} validation rows of {args.seq_len} tokens")
+    tokenizer, train_rows, valid_rows = prepare_data(args, out_dir)
 
     collator = DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.15, return_tensors="pt")
     torch.manual_seed(1234)  # the same masked validation batches for every model
@@ -129,24 +156,8 @@ def main():
     for name, config in model_configs(args, len(tokenizer)).items():
         torch.manual_seed(args.seed)
         model = AutoModelForMaskedLM.from_config(config)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
-        schedule = get_linear_schedule_with_warmup(optimizer, args.steps // 10, args.steps)
-        generator = torch.Generator().manual_seed(args.seed)
-        start = time.perf_counter()
-        model.train()
-        for step in range(args.steps):
-            index = torch.randint(len(train_rows), (args.batch_size,), generator=generator)
-            batch = collator([{"input_ids": r} for r in train_rows[index]])  # dynamic masking, fresh every step
-            with autocast:
-                loss = model(**batch).loss
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            schedule.step()
-            optimizer.zero_grad()
-            if (step + 1) % max(1, args.steps // 5) == 0:
-                print(f"  {name:28s} step {step + 1:5d}  loss {loss.item():.3f}")
-        seconds = time.perf_counter() - start
+        # dynamic masking, fresh every step
+        seconds = train(model, args, name, train_rows, lambda rows: collator([{"input_ids": r} for r in rows]), autocast)
         with autocast:
             metrics = evaluate_mlm(model, eval_batches)
         save_dir = out_dir / name.split()[0]
