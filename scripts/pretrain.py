@@ -1,0 +1,28 @@
+"""Pretrain an encoder (masked LM) or a decoder (causal LM) of this package, or stock RoBERTa / GPT-2, with accelerate.
+
+    python scripts/pretrain.py --config configs/pretrain/cpu-mlm.json \
+        --model_config configs/models/cpu/linformer-k32.json --output_dir outputs/pretrain/linformer-k32
+    accelerate launch --num_processes 2 scripts/pretrain.py ...        # several processes / GPUs
+    python scripts/pretrain.py ... --resume                            # continue after a crash, exactly
+
+Every argument is a --flag (see --help); --config FILE.json gives defaults that later flags override. Data comes
+from a Hub dataset (--dataset_name) or local text / json / parquet files (--train_file, --validation_file).
+"""
+
+import sys
+
+from hf_linear_attn.pipeline.arguments import parse_arguments
+from hf_linear_attn.pipeline.data import PipelineError
+from hf_linear_attn.pipeline.pretraining import PretrainArguments, run_pretraining
+
+
+def main(argv=None):
+    try:
+        args, _ = parse_arguments((PretrainArguments,), argv)
+        run_pretraining(args)
+    except PipelineError as error:
+        sys.exit(f"error: {error}")
+
+
+if __name__ == "__main__":
+    main()
