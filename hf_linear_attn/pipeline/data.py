@@ -9,7 +9,7 @@ import csv
 from dataclasses import dataclass
 from pathlib import Path
 
-from datasets import Dataset, DatasetDict, load_dataset
+from datasets import Dataset, DatasetDict, Value, load_dataset
 from tokenizers import ByteLevelBPETokenizer
 from tokenizers.processors import RobertaProcessing, TemplateProcessing
 from transformers import PreTrainedTokenizerFast
@@ -41,16 +41,24 @@ def _builder_for(path: str, allowed: tuple[str, ...]) -> tuple[str, dict]:
     return builder, options
 
 
+def describe_error(error: BaseException) -> str:
+    """The innermost cause of an exception chain ("An error occurred while generating the dataset" says nothing)."""
+    while error.__cause__ is not None or error.__context__ is not None:
+        error = error.__cause__ or error.__context__
+    return f"{type(error).__name__}: {error}"
+
+
 def _load_local(files: dict[str, str], allowed: tuple[str, ...]) -> DatasetDict:
     """Load local files (one builder for all splits) into a DatasetDict, wrapping parse errors with the file name."""
     kinds = {split: _builder_for(path, allowed) for split, path in files.items()}
-    if len({kind[0] for kind in kinds.values()}) != 1:
-        raise PipelineError(f"train and validation files must have the same format, got {files}")
-    builder, options = next(iter(kinds.values()))
-    try:
-        return load_dataset(builder, data_files=dict(files), **options)
-    except Exception as error:  # datasets wraps pandas / pyarrow / json errors in several exception types
-        raise PipelineError(f"could not read {sorted(files.values())} as {builder}: {error}") from error
+    splits = {}
+    for split, path in files.items():  # one split at a time: GLUE's QNLI dev has an index column, its train not
+        builder, options = kinds[split]
+        try:
+            splits[split] = load_dataset(builder, data_files=str(path), split="train", **options)
+        except Exception as error:  # datasets wraps pandas / pyarrow / json errors in several exception types
+            raise PipelineError(f"could not read {path} as {builder}: {describe_error(error)}") from error
+    return DatasetDict(splits)
 
 
 def _load_hub(name: str, config: str | None) -> DatasetDict:
@@ -58,7 +66,8 @@ def _load_hub(name: str, config: str | None) -> DatasetDict:
         return load_dataset(name, config)
     except Exception as error:
         raise PipelineError(
-            f"could not load the Hub dataset {name!r} (config {config!r}): {error}. Offline, pass local files "
+            f"could not load the Hub dataset {name!r} (config {config!r}): {describe_error(error)}. Offline, pass "
+            "local files "
             "with --train_file / --validation_file instead."
         ) from error
 
@@ -199,7 +208,8 @@ def _normalise_labels(dataset: Dataset, task: Task, split: str) -> Dataset:
     if unknown:
         raise PipelineError(f"the {split} data of {task.name} has labels {unknown[:5]} that are neither "
                             f"0..{len(task.label_names) - 1} nor {list(task.label_names)}")
-    return dataset.map(lambda b: {"label": [lookup[str(v)] for v in b["label"]]}, batched=True)
+    labels = [lookup[str(v)] for v in dataset["label"]]
+    return dataset.remove_columns("label").add_column("label", labels, feature=Value("int64"))
 
 
 def load_task_data(task: Task, dataset_name=None, dataset_config_name=None, train_file=None, validation_file=None,

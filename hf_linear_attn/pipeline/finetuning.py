@@ -85,6 +85,7 @@ def _load_tokenizer_and_config(args: FinetuneArguments, num_labels: int, label_n
         tokenizer.pad_token = tokenizer.eos_token  # GPT-2's tokenizer has no pad token; pad with eos, masked out
     if config.pad_token_id is None:
         config.pad_token_id = tokenizer.pad_token_id
+    tokenizer.model_max_length = max_model_length(config)
     if args.max_seq_length > max_model_length(config):
         raise PipelineError(f"--max_seq_length {args.max_seq_length} is longer than the model allows "
                             f"({max_model_length(config)})")

@@ -181,11 +181,15 @@ def save_checkpoint(accelerator: Accelerator, output_dir: Path, step: int, keep:
     return final
 
 
-def prepare_output_dir(args: PretrainArguments, accelerator: Accelerator, world_size: int) -> Path | None:
-    """Check the output folder against this run; return the checkpoint to resume from, if any."""
+def _run_record(args: PretrainArguments, world_size: int) -> dict:
+    """What defines a run: the arguments a resumed run must share, and the number of processes."""
+    return {**{k: v for k, v in asdict(args).items() if k not in RESUMABLE_CHANGES}, "num_processes": world_size}
+
+
+def check_output_dir(args: PretrainArguments, world_size: int) -> Path | None:
+    """Check the output folder against this run (nothing is written); return the checkpoint to resume from."""
     output_dir = Path(args.output_dir)
-    recorded = {k: v for k, v in asdict(args).items() if k not in RESUMABLE_CHANGES}
-    recorded["num_processes"] = world_size
+    recorded = _run_record(args, world_size)
     run_file = output_dir / RUN_ARGS
     resume_from = None
     if args.resume or args.resume_from_checkpoint:
@@ -207,19 +211,23 @@ def prepare_output_dir(args: PretrainArguments, accelerator: Accelerator, world_
                                     "again with --overwrite_output_dir")
             resume_from = found[-1]
         return resume_from
-    if output_dir.exists() and any(output_dir.iterdir()):
-        if not args.overwrite_output_dir:
-            raise PipelineError(f"{output_dir} is not empty (it holds another run): pass --resume to continue it, "
-                                "--overwrite_output_dir to replace it, or choose another --output_dir")
-        accelerator.wait_for_everyone()
-        if accelerator.is_main_process:
-            shutil.rmtree(output_dir)
+    if output_dir.exists() and any(output_dir.iterdir()) and not args.overwrite_output_dir:
+        raise PipelineError(f"{output_dir} is not empty (it holds another run): pass --resume to continue it, "
+                            "--overwrite_output_dir to replace it, or choose another --output_dir")
+    return None
+
+
+def claim_output_dir(args: PretrainArguments, accelerator: Accelerator) -> None:
+    """Start a new run in output_dir (emptied with --overwrite_output_dir) and record its arguments for --resume."""
+    output_dir = Path(args.output_dir)
+    recorded = _run_record(args, accelerator.num_processes)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
+        if output_dir.exists() and any(output_dir.iterdir()):
+            shutil.rmtree(output_dir)
         output_dir.mkdir(parents=True, exist_ok=True)
-        run_file.write_text(json.dumps(recorded, indent=2))
+        (output_dir / RUN_ARGS).write_text(json.dumps(recorded, indent=2))
     accelerator.wait_for_everyone()
-    return None
 
 
 def load_tokenizer(args: PretrainArguments, accelerator: Accelerator, corpus, style: str, resuming: bool):
@@ -301,7 +309,10 @@ class BatchStream:
 
     def _loader(self, epoch: int):
         order = torch.randperm(len(self.dataset), generator=torch.Generator().manual_seed(self.seed + epoch))
-        loader = DataLoader(Subset(self.dataset, order.tolist()), batch_size=self.batch_size, drop_last=True)
+        # A loader without its own generator draws a seed from the global RNG each time it is iterated, which
+        # would shift the dropout stream of a resumed run (its loaders start at different times).
+        loader = DataLoader(Subset(self.dataset, order.tolist()), batch_size=self.batch_size, drop_last=True,
+                            generator=torch.Generator().manual_seed(self.seed + epoch))
         return self.accelerator.prepare_data_loader(loader)
 
     def start(self, consumed: int):
@@ -333,7 +344,8 @@ def evaluate_perplexity(model, accelerator: Accelerator, rows: dict, batch_size:
     """Validation loss (mean over all predicted tokens of all processes) and its exp, the perplexity."""
     model.eval()
     dataset = [{k: v[i] for k, v in rows.items()} for i in range(len(rows["input_ids"]))]
-    loader = accelerator.prepare_data_loader(DataLoader(dataset, batch_size=batch_size))
+    loader = accelerator.prepare_data_loader(DataLoader(dataset, batch_size=batch_size,
+                                                        generator=torch.Generator().manual_seed(0)))
     loss_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
     count = torch.zeros((), dtype=torch.float64, device=accelerator.device)
     for batch in loader:
@@ -363,7 +375,7 @@ def run_pretraining(args: PretrainArguments) -> dict:
                               project_dir=args.output_dir)
     config = load_model_config(args)
     objective = objective_for(config, args.objective)
-    resume_from = prepare_output_dir(args, accelerator, accelerator.num_processes)
+    resume_from = check_output_dir(args, accelerator.num_processes)
     output_dir = Path(args.output_dir)
     set_seed(args.seed)
 
@@ -371,6 +383,8 @@ def run_pretraining(args: PretrainArguments) -> dict:
         corpus, validation_source = load_text_corpus(
             args.dataset_name, args.dataset_config_name, args.train_file, args.validation_file, args.text_column,
             args.validation_split_percentage, args.seed)
+    if resume_from is None:  # the inputs are readable: only now is output_dir emptied and claimed
+        claim_output_dir(args, accelerator)
     tokenizer = load_tokenizer(args, accelerator, corpus, "roberta" if objective == "mlm" else "gpt2",
                                resuming=resume_from is not None)
     set_seed(args.seed)  # the same initial weights whatever the tokenizer training consumed
@@ -461,7 +475,9 @@ def run_pretraining(args: PretrainArguments) -> dict:
                "mixed_precision": accelerator.mixed_precision,
                "seconds_this_session": round(time.perf_counter() - started, 1)}
     if accelerator.is_main_process:
-        accelerator.unwrap_model(model).save_pretrained(output_dir)
+        unwrapped = accelerator.unwrap_model(model)
+        unwrapped.save_pretrained(output_dir)
+        tokenizer.model_max_length = max_model_length(unwrapped.config)  # the model's limit, not this run's length
         tokenizer.save_pretrained(output_dir)
         (output_dir / "train_results.json").write_text(json.dumps(results, indent=2))
     accelerator.wait_for_everyone()
