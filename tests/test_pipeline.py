@@ -124,6 +124,24 @@ def test_two_processes_under_accelerate_train_like_one_process_with_twice_the_ba
     assert r1["eval_loss"] == pytest.approx(r2["eval_loss"], rel=1e-5)
 
 
+@pytest.mark.slow
+@needs_data
+@pytest.mark.parametrize("preset", sorted(p.stem for p in (REPO_ROOT / "configs" / "models" / "cpu").glob("*.json")))
+def test_every_cpu_preset_pretrains_and_its_checkpoint_reloads(corpus, tmp_path, preset):
+    """Every model of the package and the stock RoBERTa / GPT-2 baselines go through the same script."""
+    from pretrain import main
+    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
+
+    config = tiny_preset(tmp_path, preset, **({"linformer_k": 16} if "linformer-k" in preset else {}))
+    main(pretrain_args(corpus, config, tmp_path / "out", "--max_steps", 2, "--save_steps", 100, "--eval_steps", 2))
+    results = json.loads((tmp_path / "out" / "train_results.json").read_text())
+    decoder = "gpt2" in preset
+    assert results["objective"] == ("clm" if decoder else "mlm") and results["steps"] == 2
+    model = (AutoModelForCausalLM if decoder else AutoModelForMaskedLM).from_pretrained(tmp_path / "out")
+    assert model.config.model_type == json.loads(config.read_text())["model_type"]
+    assert model.config.vocab_size == len(__import__("transformers").AutoTokenizer.from_pretrained(tmp_path / "out"))
+
+
 # ---------------------------------------------------------------------------------------- pretrain -> fine-tune
 
 
@@ -315,6 +333,62 @@ def test_resume_and_tokenizer_mismatches_are_refused(corpus, tmp_path):
     train_bpe_tokenizer(lines, 900, "roberta", 64).save_pretrained(tmp_path / "bigtok")
     message = _error(main, big)
     assert "embedding has" in message and "use the model's own tokenizer" in message
+    from finetune import main as finetune_main
+
+    message = _error(finetune_main, [
+        "--model_name_or_path", str(tmp_path / "run"), "--tokenizer_name_or_path", str(tmp_path / "bigtok"),
+        "--task_name", "sst2", "--train_file", str(GLUE / "sst2" / "dev.tsv"), "--output_dir", str(tmp_path / "ft"),
+        "--report_to", "none"])
+    assert "900 tokens" in message or "tokens but the model's embedding has" in message
+
+
+@pytest.mark.slow
+@needs_data
+def test_tensorboard_tracker_logs_loss_and_perplexity(corpus, tmp_path):
+    pytest.importorskip("tensorboard", reason="tensorboard is installed by the test extra: pip install -e .[test]")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    config = tiny_preset(tmp_path, "linear-gpt2-elu")
+    run_pretrain(pretrain_args(corpus, config, tmp_path / "tb", "--max_steps", 4, "--save_steps", 100,
+                               "--eval_steps", 2, "--report_to", "tensorboard"))
+    runs = [p.parent for p in (tmp_path / "tb").rglob("events.out.tfevents.*")]
+    assert runs, "no TensorBoard event file written"
+    events = EventAccumulator(str(runs[0]))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"loss", "learning_rate", "eval_loss", "perplexity"} <= tags
+    assert [e.step for e in events.Scalars("perplexity")] == [2, 4]
+    final = json.loads((tmp_path / "tb" / "train_results.json").read_text())["perplexity"]
+    assert events.Scalars("perplexity")[-1].value == pytest.approx(final, rel=1e-6)
+
+
+def test_hub_datasets_take_the_same_path_as_local_files(monkeypatch):
+    """--dataset_name asks `datasets` for the Hub dataset and config; the Hub's schema (ClassLabel ints, an idx
+    column, IMDB's test split as evaluation) comes out like local files do. The Hub itself is a stand-in here."""
+    from datasets import ClassLabel, Dataset, DatasetDict, Features, Value
+
+    from hf_linear_attn.pipeline import data
+
+    requested = []
+
+    def hub(name, config=None):
+        requested.append((name, config))
+        if name == "nyu-mll/glue":
+            features = Features({"question1": Value("string"), "question2": Value("string"),
+                                 "label": ClassLabel(names=["not_duplicate", "duplicate"]), "idx": Value("int32")})
+            rows = {"question1": ["a?", "b?"], "question2": ["c?", "d?"], "label": [1, 0], "idx": [0, 1]}
+            return DatasetDict({s: Dataset.from_dict(rows, features=features) for s in ("train", "validation", "test")})
+        features = Features({"text": Value("string"), "label": ClassLabel(names=["neg", "pos"])})
+        return DatasetDict({s: Dataset.from_dict({"text": [f"{s} review"], "label": [1]}, features=features)
+                            for s in ("train", "test", "unsupervised")})
+
+    monkeypatch.setattr(data, "load_dataset", hub)
+    qqp, split = data.load_task_data(data.get_task("qqp"), dataset_name="nyu-mll/glue")
+    assert requested[-1] == ("nyu-mll/glue", "qqp") and split == "nyu-mll/glue validation"
+    assert qqp["train"].column_names == ["question1", "question2", "label"] and qqp["train"]["label"] == [1, 0]
+    imdb, split = data.load_task_data(data.get_task("imdb"), dataset_name="stanfordnlp/imdb")
+    assert requested[-1] == ("stanfordnlp/imdb", None) and split == "stanfordnlp/imdb test"
+    assert imdb["validation"]["text"] == ["test review"]
 
 
 @needs_data
