@@ -333,6 +333,7 @@ def test_resume_and_tokenizer_mismatches_are_refused(corpus, tmp_path):
     train_bpe_tokenizer(lines, 900, "roberta", 64).save_pretrained(tmp_path / "bigtok")
     message = _error(main, big)
     assert "embedding has" in message and "use the model's own tokenizer" in message
+    assert not (tmp_path / "big").exists()  # a run that never started leaves nothing to trip over
     from finetune import main as finetune_main
 
     message = _error(finetune_main, [

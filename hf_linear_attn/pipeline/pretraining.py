@@ -64,7 +64,8 @@ class PretrainArguments:
     validation_split_percentage: float = field(default=5.0, metadata={
         "help": "% of train held out for validation when there is no validation split"})
     tokenizer_name_or_path: str | None = field(default=None, metadata={
-        "help": "tokenizer folder or Hub id; without it a byte-level BPE is trained on the corpus"})
+        "help": "tokenizer folder or Hub id; default: --model_name_or_path's, or (new models) a byte-level BPE "
+                "trained on the corpus"})
     tokenizer_vocab_size: int = field(default=8000, metadata={"help": "vocabulary of a tokenizer trained here"})
     max_seq_length: int = field(default=128)
     mlm_probability: float = field(default=0.15)
@@ -233,8 +234,8 @@ def claim_output_dir(args: PretrainArguments, accelerator: Accelerator) -> None:
 def load_tokenizer(args: PretrainArguments, accelerator: Accelerator, corpus, style: str, resuming: bool):
     """The given tokenizer, or (main process) a byte-level BPE trained on the corpus, saved into output_dir."""
     output_dir = Path(args.output_dir)
-    if args.tokenizer_name_or_path is not None:
-        source = args.tokenizer_name_or_path
+    if args.tokenizer_name_or_path is not None or args.model_name_or_path is not None:
+        source = args.tokenizer_name_or_path or args.model_name_or_path  # existing weights: their own tokenizer
     else:
         source = str(output_dir)
         if not resuming and accelerator.is_main_process:
@@ -385,13 +386,18 @@ def run_pretraining(args: PretrainArguments) -> dict:
             args.validation_split_percentage, args.seed)
     if resume_from is None:  # the inputs are readable: only now is output_dir emptied and claimed
         claim_output_dir(args, accelerator)
-    tokenizer = load_tokenizer(args, accelerator, corpus, "roberta" if objective == "mlm" else "gpt2",
-                               resuming=resume_from is not None)
-    set_seed(args.seed)  # the same initial weights whatever the tokenizer training consumed
-    model = build_model(args, config, tokenizer, objective)
-
-    with accelerator.main_process_first():
-        packed = pack_corpus(corpus, tokenizer, args.max_seq_length, objective)
+    try:
+        tokenizer = load_tokenizer(args, accelerator, corpus, "roberta" if objective == "mlm" else "gpt2",
+                                   resuming=resume_from is not None)
+        set_seed(args.seed)  # the same initial weights whatever the tokenizer training consumed
+        model = build_model(args, config, tokenizer, objective)
+        with accelerator.main_process_first():
+            packed = pack_corpus(corpus, tokenizer, args.max_seq_length, objective)
+    except PipelineError:
+        # a run that never started leaves no folder behind that a rerun would take for another run
+        if resume_from is None and accelerator.is_main_process:
+            shutil.rmtree(output_dir, ignore_errors=True)
+        raise
     valid = packed["validation"]
     if args.max_eval_samples is not None:
         valid = valid.select(range(min(args.max_eval_samples, len(valid))))
