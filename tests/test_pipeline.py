@@ -202,7 +202,7 @@ def test_pretrain_finetune_evaluate_and_push_end_to_end(corpus, tmp_path, monkey
     files = set(upload[2])
     auto_map = json.loads((out / "config.json").read_text())["auto_map"]
     code = {ref.split(".")[0] + ".py" for ref in auto_map.values()}
-    assert {"config.json", "model.safetensors", "README.md", "tokenizer.json", *code} <= files
+    assert {"config.json", "model.safetensors", "README.md", "tokenizer.json", "eval_results.json", *code} <= files
     assert {"modeling_linformer.py", "configuration_linformer.py"} <= files
     assert not any(f.endswith((".bin", ".pt", ".pkl")) or f.startswith("checkpoint-") for f in files)
 

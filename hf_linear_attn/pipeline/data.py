@@ -67,8 +67,7 @@ def _load_hub(name: str, config: str | None) -> DatasetDict:
     except Exception as error:
         raise PipelineError(
             f"could not load the Hub dataset {name!r} (config {config!r}): {describe_error(error)}. Offline, pass "
-            "local files "
-            "with --train_file / --validation_file instead."
+            "local files with --train_file / --validation_file instead."
         ) from error
 
 

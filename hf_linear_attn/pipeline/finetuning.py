@@ -54,13 +54,14 @@ class FinetuneArguments:
     trust_remote_code: bool = field(default=False)
 
 
-def _check_output_dir(output_dir: Path, args: FinetuneArguments, training: TrainingArguments) -> None:
+def _occupied(output_dir: Path, args: FinetuneArguments, training: TrainingArguments) -> bool:
+    """Whether output_dir holds another run to replace (an error unless --overwrite_output_dir)."""
     if not output_dir.exists() or not any(output_dir.iterdir()) or training.resume_from_checkpoint:
-        return
+        return False
     if not args.overwrite_output_dir:
         raise PipelineError(f"{output_dir} is not empty (it holds another run): pass --overwrite_output_dir to "
                             "replace it, --resume_from_checkpoint to continue it, or choose another --output_dir")
-    shutil.rmtree(output_dir)
+    return True
 
 
 def _load_tokenizer_and_config(args: FinetuneArguments, num_labels: int, label_names):
@@ -96,7 +97,7 @@ def run_finetuning(args: FinetuneArguments, training: TrainingArguments, argv=No
     """Fine-tune and evaluate; write eval_results.json and README.md; push when --push_to_hub. Returns metrics."""
     task = get_task(args.task_name)
     output_dir = Path(training.output_dir)
-    _check_output_dir(output_dir, args, training)
+    replace = _occupied(output_dir, args, training)
     data, eval_split = load_task_data(task, args.dataset_name, args.dataset_config_name, args.train_file,
                                       args.validation_file, args.validation_split_percentage, training.seed)
     if args.max_train_samples is not None:
@@ -117,6 +118,8 @@ def run_finetuning(args: FinetuneArguments, training: TrainingArguments, argv=No
         logits = prediction.predictions[0] if isinstance(prediction.predictions, tuple) else prediction.predictions
         return metric.compute(predictions=np.argmax(logits, axis=-1), references=prediction.label_ids)
 
+    if replace and training.process_index == 0:  # every input is valid: only now is the old run removed
+        shutil.rmtree(output_dir)
     push, repo_id = training.push_to_hub, training.hub_model_id or output_dir.name
     training.push_to_hub = False  # one upload at the end (model, code, card), not Trainer's per-save pushes
     trainer = Trainer(model=model, args=training, train_dataset=encoded["train"], eval_dataset=encoded["validation"],
@@ -136,7 +139,8 @@ def run_finetuning(args: FinetuneArguments, training: TrainingArguments, argv=No
     command = "python scripts/finetune.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     hyper = {"learning rate": training.learning_rate, "epochs": training.num_train_epochs,
              "batch size": training.per_device_train_batch_size * training.gradient_accumulation_steps,
-             "warmup steps (a fraction: of all steps)": training.warmup_steps, "weight decay": training.weight_decay, "seed": training.seed}
+             "warmup (steps, or a share of all steps if < 1)": training.warmup_steps,
+             "weight decay": training.weight_decay, "seed": training.seed}
     machine = f"{platform.machine()} {'CUDA' if torch.cuda.is_available() else 'CPU'}, torch {torch.__version__}"
     if trainer.is_world_process_zero():
         write_model_card(output_dir, repo_id=repo_id, config=model.config, base_model=args.model_name_or_path,
@@ -144,8 +148,9 @@ def run_finetuning(args: FinetuneArguments, training: TrainingArguments, argv=No
                          command=command, data_description=data_description, truncation_rule=rule,
                          max_seq_length=args.max_seq_length, hyperparameters=hyper, machine=machine,
                          template=Path(args.model_card_template))
-        if push:
+        (output_dir / "eval_results.json").write_text(json.dumps(metrics, indent=2))
+        if push:  # uploads the card and eval_results.json with the model
             metrics["hub_commit"] = push_folder(output_dir, repo_id, token=training.hub_token,
                                                 private=training.hub_private_repo)
-        (output_dir / "eval_results.json").write_text(json.dumps(metrics, indent=2))
+            (output_dir / "eval_results.json").write_text(json.dumps(metrics, indent=2))
     return metrics
