@@ -17,17 +17,15 @@ from pathlib import Path
 
 import torch
 from datasets import load_dataset
-from tokenizers import ByteLevelBPETokenizer
-from tokenizers.processors import RobertaProcessing
 from transformers import (
     AutoConfig,
     AutoModelForMaskedLM,
     DataCollatorForLanguageModeling,
-    PreTrainedTokenizerFast,
     get_linear_schedule_with_warmup,
 )
 
 import hf_linear_attn  # noqa: F401  (registers linformer / linear_roberta with the Auto classes)
+from hf_linear_attn.pipeline.data import train_bpe_tokenizer
 
 DEFAULT_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "wikitext-2"
 
@@ -63,19 +61,6 @@ def load_text(dataset: str):
     return raw.filter(lambda row: row["text"].strip() != "")
 
 
-def train_tokenizer(lines, vocab_size, max_length) -> PreTrainedTokenizerFast:
-    """A RoBERTa-style byte-level BPE tokenizer trained on the corpus."""
-    bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(lines, vocab_size=vocab_size, min_frequency=2,
-                            special_tokens=["<s>", "<pad>", "</s>", "<unk>", "<mask>"], show_progress=False)
-    backend = bpe._tokenizer
-    backend.post_processor = RobertaProcessing(("</s>", 2), ("<s>", 0))
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>",
-        mask_token="<mask>", cls_token="<s>", sep_token="</s>", model_max_length=max_length,
-    )
-
-
 def pack(raw_split, tokenizer, seq_len):
     """Full-sentence packing: concatenate the token stream and cut it into rows <s> ... </s> of seq_len."""
     ids = [t for row in tokenizer(list(raw_split["text"]), add_special_tokens=False, verbose=False)["input_ids"] for t in row]
@@ -99,7 +84,7 @@ def prepare_data(args, out_dir):
     """Byte-level BPE trained on WikiText-2 train (saved under out_dir), and packed train / validation rows."""
     torch.manual_seed(args.seed)
     raw = load_text(args.dataset)
-    tokenizer = train_tokenizer(list(raw["train"]["text"]), args.vocab_size, args.seq_len)
+    tokenizer = train_bpe_tokenizer(list(raw["train"]["text"]), args.vocab_size, "roberta", args.seq_len)
     tokenizer.save_pretrained(out_dir / "tokenizer")
     train_rows, valid_rows = pack(raw["train"], tokenizer, args.seq_len), pack(raw["validation"], tokenizer, args.seq_len)
     print(f"WikiText-2: {len(train_rows)} train rows, {len(valid_rows)} validation rows of {args.seq_len} tokens")

@@ -51,6 +51,14 @@ def pretrain_args(corpus, config, output_dir, *extra):
             "--logging_steps", "2", "--mixed_precision", "no", *map(str, extra)]
 
 
+def replaced(args, **flags):
+    """A copy of an argument list with the values of some flags replaced."""
+    args = list(args)
+    for flag, value in flags.items():
+        args[args.index(f"--{flag}") + 1] = str(value)
+    return args
+
+
 def run_pretrain(args, launcher=(sys.executable,), check=True):
     proc = subprocess.run([*launcher, str(REPO_ROOT / "scripts" / "pretrain.py"), *args], capture_output=True,
                           text=True, timeout=600, env=ENV)
@@ -109,9 +117,7 @@ def test_two_processes_under_accelerate_train_like_one_process_with_twice_the_ba
                 "29517")
     two = run_pretrain(pretrain_args(corpus, config, tmp_path / "two", *common), launcher=launcher)
     assert "2 process(es)" in two.stdout + two.stderr
-    args = pretrain_args(corpus, config, tmp_path / "one", *common)
-    args[args.index("--per_device_train_batch_size") + 1] = "8"
-    run_pretrain(args)
+    run_pretrain(replaced(pretrain_args(corpus, config, tmp_path / "one", *common), per_device_train_batch_size=8))
     assert sorted(p.name for p in (tmp_path / "two" / "checkpoints" / "step_0000003").iterdir()) == [
         "optimizer.bin", "pytorch_model.bin", "random_states_0.pkl", "random_states_1.pkl", "scheduler.bin",
         "trainer_state.json"]
@@ -281,32 +287,21 @@ def test_pretraining_refuses_bad_input_with_clear_errors(corpus, tmp_path):
     assert "not empty" in _error(main, args) and (tmp_path / "out" / "notes.txt").exists()
     assert "nothing to resume" in _error(main, [*args, "--resume"])
     # unreadable / unknown files
-    missing = pretrain_args(corpus, config, tmp_path / "a")
-    missing[missing.index("--train_file") + 1] = str(tmp_path / "nowhere.txt")
-    assert "file not found" in _error(main, missing)
+    fresh = pretrain_args(corpus, config, tmp_path / "fresh")
+    assert "file not found" in _error(main, replaced(fresh, train_file=tmp_path / "nowhere.txt"))
     odd = tmp_path / "corpus.xml"
     odd.write_text("<a/>")
-    bad_type = pretrain_args(corpus, config, tmp_path / "b")
-    bad_type[bad_type.index("--train_file") + 1] = str(odd)
-    bad_type[bad_type.index("--validation_file") + 1] = str(odd)
-    assert "unknown file type '.xml'" in _error(main, bad_type)
+    assert "unknown file type '.xml'" in _error(main, replaced(fresh, train_file=odd, validation_file=odd))
     broken = tmp_path / "broken.jsonl"
     broken.write_text('{"text": "fine"}\n{"text": "unterminated\n')
-    bad_json = pretrain_args(corpus, config, tmp_path / "c")
-    bad_json[bad_json.index("--train_file") + 1] = str(broken)
-    bad_json[bad_json.index("--validation_file") + 1] = str(broken)
-    assert "could not read" in _error(main, bad_json) and "broken.jsonl" in _error(main, bad_json)
+    message = _error(main, replaced(fresh, train_file=broken, validation_file=broken))
+    assert "could not read" in message and "broken.jsonl" in message
     wrong_column = tmp_path / "wrong.jsonl"
     wrong_column.write_text('{"body": "a line"}\n' * 5)
-    misnamed = pretrain_args(corpus, config, tmp_path / "d")
-    misnamed[misnamed.index("--train_file") + 1] = str(wrong_column)
-    misnamed[misnamed.index("--validation_file") + 1] = str(wrong_column)
-    message = _error(main, misnamed)
+    message = _error(main, replaced(fresh, train_file=wrong_column, validation_file=wrong_column))
     assert "no column ['text']" in message and "['body']" in message and "--text_column" in message
     # too long for the model's positions
-    long = pretrain_args(corpus, config, tmp_path / "e")
-    long[long.index("--max_seq_length") + 1] = "512"
-    assert "longer than the model allows (128" in _error(main, long)
+    assert "longer than the model allows (128" in _error(main, replaced(fresh, max_seq_length=512))
     # a config key the script does not know
     bad_config = tmp_path / "bad.json"
     bad_config.write_text(json.dumps({"max_stpes": 3}))
@@ -320,8 +315,8 @@ def test_resume_and_tokenizer_mismatches_are_refused(corpus, tmp_path):
 
     config = tiny_preset(tmp_path, "linear-roberta-elu")
     run_pretrain(pretrain_args(corpus, config, tmp_path / "run", "--max_steps", 2, "--save_steps", 1))
-    changed = pretrain_args(corpus, config, tmp_path / "run", "--max_steps", 2, "--save_steps", 1, "--resume")
-    changed[changed.index("--max_seq_length") + 1] = "24"
+    changed = replaced(pretrain_args(corpus, config, tmp_path / "run", "--max_steps", 2, "--save_steps", 1,
+                                     "--resume"), max_seq_length=24)
     assert "max_seq_length: 32 -> 24" in _error(main, changed)
     # continuing from weights with a tokenizer bigger than the embedding
     big = pretrain_args(corpus, config, tmp_path / "big")

@@ -104,8 +104,9 @@ def load_text_corpus(dataset_name=None, dataset_config_name=None, train_file=Non
         raise PipelineError(f"the dataset has no train split (splits: {list(raw)})")
     raw = DatasetDict({split: raw[split] for split in ("train", "validation") if split in raw})
     _require_columns(raw, (text_column,), "the text (set --text_column)")
-    raw = DatasetDict({s: d.select_columns([text_column]).rename_column(text_column, "text") if text_column != "text"
-                       else d.select_columns(["text"]) for s, d in raw.items()})
+    raw = raw.select_columns([text_column])
+    if text_column != "text":
+        raw = raw.rename_column(text_column, "text")
     raw = raw.filter(lambda batch: [isinstance(t, str) and t.strip() != "" for t in batch["text"]], batched=True)
     if "validation" in raw:
         return raw, "validation"

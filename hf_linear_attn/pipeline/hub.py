@@ -33,9 +33,9 @@ def describe_architecture(config) -> tuple[str, str]:
     for name in ("linformer_k", "linformer_sharing", "feature_map", "linformer_block_size"):
         if hasattr(config, name):
             extras.append(f"{name.replace('linformer_', '')} = {getattr(config, name)}")
-    label = f"{config.model_type} encoder/decoder ({size}{', ' if extras else ''}{', '.join(extras)})"
-    return label.replace("encoder/decoder", "decoder" if "gpt2" in config.model_type else "encoder"), ATTENTION.get(
-        config.model_type, "")
+    kind = "decoder" if "gpt2" in config.model_type else "encoder"
+    label = f"{config.model_type} {kind} ({', '.join([size, *extras])})"
+    return label, ATTENTION.get(config.model_type, "")
 
 
 def write_model_card(output_dir: Path, *, repo_id: str, config, base_model: str, task, metrics: dict,

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
-from torch.utils.data import DataLoader, Subset
+from torch.utils.data import DataLoader, StackDataset, Subset
 from tqdm.auto import tqdm
 from transformers import (
     AutoConfig,
@@ -344,8 +344,7 @@ def _items(batch, objective: str) -> int:
 def evaluate_perplexity(model, accelerator: Accelerator, rows: dict, batch_size: int, objective: str) -> dict:
     """Validation loss (mean over all predicted tokens of all processes) and its exp, the perplexity."""
     model.eval()
-    dataset = [{k: v[i] for k, v in rows.items()} for i in range(len(rows["input_ids"]))]
-    loader = accelerator.prepare_data_loader(DataLoader(dataset, batch_size=batch_size,
+    loader = accelerator.prepare_data_loader(DataLoader(StackDataset(**rows), batch_size=batch_size,
                                                         generator=torch.Generator().manual_seed(0)))
     loss_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
     count = torch.zeros((), dtype=torch.float64, device=accelerator.device)
@@ -433,7 +432,9 @@ def run_pretraining(args: PretrainArguments) -> dict:
     progress = tqdm(total=args.max_steps, initial=start_step, disable=not accelerator.is_local_main_process,
                     desc="pretraining")
     model.train()
-    metrics, started, running = {}, time.perf_counter(), []
+    metrics, started = {}, time.perf_counter()
+    running_loss = torch.zeros((), device=accelerator.device)  # this process's loss x tokens since the last log
+    running_items = 0  # tokens of every process since the last log
     for step in range(start_step, args.max_steps):
         micro = [next(stream) for _ in range(args.gradient_accumulation_steps)]
         if objective == "mlm":
@@ -444,25 +445,27 @@ def run_pretraining(args: PretrainArguments) -> dict:
         # the loss of the whole optimizer step is the mean over every predicted token of every process
         counts = [_items(b, objective) for b in micro]
         total = accelerator.reduce(torch.tensor(sum(counts), device=accelerator.device), "sum").item()
-        step_loss = 0.0
         for i, batch in enumerate(micro):
             sync = i == len(micro) - 1
             with nullcontext() if sync else accelerator.no_sync(model):
                 loss = model(**batch).loss
                 # DDP averages gradients over processes, hence * world
                 accelerator.backward(loss * (counts[i] * world / max(total, 1)))
-            step_loss += loss.detach().float() * counts[i]
+            running_loss += loss.detach().float() * counts[i]
         if args.max_grad_norm > 0:
             accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad()
-        running.append(accelerator.reduce(step_loss, "sum").item() / max(total, 1))
+        running_items += total
         progress.update(1)
         done = step + 1
         if done % args.logging_steps == 0 or done == args.max_steps:
-            logs = {"loss": sum(running) / len(running), "learning_rate": scheduler.get_last_lr()[0]}
-            running = []
+            # reduced only here: no extra synchronisation in the steps between logs
+            loss_sum = accelerator.reduce(running_loss, "sum").item()
+            logs = {"loss": loss_sum / max(running_items, 1), "learning_rate": scheduler.get_last_lr()[0]}
+            running_loss.zero_()
+            running_items = 0
             progress.set_postfix(loss=f"{logs['loss']:.3f}")
             accelerator.log(logs, step=done)
         if done % args.eval_steps == 0 or done == args.max_steps:
