@@ -49,18 +49,31 @@ class RobertaStyleAttention(nn.Module):
 
 
 class RobertaStyleLayer(GradientCheckpointingLayer):
-    """One post-LayerNorm encoder layer: attention, then GELU feed-forward (RoBERTa's layout)."""
+    """One post-LayerNorm encoder layer: attention, then GELU feed-forward (RoBERTa's layout).
+
+    ``config.chunk_size_feed_forward`` > 0 runs the feed-forward on that many positions at a time, as in RoBERTa:
+    same result, an n x intermediate_size activation never held at once (the last chunk may be shorter: unlike
+    transformers' helper, n need not be a multiple of the chunk size).
+    """
 
     def __init__(self, config, layer_idx: int, self_attention_class):
         super().__init__()
         self.attention = RobertaStyleAttention(config, self_attention_class(config, layer_idx))
         self.intermediate = RobertaIntermediate(config)
         self.output = RobertaOutput(config)
+        self.chunk_size_feed_forward = config.chunk_size_feed_forward
 
     def forward(self, hidden_states, key_mask=None, output_attentions=False, shared_projection=None):
         attention_output, weights = self.attention(hidden_states, key_mask, output_attentions, shared_projection)
-        layer_output = self.output(self.intermediate(attention_output), attention_output)
+        chunk = self.chunk_size_feed_forward
+        if chunk and chunk < attention_output.shape[1]:
+            layer_output = torch.cat([self.feed_forward(part) for part in attention_output.split(chunk, dim=1)], dim=1)
+        else:
+            layer_output = self.feed_forward(attention_output)
         return layer_output, weights
+
+    def feed_forward(self, attention_output):
+        return self.output(self.intermediate(attention_output), attention_output)
 
 
 class RobertaStyleEncoder(nn.Module):

@@ -48,12 +48,16 @@ def test_smoke_preset_writes_complete_tables_json_and_plots(tmp_path):
     generation = {(r["method"], r["context"]): r for r in results if r["kind"] == "generation"}
     new = PRESETS["smoke"]["new_tokens"]
     dims = PRESETS["smoke"]["decoder_dims"]
-    # the linear decoder's state does not grow with the context; GPT-2's cache holds every position (float32 k, v)
+    # the linear decoder's state does not grow with the context; GPT-2's cache holds every position's k and v in
+    # the model's dtype (auto: bfloat16 on CPUs with native bf16, else float32)
+    assert report["dtype"] in ("float32", "bfloat16") and f"Models in {report['dtype']}" in markdown
+    assert {r["dtype"] for r in results if r["kind"] != "kernel"} == {report["dtype"]}
+    element = torch.finfo(getattr(torch, report["dtype"])).bits // 8
     assert generation[("linear attention (state)", 32)]["cache_bytes"] == generation[
         ("linear attention (state)", 96)]["cache_bytes"]
     for context in (32, 96):
         assert generation[("gpt2 (key/value cache)", context)]["cache_bytes"] == (
-            dims["n_layer"] * 2 * (context + new) * dims["n_embd"] * 4)
+            dims["n_layer"] * 2 * (context + new) * dims["n_embd"] * element)
     for result in results:
         if result["kind"] == "kernel":
             assert 0 < result["fraction_of_peak"] and result["matmul_peak_gflops"] > 0

@@ -1,4 +1,4 @@
-"""Causal linear attention: chunkwise-parallel and recurrent forms against the quadratic masked form."""
+"""Causal linear attention: chunked (scan and parallel) and recurrent forms against the quadratic masked form."""
 
 import pytest
 import torch
@@ -16,13 +16,14 @@ def causal_quadratic_reference(phi_q, phi_k, v, eps):
 
 @pytest.mark.parametrize("n, chunk", [(32, 8), (37, 8), (5, 8), (64, 64), (1, 4)])
 @pytest.mark.parametrize("name", ["elu", "favor", "hedgehog"])
-def test_chunked_equals_quadratic_masked_form_values_and_gradients(n, chunk, name):
+@pytest.mark.parametrize("form", ["scan", "parallel"])
+def test_chunked_equals_quadratic_masked_form_values_and_gradients(n, chunk, name, form):
     torch.manual_seed(0)
     feature_map = build_feature_map(name, 3, 8, num_random_features=16, causal=True)
     q, k, v = qkv(n=n)
     for t in (q, k, v):
         t.requires_grad_(True)
-    out, (s, z) = causal_linear_attention(feature_map(q, True), feature_map(k, False), v, chunk_size=chunk)
+    out, (s, z) = causal_linear_attention(feature_map(q, True), feature_map(k, False), v, chunk_size=chunk, form=form)
     ref = causal_quadratic_reference(feature_map(q, True), feature_map(k, False), v, 1e-6)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-4)
     grad = torch.randn_like(out)
@@ -33,6 +34,44 @@ def test_chunked_equals_quadratic_masked_form_values_and_gradients(n, chunk, nam
     phi_k = feature_map(k, False).double()
     torch.testing.assert_close(s.double(), phi_k.transpose(-1, -2) @ v.double(), atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(z.double(), phi_k.sum(-2), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("form", ["scan", "parallel"])
+def test_gradients_through_the_initial_and_final_state(form):
+    """Continuing from a state (S_0, z_0) with a loss on both the outputs and the final state: every gradient,
+    state ones included, equals autograd through the explicit per-position sums in float64."""
+    torch.manual_seed(1)
+    phi = build_feature_map("elu", 3, 8)
+    q, k, v = qkv(n=21)
+    s0 = torch.rand(2, 3, 8, 8, dtype=torch.float64, requires_grad=True)
+    z0 = torch.rand(2, 3, 8, dtype=torch.float64, requires_grad=True)
+    leaves = (q, k, v, s0, z0)
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    out, (s, z) = causal_linear_attention(phi(q, True), phi(k, False), v, chunk_size=8, state=(s0, z0), form=form)
+    phi_q, phi_k, vd = phi(q, True).double(), phi(k, False).double(), v.double()
+    s_t = s0.unsqueeze(2) + torch.cumsum(phi_k.unsqueeze(-1) * vd.unsqueeze(-2), dim=2)  # (B, H, n, m, d)
+    z_t = z0.unsqueeze(2) + torch.cumsum(phi_k, dim=2)
+    ref = torch.einsum("bhnm,bhnmd->bhnd", phi_q, s_t) / ((phi_q * z_t).sum(-1, keepdim=True) + 1e-6)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-4)
+    g_out, g_s, g_z = torch.randn_like(out), torch.randn_like(s), torch.randn_like(z)
+    got = torch.autograd.grad((out * g_out).sum() + (s * g_s).sum() + (z * g_z).sum(), leaves)
+    loss = (ref * g_out.double()).sum() + (s_t[:, :, -1] * g_s.double()).sum() + (z_t[:, :, -1] * g_z.double()).sum()
+    want = torch.autograd.grad(loss, leaves)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.double(), w.double(), atol=1e-5, rtol=1e-4)
+
+
+def test_scan_and_parallel_forms_agree_at_length():
+    phi = build_feature_map("elu", 4, 16)
+    q, k, v = qkv(b=1, h=4, n=1000, d=16)
+    scan, (s1, z1) = causal_linear_attention(phi(q, True), phi(k, False), v, chunk_size=64, form="scan")
+    par, (s2, z2) = causal_linear_attention(phi(q, True), phi(k, False), v, chunk_size=64, form="parallel")
+    torch.testing.assert_close(scan, par, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(s1, s2, atol=1e-3, rtol=1e-5)
+    torch.testing.assert_close(z1, z2, atol=1e-3, rtol=1e-5)
+    with pytest.raises(ValueError, match="form must be"):
+        causal_linear_attention(phi(q, True), phi(k, False), v, form="fast")
 
 
 def test_future_tokens_do_not_change_earlier_outputs():

@@ -145,6 +145,28 @@ def test_gradient_checkpointing_gives_the_same_gradients():
             torch.testing.assert_close(grads[0][name], grads[1][name], atol=1e-6, rtol=1e-5)
 
 
+def test_chunked_feed_forward_matches_unchunked():
+    """config.chunk_size_feed_forward (RoBERTa's option) gives the same outputs and gradients, like stock RoBERTa's."""
+    for variant in ("linformer-layerwise", "linear-elu"):
+        torch.manual_seed(0)
+        model = AutoModelForMaskedLM.from_config(FAMILY_VARIANTS[variant]()).train()
+        ids = random_ids(2, 24)
+        results = []
+        for chunk in (0, 5):  # 5 does not divide 24: the last chunk is shorter
+            for layer in model.roberta.encoder.layer:
+                layer.chunk_size_feed_forward = chunk
+            model.zero_grad()
+            torch.manual_seed(1)
+            out = model(ids, labels=ids)
+            out.loss.backward()
+            results.append((out.logits, model.roberta.encoder.layer[0].intermediate.dense.weight.grad.clone()))
+        torch.testing.assert_close(results[0][0], results[1][0])
+        torch.testing.assert_close(results[0][1], results[1][1])
+    config = FAMILY_VARIANTS["linear-elu"]()
+    config.chunk_size_feed_forward = 6
+    assert AutoModel.from_config(config).encoder.layer[-1].chunk_size_feed_forward == 6
+
+
 def test_bf16_autocast_matches_float32():
     for variant in ("linformer-headwise", "linear-elu", "linear-favor"):
         torch.manual_seed(0)

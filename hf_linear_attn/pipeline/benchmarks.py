@@ -26,20 +26,20 @@ PRESETS = {
                   kernel_n=[256], encoder_dims=dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
                                                     intermediate_size=128),
                   decoder_dims=dict(n_embd=64, n_layer=2, n_head=2, n_inner=128), vocab_size=512,
-                  new_tokens=4, repeats=2, timeout=300),
+                  ffn_chunk=32, new_tokens=4, repeats=2, timeout=300),
     "quick": dict(encoder_n=[512, 1024, 2048], encoder_k=[128, 256], decoder_n=[1024, 2048],
                   generation_context=[256, 1024, 4096], kernel_n=[2048, 8192],
                   encoder_dims=dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
                                     intermediate_size=3072),
                   decoder_dims=dict(n_embd=768, n_layer=2, n_head=12, n_inner=3072), vocab_size=50265,
-                  new_tokens=16, repeats=3, timeout=900),
+                  ffn_chunk=512, new_tokens=16, repeats=3, timeout=900),
     "full": dict(encoder_n=[512, 1024, 2048, 4096, 8192, 16384], encoder_k=[128, 256, 512],
                  decoder_n=[1024, 2048, 4096, 8192, 16384], generation_context=[256, 1024, 4096, 16384],
                  kernel_n=[1024, 4096, 8192, 16384],
                  encoder_dims=dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
                                    intermediate_size=3072),
                  decoder_dims=dict(n_embd=768, n_layer=2, n_head=12, n_inner=3072), vocab_size=50265,
-                 new_tokens=32, repeats=5, timeout=3600),
+                 ffn_chunk=512, new_tokens=32, repeats=5, timeout=3600),
 }
 
 
@@ -94,9 +94,10 @@ class PeakMemory:
             self.extra = _rss_bytes("VmHWM") - self.start
 
 
-def median_seconds(fn, repeats: int, device: str) -> float:
-    """Median wall time of fn() over `repeats` calls after one warm-up call."""
-    fn()
+def median_seconds(fn, repeats: int, device: str, warmup: bool = True) -> float:
+    """Median wall time of fn() over `repeats` calls, after one warm-up call unless the caller made it."""
+    if warmup:
+        fn()
     times = []
     for _ in range(repeats):
         if device == "cuda":
@@ -120,13 +121,15 @@ def _encoder(spec, device):
     n = spec["n"]
     extra = {"linformer_k": spec["k"], "linformer_sharing": "layerwise"} if spec["model"] == "linformer" else {}
     config = AutoConfig.for_model(spec["model"], vocab_size=spec["vocab_size"], max_position_embeddings=n + 2,
-                                  type_vocab_size=1, pad_token_id=1, **spec["dims"], **extra)
+                                  type_vocab_size=1, pad_token_id=1, chunk_size_feed_forward=spec["ffn_chunk"],
+                                  **spec["dims"], **extra)
     kwargs = {"attn_implementation": spec["attn"]} if spec["model"] == "roberta" else {}
-    model = AutoModel.from_config(config, **kwargs).to(device).eval()
+    model = AutoModel.from_config(config, **kwargs).to(device, getattr(torch, spec["dtype"])).eval()
     ids = torch.randint(3, spec["vocab_size"], (1, n), device=device)
     with torch.no_grad():
+        model(input_ids=ids)  # warm-up outside the memory window: one-time library caches are not activations
         with PeakMemory(device) as memory:
-            seconds = median_seconds(lambda: model(input_ids=ids), spec["repeats"], device)
+            seconds = median_seconds(lambda: model(input_ids=ids), spec["repeats"], device, warmup=False)
     return {"seconds": seconds, "activation_bytes": memory.extra}
 
 
@@ -136,8 +139,9 @@ def _decoder_model(spec, device, n_positions):
     import hf_linear_attn  # noqa: F401
 
     extra = {"linformer_k": spec["k"], "linformer_block_size": spec["block"]} if spec["model"] == "linformer_gpt2" else {}
+    dropout = {} if spec.get("dropout", True) else dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     config = AutoConfig.for_model(spec["model"], vocab_size=spec["vocab_size"], n_positions=n_positions,
-                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **spec["dims"], **extra)
+                                  **dropout, **spec["dims"], **extra)
     kwargs = {"attn_implementation": "sdpa"} if spec["model"] == "gpt2" else {}
     return AutoModelForCausalLM.from_config(config, **kwargs).to(device)
 
@@ -147,12 +151,17 @@ def _decoder_train(spec, device):
     model = _decoder_model(spec, device, n).train()
     ids = torch.randint(0, spec["vocab_size"], (1, n), device=device)
 
+    mixed = spec["dtype"] != "float32"  # float32 weights under autocast, as the training scripts run
+
     def step():
         model.zero_grad(set_to_none=True)
-        model(input_ids=ids, labels=ids).loss.backward()
+        with torch.autocast(device_type=device, dtype=getattr(torch, spec["dtype"]), enabled=mixed):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
 
+    step()  # warm-up outside the memory window; zero_grad(set_to_none) frees its gradients again
     with PeakMemory(device) as memory:
-        seconds = median_seconds(step, spec["repeats"], device)
+        seconds = median_seconds(step, spec["repeats"], device, warmup=False)
     return {"seconds": seconds, "peak_bytes": memory.extra}
 
 
@@ -164,7 +173,7 @@ def _cache_bytes(cache) -> int:
 
 def _generation(spec, device):
     context, new = spec["context"], spec["new_tokens"]
-    model = _decoder_model(spec, device, context + new + 1).eval()
+    model = _decoder_model(spec, device, context + new + 1).to(getattr(torch, spec["dtype"])).eval()
     prompt = torch.randint(0, spec["vocab_size"], (1, context), device=device)
     per_token = []
     with torch.no_grad():
@@ -247,12 +256,21 @@ def run_isolated(spec: dict, timeout: float) -> dict:
 # --------------------------------------------------------------------------------------------------- suites
 
 
-def configurations(preset: dict) -> list[dict]:
-    """Every configuration of a preset, in the order they run."""
-    common = {"repeats": preset["repeats"], "vocab_size": preset["vocab_size"]}
+def resolve_dtype(choice: str) -> str:
+    """'auto' -> bfloat16 where the hardware computes in bf16 natively (as the training scripts decide), else float32."""
+    if choice != "auto":
+        return choice
+    from .pretraining import resolve_mixed_precision
+
+    return "bfloat16" if resolve_mixed_precision("auto") == "bf16" else "float32"
+
+
+def configurations(preset: dict, dtype: str = "float32") -> list[dict]:
+    """Every configuration of a preset, in the order they run; model suites in `dtype` (kernels: both dtypes)."""
+    common = {"repeats": preset["repeats"], "vocab_size": preset["vocab_size"], "dtype": dtype}
     specs = []
     for n in preset["encoder_n"]:
-        enc = {**common, "kind": "encoder", "n": n, "dims": preset["encoder_dims"]}
+        enc = {**common, "kind": "encoder", "n": n, "dims": preset["encoder_dims"], "ffn_chunk": preset["ffn_chunk"]}
         specs += [{**enc, "method": "roberta eager", "model": "roberta", "attn": "eager"},
                   {**enc, "method": "roberta sdpa", "model": "roberta", "attn": "sdpa"},
                   {**enc, "method": "linear attention", "model": "linear_roberta"}]
@@ -261,7 +279,12 @@ def configurations(preset: dict) -> list[dict]:
     dec = {**common, "dims": preset["decoder_dims"]}
     block, k = max(16, preset["decoder_n"][0] // 4), max(4, preset["decoder_n"][0] // 16)
     for n in preset["decoder_n"]:
+        # Every model with its default dropout (0.1), as it trains; with attention dropout PyTorch's CPU SDPA takes
+        # its math path (an n x n matrix per head), so GPT-2 also runs without dropout, where SDPA uses its flash
+        # kernel: today's best softmax on the same hardware.
         specs += [{**dec, "kind": "decoder_train", "n": n, "method": "gpt2 sdpa", "model": "gpt2"},
+                  {**dec, "kind": "decoder_train", "n": n, "method": "gpt2 sdpa, no dropout", "model": "gpt2",
+                   "dropout": False},
                   {**dec, "kind": "decoder_train", "n": n, "method": "linear attention", "model": "linear_gpt2"},
                   {**dec, "kind": "decoder_train", "n": n, "method": f"causal linformer k={k} b={block}",
                    "model": "linformer_gpt2", "k": k, "block": block}]
@@ -312,12 +335,13 @@ def tables(results: list[dict]) -> str:
                     out.append(f"| {n} | " + " | ".join(row) + " |")
                 out.append("")
     for kind, title, columns in (
-        ("decoder_train", "Decoder training step (forward + backward, batch 1)",
+        ("decoder_train", "Decoder training step (forward + backward, batch 1; peak MB: above the weights)",
          (("seconds", "s", lambda v: f"{v:.3f}"), ("peak_bytes", "peak MB", _mb))),
         ("generation", "Generation, batch 1 (per token after a prompt of `context` tokens)",
          (("seconds_per_token", "ms / token", lambda v: f"{1000 * v:.2f}"),
           ("tokens_per_second", "tokens / s", lambda v: f"{v:.1f}"), ("cache_bytes", "cache MB", _mb))),
-        ("kernel", "Linear-attention kernels (forward), against the measured matmul peak",
+        ("kernel", "Linear-attention kernels (forward; inputs in the dtype named, computed in float32 by design), "
+                   "against the measured matmul peak of that dtype",
          (("seconds", "s", lambda v: f"{v:.4f}"), ("gflops", "GFLOP/s", lambda v: f"{v:.1f}"),
           ("matmul_peak_gflops", "matmul peak GFLOP/s", lambda v: f"{v:.1f}"),
           ("fraction_of_peak", "% of peak", lambda v: f"{100 * v:.1f}"))),
@@ -372,21 +396,27 @@ def plots(results: list[dict], folder: Path) -> list[Path]:
     return written
 
 
-def run_suite(preset_name: str, output_dir: Path, only: list[str] | None = None) -> dict:
+def run_suite(preset_name: str, output_dir: Path, only: list[str] | None = None, dtype: str = "auto") -> dict:
     """Run every configuration of a preset; write results.json, results.md and the plots into output_dir."""
     preset = PRESETS[preset_name]
+    dtype = resolve_dtype(dtype)
     output_dir.mkdir(parents=True, exist_ok=True)
     results = []
-    for spec in configurations(preset):
+    for spec in configurations(preset, dtype):
         if only and spec["kind"] not in only:
             continue
         measured = run_isolated(spec, preset["timeout"])
         results.append({**{k: v for k, v in spec.items() if k not in ("dims",)}, **measured})
         print(f"{spec['kind']:14s} {spec.get('n', spec.get('context')):>6} {spec['method']:34s} {measured}", flush=True)
     report = {"preset": preset_name, "machine": describe_machine(), "command": " ".join(sys.argv),
-              "date": time.strftime("%Y-%m-%d"), "results": results}
+              "date": time.strftime("%Y-%m-%d"), "dtype": dtype, "ffn_chunk": preset["ffn_chunk"],
+              "results": results}
     (output_dir / "results.json").write_text(json.dumps(report, indent=2))
-    markdown = f"Preset `{preset_name}` on {report['machine']} ({report['date']}).\n\n" + tables(results)
+    markdown = (f"Preset `{preset_name}` on {report['machine']} ({report['date']}), `{report['command']}`.\n\n"
+                f"Models in {dtype} (inference: weights in {dtype}; training: float32 weights under autocast to "
+                f"{dtype}); every encoder, stock RoBERTa included, with `chunk_size_feed_forward={preset['ffn_chunk']}`; "
+                "decoders with their default dropout unless the method says otherwise; memory is measured after "
+                "one warm-up call.\n\n" + tables(results))
     (output_dir / "results.md").write_text(markdown)
     plots(results, output_dir)
     return report
@@ -397,12 +427,15 @@ def main(argv=None):
     parser.add_argument("--preset", choices=sorted(PRESETS), default="quick")
     parser.add_argument("--output_dir", default="outputs/benchmarks")
     parser.add_argument("--only", nargs="*", choices=sorted(KINDS), help="run only these suites")
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                        help="model suites: inference in this dtype, training under autocast to it (auto: bfloat16 "
+                             "where the hardware computes in bf16 natively, as the training scripts decide)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: measure one configuration, print JSON
     args = parser.parse_args(argv)
     if args.one:
         print(json.dumps(run_one(json.loads(args.one))))
         return None
-    report = run_suite(args.preset, Path(args.output_dir), args.only)
+    report = run_suite(args.preset, Path(args.output_dir), args.only, args.dtype)
     print(f"\n{tables(report['results'])}\nwrote {args.output_dir}/results.json, results.md and PNG plots")
     return report
 
