@@ -52,6 +52,12 @@ def project_sequence(x: torch.Tensor, projection: torch.Tensor, key_mask: torch.
         )
     if key_mask is not None:
         x = torch.where(key_mask[:, None, :, None], x, 0.0)
+    if projection.shape[0] == 1:
+        # One matrix for every head: project the (B, n, H * d) layout the heads were split from. Free when x is
+        # that split view, and E is never expanded to one copy per head (a (B, H, k, n) temporary).
+        batch, heads, _, d = x.shape
+        flat = x.transpose(1, 2).reshape(batch, n, heads * d)
+        return torch.matmul(projection[0, :, :n].to(x.dtype), flat).view(batch, -1, heads, d).transpose(1, 2)
     return torch.matmul(projection[..., :n].to(x.dtype), x)
 
 

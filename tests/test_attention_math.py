@@ -44,17 +44,23 @@ def test_linformer_with_identity_projection_equals_softmax_attention():
     torch.testing.assert_close(fast, out, atol=1e-5, rtol=1e-5)
 
 
-def test_linformer_projection_slices_first_columns_and_drops_pads():
+@pytest.mark.parametrize("matrices", [3, 1])  # one matrix per head, or one shared by the heads
+@pytest.mark.parametrize("layout", ["contiguous", "head-split view"])
+def test_linformer_projection_slices_first_columns_and_drops_pads(matrices, layout):
     g = torch.Generator().manual_seed(1)
     x = torch.randn(2, 3, 5, 4, generator=g)
-    e = torch.randn(3, 7, 9, generator=g)  # one matrix per head, max length 9
+    if layout == "head-split view":  # as the models make it: (B, n, H * d) -> (B, H, n, d) without a copy
+        x = x.transpose(1, 2).contiguous().transpose(1, 2)
+    e = torch.randn(matrices, 7, 9, generator=g)  # max length 9
     mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]], dtype=torch.bool)
     x[1, :, 3:] = float("nan")  # pad rows must not leak, even as NaN
-    out = project_sequence(x, e, mask)
-    for b, n_real in ((0, 5), (1, 3)):
-        for h in range(3):
-            expected = sum(e[h, :, j, None] * x[b, h, j] for j in range(n_real))  # hand sum over real rows
-            torch.testing.assert_close(out[b, h], expected)
+    for key_mask, real in ((mask, (5, 3)), (None, (5, 5))):
+        out = project_sequence(x.nan_to_num() if key_mask is None else x, e, key_mask)
+        assert out.shape == (2, 3, 7, 4)
+        for b, n_real in enumerate(real):
+            for h in range(3):
+                expected = sum(e[h % matrices, :, j, None] * x[b, h, j].nan_to_num() for j in range(n_real))
+                torch.testing.assert_close(out[b, h], expected)
     with pytest.raises(ValueError, match="exceeds the Linformer projection length 9"):
         project_sequence(torch.randn(1, 1, 10, 4), e)
 

@@ -2,12 +2,14 @@
 
 Each configuration runs in a fresh Python process (`python -m hf_linear_attn.pipeline.benchmarks --one SPEC`), so
 one configuration's memory never inflates another's and an out-of-memory kill costs only that configuration.
-Memory on CPU: the process's peak resident set (VmHWM, reset through /proc/self/clear_refs after the model is
-built) minus its resident set before the measured calls; on CUDA: `torch.cuda.max_memory_allocated` minus the
-memory allocated before them. Times are medians over repeated calls after a warm-up call.
+Times are medians over repeated calls after a warm-up call. Memory is then measured on one more call: on CPU the
+process's peak resident set (VmHWM, reset through /proc/self/clear_refs) minus its resident set before the call,
+with glibc told to return freed blocks at once (see `release_freed_memory_at_once`); on CUDA
+`torch.cuda.max_memory_allocated` minus the memory allocated before it.
 """
 
 import argparse
+import ctypes
 import gc
 import json
 import os
@@ -94,10 +96,40 @@ class PeakMemory:
             self.extra = _rss_bytes("VmHWM") - self.start
 
 
-def median_seconds(fn, repeats: int, device: str, warmup: bool = True) -> float:
-    """Median wall time of fn() over `repeats` calls, after one warm-up call unless the caller made it."""
-    if warmup:
+def release_freed_memory_at_once(device: str) -> None:
+    """From now on, let every freed block over 64 kB leave the resident set (CPU, glibc), so VmHWM sees true peaks.
+
+    glibc keeps freed blocks below its adaptive mmap threshold (up to 32 MB) in the heap; a later call reuses them
+    without raising the peak resident set, so a measurement after a warm-up would miss most of a model's
+    activations. Called after the timed calls: it makes allocation slower, not the memory figures different.
+    """
+    if device != "cpu":
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return  # not glibc: nothing retained this way that we know of
+    m_mmap_threshold = -3
+    libc.mallopt(m_mmap_threshold, 64 * 1024)
+    libc.malloc_trim(0)
+
+
+def measured(fn, repeats: int, device: str) -> tuple[float, int]:
+    """(median seconds of fn over `repeats` calls after a warm-up call, peak extra bytes of one more call).
+
+    Time first, with the allocator as users have it; memory last, of a single call after the warm-up (one-time
+    library caches are not activations), with freed memory released at once.
+    """
+    seconds = median_seconds(fn, repeats, device)
+    release_freed_memory_at_once(device)
+    with PeakMemory(device) as memory:
         fn()
+    return seconds, memory.extra
+
+
+def median_seconds(fn, repeats: int, device: str) -> float:
+    """Median wall time of fn() over `repeats` calls after one warm-up call."""
+    fn()
     times = []
     for _ in range(repeats):
         if device == "cuda":
@@ -127,10 +159,8 @@ def _encoder(spec, device):
     model = AutoModel.from_config(config, **kwargs).to(device, getattr(torch, spec["dtype"])).eval()
     ids = torch.randint(3, spec["vocab_size"], (1, n), device=device)
     with torch.no_grad():
-        model(input_ids=ids)  # warm-up outside the memory window: one-time library caches are not activations
-        with PeakMemory(device) as memory:
-            seconds = median_seconds(lambda: model(input_ids=ids), spec["repeats"], device, warmup=False)
-    return {"seconds": seconds, "activation_bytes": memory.extra}
+        seconds, extra = measured(lambda: model(input_ids=ids), spec["repeats"], device)
+    return {"seconds": seconds, "activation_bytes": extra}
 
 
 def _decoder_model(spec, device, n_positions):
@@ -159,10 +189,8 @@ def _decoder_train(spec, device):
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
 
-    step()  # warm-up outside the memory window; zero_grad(set_to_none) frees its gradients again
-    with PeakMemory(device) as memory:
-        seconds = median_seconds(step, spec["repeats"], device, warmup=False)
-    return {"seconds": seconds, "peak_bytes": memory.extra}
+    seconds, extra = measured(step, spec["repeats"], device)  # zero_grad(set_to_none) frees each step's gradients
+    return {"seconds": seconds, "peak_bytes": extra}
 
 
 def _cache_bytes(cache) -> int:
@@ -416,7 +444,7 @@ def run_suite(preset_name: str, output_dir: Path, only: list[str] | None = None,
                 f"Models in {dtype} (inference: weights in {dtype}; training: float32 weights under autocast to "
                 f"{dtype}); every encoder, stock RoBERTa included, with `chunk_size_feed_forward={preset['ffn_chunk']}`; "
                 "decoders with their default dropout unless the method says otherwise; memory is measured after "
-                "one warm-up call.\n\n" + tables(results))
+                "the timed calls, on one more call.\n\n" + tables(results))
     (output_dir / "results.md").write_text(markdown)
     plots(results, output_dir)
     return report
