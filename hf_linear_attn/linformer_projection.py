@@ -77,6 +77,17 @@ def linformer_attention(
     """
     projected_k = project_sequence(k, key_projection, key_mask)
     projected_v = project_sequence(v, value_projection, key_mask)
+    return projected_attention(q, projected_k, projected_v, dropout, need_weights)
+
+
+def projected_attention(
+    q: torch.Tensor,
+    projected_k: torch.Tensor,
+    projected_v: torch.Tensor,
+    dropout: float = 0.0,
+    need_weights: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """softmax(Q K_p^T / sqrt(d)) V_p on already projected keys / values (B, H, k, d): the second half of Linformer."""
     if not need_weights:
         return F.scaled_dot_product_attention(q, projected_k, projected_v, dropout_p=dropout), None
     scores = torch.matmul(q, projected_k.transpose(-1, -2)) * q.shape[-1] ** -0.5

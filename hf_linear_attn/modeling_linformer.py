@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from .configuration_linformer import LinformerConfig
-from .linformer_projection import LinformerProjection, linformer_attention
+from .linformer_projection import LinformerProjection, project_sequence, projected_attention
 from .modeling_roberta_style import (
     RobertaStyleForMaskedLM,
     RobertaStyleForMultipleChoice,
@@ -58,14 +58,17 @@ class LinformerSelfAttention(nn.Module):
         return x.reshape(*x.shape[:2], self.num_heads, self.head_dim).transpose(1, 2)
 
     def forward(self, hidden_states, key_mask=None, output_attentions=False, shared_projection=None):
-        q, k, v = (self._split_heads(proj(hidden_states)) for proj in (self.query, self.key, self.value))
         if self.sharing == "layerwise":
             key_projection = value_projection = shared_projection.weight
         else:
             key_projection = self.key_projection.weight
             value_projection = key_projection if self.sharing == "key-value" else self.value_projection.weight
-        output, weights = linformer_attention(
-            q, k, v, key_projection, value_projection, key_mask,
+        # K and V are projected to k rows as soon as each is computed: the n-row K and V are never alive together
+        # with Q, which lowers the peak activation memory at long n.
+        projected_k = project_sequence(self._split_heads(self.key(hidden_states)), key_projection, key_mask)
+        projected_v = project_sequence(self._split_heads(self.value(hidden_states)), value_projection, key_mask)
+        output, weights = projected_attention(
+            self._split_heads(self.query(hidden_states)), projected_k, projected_v,
             dropout=self.dropout if self.training else 0.0, need_weights=output_attentions,
         )
         return output.transpose(1, 2).reshape(hidden_states.shape), weights

@@ -181,8 +181,8 @@ def test_distillation_brings_converted_students_closer_to_a_trained_teacher(corp
                                                  ("linformer", {"linformer_k": 8}))),
                             ("gpt2-softmax", (("linear_gpt2", {"feature_map": "hedgehog"}),))):
         teacher_dir = tmp_path / preset
-        run_pretrain(pretrain_args(corpus, tiny_preset(tmp_path, preset), teacher_dir, "--max_steps", 150,
-                                   "--learning_rate", "2e-3", "--eval_steps", 150, "--save_steps", 150))
+        run_pretrain(pretrain_args(corpus, tiny_preset(tmp_path, preset), teacher_dir, "--max_steps", 600,
+                                   "--learning_rate", "2e-3", "--eval_steps", 600, "--save_steps", 600))
         for target, options in targets:
             out = tmp_path / f"{preset}-{target}"
             flags = [f"--{k}={v}" for k, v in options.items()]

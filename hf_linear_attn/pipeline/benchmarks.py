@@ -118,10 +118,11 @@ def measured(fn, repeats: int, device: str) -> tuple[float, int]:
     """(median seconds of fn over `repeats` calls after a warm-up call, peak extra bytes of one more call).
 
     Time first, with the allocator as users have it; memory last, of a single call after the warm-up (one-time
-    library caches are not activations), with freed memory released at once.
+    library caches are not activations) and after one more call under the new allocator settings.
     """
     seconds = median_seconds(fn, repeats, device)
     release_freed_memory_at_once(device)
+    fn()  # settles the heap after the trim: its pages fault back in here, not inside the measurement
     with PeakMemory(device) as memory:
         fn()
     return seconds, memory.extra

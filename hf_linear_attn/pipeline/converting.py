@@ -56,8 +56,8 @@ def _rows(args, tokenizer, objective: str):
     corpus, _ = load_text_corpus(args.dataset_name, args.dataset_config_name, args.train_file, args.validation_file,
                                  args.text_column, args.validation_split_percentage, args.seed)
     packed = pack_corpus(corpus, tokenizer, args.distill_max_length, objective)
-    return (torch.tensor(packed["train"]["input_ids"]),
-            torch.tensor(packed["validation"]["input_ids"])[: args.eval_rows])
+    train, validation = (packed[split].with_format("torch")[:]["input_ids"] for split in ("train", "validation"))
+    return train, validation[: args.eval_rows]
 
 
 def run_conversion(args: ConvertArguments) -> dict:
