@@ -4,11 +4,12 @@ import json
 import subprocess
 import sys
 
+import convert as convert_script  # scripts/convert.py
 import pytest
 import torch
 from conftest import REPO_ROOT, TINY, TINY_DECODER, random_ids
 from safetensors.torch import load_file, save_file
-from test_pipeline import ENV, corpus, needs_data, pretrain_args, run_pretrain, tiny_preset  # noqa: F401
+from test_pipeline import ENV, GLUE, corpus, needs_data, pretrain_args, run_pretrain, tiny_preset  # noqa: F401
 from transformers import (
     AutoModelForMaskedLM,
     BertConfig,
@@ -24,8 +25,6 @@ from hf_linear_attn.linformer_projection import project_sequence
 from hf_linear_attn.pipeline.conversion import convert, extend_max_length
 from hf_linear_attn.pipeline.data import PipelineError
 from hf_linear_attn.pipeline.distillation import distill
-
-import convert as convert_script  # scripts/convert.py
 
 STOCK_ROBERTA = dict(TINY, type_vocab_size=1, layer_norm_eps=1e-5)
 STOCK_GPT2 = {k: v for k, v in TINY_DECODER.items() if k != "initializer_range"}
@@ -198,3 +197,13 @@ def test_distillation_brings_converted_students_closer_to_a_trained_teacher(corp
                 assert gap_after < gap_before, (preset, target, result)
             saved = json.loads((out / "conversion_report.json").read_text())
             assert saved["distillation"] == result
+    # the distilled student is an ordinary checkpoint: the fine-tuning script takes it as it is
+    from finetune import main as finetune_main
+
+    metrics = finetune_main([
+        "--config", str(REPO_ROOT / "configs" / "finetune" / "cpu-sst2.json"),
+        "--model_name_or_path", str(tmp_path / "roberta-softmax-linear_roberta"), "--output_dir", str(tmp_path / "ft"),
+        "--train_file", str(GLUE / "sst2" / "train.tsv"), "--validation_file", str(GLUE / "sst2" / "dev.tsv"),
+        "--max_train_samples", "32", "--max_eval_samples", "32", "--max_seq_length", "32", "--num_train_epochs", "1",
+        "--per_device_train_batch_size", "16", "--save_strategy", "no"])
+    assert 0 <= metrics["eval_accuracy"] <= 1 and (tmp_path / "ft" / "eval_results.json").is_file()

@@ -34,14 +34,14 @@ PRESETS = {
                   encoder_dims=dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
                                     intermediate_size=3072),
                   decoder_dims=dict(n_embd=768, n_layer=2, n_head=12, n_inner=3072), vocab_size=50265,
-                  ffn_chunk=512, new_tokens=16, repeats=3, timeout=900),
+                  ffn_chunk=512, new_tokens=16, repeats=3, budget=30, timeout=900),
     "full": dict(encoder_n=[512, 1024, 2048, 4096, 8192, 16384], encoder_k=[128, 256, 512],
                  decoder_n=[1024, 2048, 4096, 8192, 16384], generation_context=[256, 1024, 4096, 16384],
                  kernel_n=[1024, 4096, 8192, 16384],
                  encoder_dims=dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
                                    intermediate_size=3072),
                  decoder_dims=dict(n_embd=768, n_layer=2, n_head=12, n_inner=3072), vocab_size=50265,
-                 ffn_chunk=512, new_tokens=32, repeats=5, timeout=3600),
+                 ffn_chunk=512, new_tokens=32, repeats=5, budget=30, timeout=3600),
 }
 
 
@@ -114,13 +114,13 @@ def release_freed_memory_at_once(device: str) -> None:
     libc.malloc_trim(0)
 
 
-def measured(fn, repeats: int, device: str) -> tuple[float, int]:
+def measured(fn, repeats: int, device: str, budget: float | None = None) -> tuple[float, int]:
     """(median seconds of fn over `repeats` calls after a warm-up call, peak extra bytes of one more call).
 
     Time first, with the allocator as users have it; memory last, of a single call after the warm-up (one-time
     library caches are not activations) and after one more call under the new allocator settings.
     """
-    seconds = median_seconds(fn, repeats, device)
+    seconds = median_seconds(fn, repeats, device, budget)
     release_freed_memory_at_once(device)
     fn()  # settles the heap after the trim: its pages fault back in here, not inside the measurement
     with PeakMemory(device) as memory:
@@ -128,9 +128,13 @@ def measured(fn, repeats: int, device: str) -> tuple[float, int]:
     return seconds, memory.extra
 
 
-def median_seconds(fn, repeats: int, device: str) -> float:
-    """Median wall time of fn() over `repeats` calls after one warm-up call."""
+def median_seconds(fn, repeats: int, device: str, budget: float | None = None) -> float:
+    """Median wall time of fn() over `repeats` calls after one warm-up call (fewer, at least one, when the calls
+    would take more than `budget` seconds in all: the longest configurations take minutes per call)."""
+    start = time.perf_counter()
     fn()
+    if budget is not None:
+        repeats = max(1, min(repeats, int(budget / (time.perf_counter() - start))))
     times = []
     for _ in range(repeats):
         if device == "cuda":
@@ -160,7 +164,7 @@ def _encoder(spec, device):
     model = AutoModel.from_config(config, **kwargs).to(device, getattr(torch, spec["dtype"])).eval()
     ids = torch.randint(3, spec["vocab_size"], (1, n), device=device)
     with torch.no_grad():
-        seconds, extra = measured(lambda: model(input_ids=ids), spec["repeats"], device)
+        seconds, extra = measured(lambda: model(input_ids=ids), spec["repeats"], device, spec.get("budget"))
     return {"seconds": seconds, "activation_bytes": extra}
 
 
@@ -190,7 +194,7 @@ def _decoder_train(spec, device):
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
 
-    seconds, extra = measured(step, spec["repeats"], device)  # zero_grad(set_to_none) frees each step's gradients
+    seconds, extra = measured(step, spec["repeats"], device, spec.get("budget"))  # zero_grad frees the gradients
     return {"seconds": seconds, "peak_bytes": extra}
 
 
@@ -296,7 +300,8 @@ def resolve_dtype(choice: str) -> str:
 
 def configurations(preset: dict, dtype: str = "float32") -> list[dict]:
     """Every configuration of a preset, in the order they run; model suites in `dtype` (kernels: both dtypes)."""
-    common = {"repeats": preset["repeats"], "vocab_size": preset["vocab_size"], "dtype": dtype}
+    common = {"repeats": preset["repeats"], "vocab_size": preset["vocab_size"], "dtype": dtype,
+              "budget": preset.get("budget")}
     specs = []
     for n in preset["encoder_n"]:
         enc = {**common, "kind": "encoder", "n": n, "dims": preset["encoder_dims"], "ffn_chunk": preset["ffn_chunk"]}
@@ -444,8 +449,10 @@ def run_suite(preset_name: str, output_dir: Path, only: list[str] | None = None,
     markdown = (f"Preset `{preset_name}` on {report['machine']} ({report['date']}), `{report['command']}`.\n\n"
                 f"Models in {dtype} (inference: weights in {dtype}; training: float32 weights under autocast to "
                 f"{dtype}); every encoder, stock RoBERTa included, with `chunk_size_feed_forward={preset['ffn_chunk']}`; "
-                "decoders with their default dropout unless the method says otherwise; memory is measured after "
-                "the timed calls, on one more call.\n\n" + tables(results))
+                "decoders with their default dropout unless the method says otherwise. Times: median of "
+                f"{preset['repeats']} calls after a warm-up"
+                + (f" (fewer, at least 1, where they would exceed {preset['budget']} s)" if preset.get("budget") else "")
+                + "; memory: after the timed calls, on one more call.\n\n" + tables(results))
     (output_dir / "results.md").write_text(markdown)
     plots(results, output_dir)
     return report

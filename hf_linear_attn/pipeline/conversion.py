@@ -30,7 +30,7 @@ from hf_linear_attn.linformer_projection import LinformerProjection
 
 from .data import PipelineError
 
-# target model_type -> (source family, the config fields taken from the source)
+# target model_type -> the family of checkpoints it is converted from
 TARGETS = {
     "linformer": "encoder",
     "linear_roberta": "encoder",
@@ -142,8 +142,6 @@ def target_config(source_config, target: str, **options):
     _check_source(source_config, family, target)
     fields = ENCODER_FIELDS if family == "encoder" else DECODER_FIELDS
     values = {name: getattr(source_config, name) for name in fields if hasattr(source_config, name)}
-    if family == "decoder" and values.get("n_inner") is None:
-        values["n_inner"] = None
     try:
         return AutoConfig.for_model(target, **values, **options)
     except (TypeError, ValueError, StrictDataclassClassValidationError) as error:  # an unknown or invalid option
@@ -203,6 +201,8 @@ def convert(source, target: str, head: str = "auto", **options):
     Every weight the two architectures share is copied exactly; options (linformer_k, feature_map, ...) go to
     the target config. A checkpoint that lacks weights of its model body is refused, not silently re-drawn.
     """
+    if target not in TARGETS:
+        raise PipelineError(f"Unknown target {target!r}; choose one of {', '.join(TARGETS)}.")
     missing = []
     if isinstance(source, (str, Path)):
         source, missing = load_source(str(source), head)
