@@ -167,6 +167,10 @@ def test_convert_script_writes_a_checkpoint_a_fresh_process_loads(roberta_folder
     assert max_length == "128" and name == "LinformerForMaskedLM"
     here = AutoModelForMaskedLM.from_pretrained(out).eval()
     assert float(total) == pytest.approx(here(torch.arange(5, 105)[None]).logits.sum().item(), rel=1e-5)
+    with pytest.raises(SystemExit, match="exceeds the teacher's longest input"):
+        convert_script.main(["--model_name_or_path", str(folder), "--target", "linformer", "--linformer_k", "8",
+                             "--output_dir", str(tmp_path / "other"), "--distill_steps", "1",
+                             "--distill_max_length", "999"])
     with pytest.raises(SystemExit, match="is not empty"):
         convert_script.main(["--model_name_or_path", str(folder), "--target", "linformer", "--output_dir", str(out)])
 

@@ -11,6 +11,7 @@ import torch
 from .conversion import TARGETS, convert, extend_max_length, load_source, load_source_tokenizer, save_converted
 from .data import PipelineError, load_text_corpus, pack_corpus
 from .distillation import distill, distillation_distance, distillation_mode, language_model_quality
+from .pretraining import max_model_length
 
 FAMILY_OPTIONS = ("linformer_k", "linformer_sharing", "linformer_init", "linformer_block_size", "feature_map",
                   "num_random_features", "learned_feature_dim")
@@ -77,6 +78,10 @@ def run_conversion(args: ConvertArguments) -> dict:
     if args.distill_steps:
         if tokenizer is None:
             raise PipelineError(f"{args.model_name_or_path} has no tokenizer; distillation needs one to read text.")
+        longest = max_model_length(teacher.config)
+        if args.distill_max_length > longest:
+            raise PipelineError(f"--distill_max_length {args.distill_max_length} exceeds the teacher's longest input "
+                                f"({longest} tokens); lower it.")
         objective = "mlm" if model.base_model_prefix == "roberta" else "clm"
         train_rows, eval_rows = _rows(args, tokenizer, objective)
         lr = args.distill_lr or (1e-3 if distillation_mode(model) == "layer_output" else 1e-2)
