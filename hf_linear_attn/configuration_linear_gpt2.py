@@ -11,7 +11,7 @@ class LinearGPT2Config(GPT2StyleConfig):
     r"""
     A GPT-2-style decoder whose causal softmax attention is replaced by a feature map phi:
     `y_t = phi(q_t) S_t / (phi(q_t) . z_t + eps)` with `S_t = sum_{j<=t} phi(k_j) v_j^T`, `z_t = sum_{j<=t} phi(k_j)`.
-    Training and prefill use the chunkwise-parallel form (time and memory linear in n); generation carries (S, z)
+    Training and prefill use the chunked form (time and memory linear in n); generation carries (S, z)
     from token to token, a state whose size does not depend on the context. All GPT-2 fields are as in
     [`GPT2StyleConfig`] (`attn_pdrop` is unused); in addition:
 
@@ -22,9 +22,9 @@ class LinearGPT2Config(GPT2StyleConfig):
         num_random_features (`int`, defaults to 256): number of FAVOR+ random features m.
         learned_feature_dim (`int`, *optional*): width f of each half of the hedgehog map (defaults to the head size).
         linear_attention_eps (`float`, defaults to 1e-6): eps added to the normaliser phi(q) . z.
-        linear_attention_chunk_size (`int`, defaults to 64): chunk length C of the chunkwise-parallel form (exact
-            masked attention inside a chunk, states across chunks). Any sequence length works; C trades the
-            O(n C) intra-chunk work against the O(n / C) chunk states.
+        linear_attention_chunk_size (`int`, defaults to 64): chunk length C of the chunked form (exact masked
+            attention inside a chunk, states across chunks). Any sequence length works; C trades the O(n C)
+            intra-chunk work against the number of chunk steps.
     """
 
     model_type = "linear_gpt2"

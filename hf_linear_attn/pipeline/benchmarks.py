@@ -101,7 +101,7 @@ def release_freed_memory_at_once(device: str) -> None:
 
     glibc keeps freed blocks below its adaptive mmap threshold (up to 32 MB) in the heap; a later call reuses them
     without raising the peak resident set, so a measurement after a warm-up would miss most of a model's
-    activations. Called after the timed calls: it makes allocation slower, not the memory figures different.
+    activations. It also makes allocation slower, which is why it is called only after the timed calls.
     """
     if device != "cpu":
         return
@@ -185,7 +185,6 @@ def _decoder_train(spec, device):
     n = spec["n"]
     model = _decoder_model(spec, device, n).train()
     ids = torch.randint(0, spec["vocab_size"], (1, n), device=device)
-
     mixed = spec["dtype"] != "float32"  # float32 weights under autocast, as the training scripts run
 
     def step():

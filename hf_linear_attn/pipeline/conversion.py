@@ -134,10 +134,15 @@ def _check_source(config, family: str, target: str) -> None:
             raise PipelineError(f"The source sets {name}={got!r}; the converted models support only {wanted!r}.")
 
 
-def target_config(source_config, target: str, **options):
-    """The target family's config with the source's dimensions and special tokens, plus family `options`."""
+def check_target(target: str) -> None:
+    """Refuse a target model_type this module does not convert to."""
     if target not in TARGETS:
         raise PipelineError(f"Unknown target {target!r}; choose one of {', '.join(TARGETS)}.")
+
+
+def target_config(source_config, target: str, **options):
+    """The target family's config with the source's dimensions and special tokens, plus family `options`."""
+    check_target(target)
     family = TARGETS[target]
     _check_source(source_config, family, target)
     fields = ENCODER_FIELDS if family == "encoder" else DECODER_FIELDS
@@ -156,13 +161,6 @@ def _describe_init(module, config, name: str) -> str:
     if isinstance(module, FavorFeatureMap):
         return "FAVOR+ random features, an orthogonal Gaussian draw"
     return f"new {type(module).__name__} ({name.rsplit('.', 1)[-1]}), the model's own init"
-
-
-def _owner(model, name: str):
-    module = model
-    for part in name.split(".")[:-1]:
-        module = getattr(module, part)
-    return module
 
 
 def load_source(name: str, head: str = "auto"):
@@ -201,8 +199,7 @@ def convert(source, target: str, head: str = "auto", **options):
     Every weight the two architectures share is copied exactly; options (linformer_k, feature_map, ...) go to
     the target config. A checkpoint that lacks weights of its model body is refused, not silently re-drawn.
     """
-    if target not in TARGETS:
-        raise PipelineError(f"Unknown target {target!r}; choose one of {', '.join(TARGETS)}.")
+    check_target(target)
     missing = []
     if isinstance(source, (str, Path)):
         source, missing = load_source(str(source), head)
@@ -240,7 +237,7 @@ def copy_shared_weights(source_model, model, not_in_checkpoint=frozenset()) -> C
             tensor.copy_(source_state[name])
             report.copied.append(name)
         else:
-            report.new[name] = _describe_init(_owner(model, name), model.config, name)
+            report.new[name] = _describe_init(model.get_submodule(name.rpartition(".")[0]), model.config, name)
     parameters = dict(model.named_parameters())  # tied weights once
     report.copied_parameters = sum(p.numel() for name, p in parameters.items() if name not in report.new)
     report.new_parameters = sum(p.numel() for name, p in parameters.items() if name in report.new)
@@ -272,15 +269,12 @@ def save_converted(model, report: ConversionReport, output_dir: str | Path, toke
     return output_dir
 
 
-def load_source_tokenizer(source: str, max_length: int | None = None):
-    """The source's tokenizer (None when the source folder has none), with model_max_length set if given."""
+def load_source_tokenizer(source: str):
+    """The source's tokenizer, or None when the source folder has none."""
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source)
+        return AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError):
         return None
-    if max_length is not None:
-        tokenizer.model_max_length = max_length
-    return tokenizer
 
 
 # --------------------------------------------------------------------------------------------- length extension
@@ -318,7 +312,7 @@ def extend_max_length(model, new_max_length: int):
         if name.endswith("embeddings.position_embeddings.weight"):
             positions = torch.arange(new_max_length) % old
             value = torch.cat([value[:offset], value[offset:][positions]])
-        elif isinstance(_owner(new_model, name), LinformerProjection):
+        elif isinstance(new_model.get_submodule(name.rpartition(".")[0]), LinformerProjection):
             value = value[..., source_columns] * scale
         elif value.shape != tensor.shape:  # buffers sized by the position table (position_ids, token_type_ids)
             value = tensor

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from .conversion import TARGETS, convert, extend_max_length, load_source, load_source_tokenizer, save_converted
+from .conversion import check_target, convert, extend_max_length, load_source, load_source_tokenizer, save_converted
 from .data import PipelineError, load_text_corpus, pack_corpus
 from .distillation import distill, distillation_distance, distillation_mode, language_model_quality
 from .pretraining import max_model_length
@@ -63,8 +63,7 @@ def _rows(args, tokenizer, objective: str):
 
 def run_conversion(args: ConvertArguments) -> dict:
     """Convert, distill (optional), extend (optional) and save; returns the report as a dict."""
-    if args.target not in TARGETS:
-        raise PipelineError(f"Unknown target {args.target!r}; choose one of {', '.join(TARGETS)}.")
+    check_target(args.target)  # before the source is loaded
     output_dir = Path(args.output_dir)
     if output_dir.exists() and any(output_dir.iterdir()) and not args.overwrite_output_dir:
         raise PipelineError(f"{output_dir} is not empty; choose another --output_dir or pass --overwrite_output_dir.")
@@ -72,7 +71,6 @@ def run_conversion(args: ConvertArguments) -> dict:
     teacher, missing = load_source(args.model_name_or_path, args.head)
     torch.manual_seed(args.seed)
     model, report = convert(teacher, args.target, args.head, **options)
-    report.source = args.model_name_or_path
     tokenizer = load_source_tokenizer(args.model_name_or_path)
     print(report.summary())
     if args.distill_steps:
@@ -84,7 +82,8 @@ def run_conversion(args: ConvertArguments) -> dict:
                                 f"({longest} tokens); lower it.")
         objective = "mlm" if model.base_model_prefix == "roberta" else "clm"
         train_rows, eval_rows = _rows(args, tokenizer, objective)
-        lr = args.distill_lr or (1e-3 if distillation_mode(model) == "layer_output" else 1e-2)
+        mode = distillation_mode(model)
+        lr = args.distill_lr or (1e-3 if mode == "layer_output" else 1e-2)
         started = time.time()
         before = distillation_distance(model, teacher, eval_rows)
         has_lm_head = report.head in ("masked-lm", "causal-lm") and not missing  # read from the checkpoint
@@ -93,7 +92,7 @@ def run_conversion(args: ConvertArguments) -> dict:
                           seed=args.seed)
         after = distillation_distance(model, teacher, eval_rows)
         report.distillation = {
-            "mode": distillation_mode(model), "steps": args.distill_steps, "batch_size": args.distill_batch_size,
+            "mode": mode, "steps": args.distill_steps, "batch_size": args.distill_batch_size,
             "lr": lr, "rows": args.distill_max_length, "train_rows": len(train_rows), "eval_rows": len(eval_rows),
             "distance_before": before, "distance_after": after, "first_loss": history[0], "last_loss": history[-1],
             "seconds": round(time.time() - started, 1),

@@ -129,7 +129,8 @@ def distill(student, teacher, new_names, rows: torch.Tensor, steps: int, batch_s
         raise PipelineError("No distillation rows: the text corpus is empty or shorter than one row.")
     mode = distillation_mode(student)
     trainable = trainable_parameters(student, new_names)
-    frozen = [p for p in student.parameters() if p.requires_grad and all(p is not t for t in trainable)]
+    trainable_ids = {id(p) for p in trainable}
+    frozen = [p for p in student.parameters() if p.requires_grad and id(p) not in trainable_ids]
     for parameter in frozen:
         parameter.requires_grad_(False)
     teacher.eval()
