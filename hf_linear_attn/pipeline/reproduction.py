@@ -1,0 +1,500 @@
+"""The Linformer paper's Table 2 comparison, reproduced end to end at a chosen scale (scripts/reproduce.py).
+
+A preset (configs/reproduce/*.json) names the encoders and decoders to compare, the pretraining and fine-tuning
+configs they share, and per-preset overrides. The run is a list of stages, each an ordinary subprocess of
+scripts/pretrain.py or scripts/finetune.py (under `python` or `accelerate launch`) writing its own folder:
+
+    tokenizer-mlm/, tokenizer-clm/     one byte-level BPE per objective, trained once, shared by every model
+    pretrain/<model>/                  masked-LM pretraining of each encoder (identical data, steps, seed)
+    finetune/<model>/<task>-seed<S>/   each pretrained encoder fine-tuned on SST-2, IMDB, QNLI, QQP
+    decoders/<model>/                  causal-LM pretraining of each decoder (validation perplexity)
+    logs/<stage>.log                   each stage's full output
+    results.json, results.md, results.png
+
+A stage whose folder holds its finished result (train_results.json / eval_results.json) and a stage.json with the
+same arguments is reused, so a rerun only does what is missing; a finished stage run with other arguments is an
+error, never silently mixed into the table. An interrupted pretraining resumes from its newest checkpoint.
+"""
+
+import json
+import os
+import platform
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .data import PipelineError, get_task, load_task_data, load_text_corpus, train_bpe_tokenizer
+
+REPO = Path(__file__).resolve().parents[2]
+TASKS = ("sst2", "imdb", "qnli", "qqp")  # Table 2's column order
+TASK_TITLES = {"sst2": "SST-2", "imdb": "IMDB", "qnli": "QNLI", "qqp": "QQP"}
+# Linformer paper (Wang et al. 2020), Table 2: dev accuracy (%), RoBERTa-base size, n = 512, 250k pretraining updates
+# on BookCorpus + Wikipedia. Only the figures checked against the paper are listed (see ../shared/DESIGN.md).
+PAPER_TABLE2 = {
+    "RoBERTa-base (Liu et al. 2019)": {"sst2": 93.1, "imdb": 94.1, "qnli": 90.9, "qqp": 90.9, "average": 92.25},
+    "Linformer k = 128": {"average": 91.75},
+    "Linformer k = 256, shared kv, layerwise": {"average": 92.30},
+}
+PRESET_KEYS = {"description", "output_dir", "launcher", "seeds", "pretrain", "encoders",
+               "baseline", "finetune", "decoder_pretrain", "decoders", "decoder_baseline"}
+
+
+class ReproductionError(PipelineError):
+    """A preset, a stage or a result that cannot be used; the message says what to change."""
+
+
+def slug(name: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def _flags(overrides: dict) -> list[str]:
+    flags = []
+    for key, value in overrides.items():
+        flags += [f"--{key}", *(map(str, value) if isinstance(value, list) else [str(value)])]
+    return flags
+
+
+def _read_json(path: Path, what: str) -> dict:
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise ReproductionError(f"cannot read {what} {path}: {error}") from error
+
+
+def _repo_path(path: str) -> Path:
+    """Paths in presets are relative to the repository root (as in configs/*), or absolute."""
+    return Path(path) if Path(path).is_absolute() else REPO / path
+
+
+def load_preset(path) -> dict:
+    """Read and check a preset: known keys, existing config files, known tasks, baselines among the models."""
+    preset = _read_json(Path(path), "the preset")
+    unknown = sorted(set(preset) - PRESET_KEYS)
+    if unknown:
+        raise ReproductionError(f"{path}: unknown keys {unknown}; a preset has {sorted(PRESET_KEYS)}")
+    for part, models, baseline in (("pretrain", "encoders", "baseline"),
+                                   ("decoder_pretrain", "decoders", "decoder_baseline")):
+        if not preset.get(models):
+            continue
+        if part not in preset:
+            raise ReproductionError(f"{path}: '{models}' needs a '{part}' entry (its pretraining config)")
+        if preset.get(baseline) not in preset[models]:
+            raise ReproductionError(f"{path}: '{baseline}' must name one of the {models}: {list(preset[models])}")
+        files = [preset[part]["config"], *preset[models].values()]
+        if models == "encoders":
+            unknown_tasks = sorted(set(preset.get("finetune", {})) - set(TASKS))
+            if unknown_tasks or not preset.get("finetune"):
+                raise ReproductionError(f"{path}: 'finetune' needs tasks among {list(TASKS)} (got "
+                                        f"{unknown_tasks or 'none'})")
+            files += [entry["config"] for entry in preset["finetune"].values()]
+        for file in files:
+            if not _repo_path(file).is_file():
+                raise ReproductionError(f"{path}: config file {file} does not exist")
+    if not preset.get("encoders") and not preset.get("decoders"):
+        raise ReproductionError(f"{path}: nothing to run: give 'encoders' and/or 'decoders'")
+    if len({slug(name) for name in preset.get("encoders", {})}) != len(preset.get("encoders", {})):
+        raise ReproductionError(f"{path}: two encoder names give the same folder name")
+    return preset
+
+
+@dataclass
+class Stage:
+    """One subprocess of the reproduction: `script` with `argv`, finished when `folder / marker` exists."""
+
+    name: str
+    script: str
+    folder: Path
+    argv: list[str]
+    marker: str
+    info: dict = field(default_factory=dict)
+
+    @property
+    def record_path(self) -> Path:
+        return self.folder / "stage.json"
+
+    def finished(self) -> dict | None:
+        """The stage's record when it has finished with these arguments; an error when with other ones."""
+        if not (self.folder / self.marker).is_file():
+            return None
+        record = _read_json(self.record_path, "the stage record") if self.record_path.is_file() else {}
+        if record.get("argv") != self.argv:
+            raise ReproductionError(
+                f"{self.folder} holds a finished run with other arguments than this preset's stage '{self.name}' "
+                f"(recorded: {shlex.join(record.get('argv', ['<none>']))}; now: {shlex.join(self.argv)}); remove "
+                "the folder to rerun it, or use another --output_dir")
+        return record
+
+
+def _merged_config(entry: dict) -> dict:
+    return {**_read_json(_repo_path(entry["config"]), "the config"), **entry.get("args", {})}
+
+
+def shared_tokenizers(preset: dict, output_dir: Path, train: bool) -> dict:
+    """{"mlm": folder, "clm": folder} for each objective whose config names no tokenizer: a byte-level BPE trained
+    once on that config's corpus (when `train`), shared by every model of the objective. Configs that name a
+    tokenizer (the paper preset: RoBERTa's / GPT-2's) pass it themselves."""
+    tokenizers = {}
+    for key, part, models, style in (("mlm", "pretrain", "encoders", "roberta"),
+                                     ("clm", "decoder_pretrain", "decoders", "gpt2")):
+        if not preset.get(models):
+            continue
+        merged = _merged_config(preset[part])
+        if merged.get("tokenizer_name_or_path"):
+            continue
+        folder = output_dir / f"tokenizer-{key}"
+        tokenizers[key] = str(folder)
+        if not train or (folder / "tokenizer.json").is_file():
+            continue
+        corpus, _ = load_text_corpus(merged.get("dataset_name"), merged.get("dataset_config_name"),
+                                     merged.get("train_file"), merged.get("validation_file"),
+                                     merged.get("text_column", "text"),
+                                     merged.get("validation_split_percentage", 5.0), merged.get("seed", 42))
+        tokenizer = train_bpe_tokenizer(corpus["train"]["text"], merged.get("tokenizer_vocab_size", 8000), style,
+                                        merged.get("max_seq_length", 128))
+        partial = folder.with_name(folder.name + ".partial")
+        tokenizer.save_pretrained(partial)
+        partial.replace(folder)
+    return tokenizers
+
+
+def plan(preset: dict, output_dir: Path, seeds: list[int], tokenizers: dict | None = None) -> list[Stage]:
+    """Every stage of the preset, in running order (each encoder's pretraining before its fine-tunes)."""
+    tokenizers = tokenizers or {}
+    stages = []
+    for name, model_config in preset.get("encoders", {}).items():
+        folder = output_dir / "pretrain" / slug(name)
+        argv = ["--config", preset["pretrain"]["config"], "--model_config", model_config, "--output_dir", str(folder),
+                *(["--tokenizer_name_or_path", tokenizers["mlm"]] if "mlm" in tokenizers else []),
+                *_flags(preset["pretrain"].get("args", {}))]
+        stages.append(Stage(f"pretrain {name}", "scripts/pretrain.py", folder, argv, "train_results.json",
+                            {"kind": "pretrain", "model": name}))
+        for task, entry in preset["finetune"].items():
+            for seed in seeds:
+                tuned = output_dir / "finetune" / slug(name) / f"{task}-seed{seed}"
+                argv = ["--config", entry["config"], "--model_name_or_path", str(folder), "--output_dir", str(tuned),
+                        "--seed", str(seed), *_flags(entry.get("args", {}))]
+                stages.append(Stage(f"fine-tune {name} on {TASK_TITLES[task]} (seed {seed})", "scripts/finetune.py",
+                                    tuned, argv, "eval_results.json",
+                                    {"kind": "finetune", "model": name, "task": task, "seed": seed}))
+    for name, model_config in preset.get("decoders", {}).items():
+        folder = output_dir / "decoders" / slug(name)
+        argv = ["--config", preset["decoder_pretrain"]["config"], "--model_config", model_config,
+                "--output_dir", str(folder),
+                *(["--tokenizer_name_or_path", tokenizers["clm"]] if "clm" in tokenizers else []),
+                *_flags(preset["decoder_pretrain"].get("args", {}))]
+        stages.append(Stage(f"pretrain decoder {name}", "scripts/pretrain.py", folder, argv, "train_results.json",
+                            {"kind": "decoder", "model": name}))
+    return stages
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").replace("\r", "\n").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def run_stage(stage: Stage, launcher: list[str], log_dir: Path) -> tuple[dict, bool]:
+    """Run the stage unless it has finished with the same arguments; returns (its record, whether it was reused)."""
+    record = stage.finished()
+    if record is not None:
+        return record, True
+    extra = []
+    if stage.folder.exists() and any(stage.folder.iterdir()):  # an interrupted run of this stage
+        checkpoints = stage.folder / "checkpoints"
+        resumable = stage.script.endswith("pretrain.py") and checkpoints.is_dir() and any(
+            p.name.startswith("step_") for p in checkpoints.iterdir())
+        extra = ["--resume"] if resumable else ["--overwrite_output_dir"]
+    command = [*launcher, str(REPO / stage.script), *stage.argv, *extra]
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log = log_dir / f"{slug(stage.name)}.log"
+    started = time.perf_counter()
+    with open(log, "a") as handle:
+        handle.write(f"$ {shlex.join(command)}\n")
+        handle.flush()
+        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+        code = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT, cwd=REPO, env=env).returncode
+    seconds = time.perf_counter() - started
+    if code != 0 or not (stage.folder / stage.marker).is_file():
+        raise ReproductionError(f"stage '{stage.name}' failed (exit status {code}); the end of {log}:\n{_tail(log)}\n"
+                                "Fix the cause and rerun the same command: finished stages are reused.")
+    record = {"argv": stage.argv, "seconds": round(seconds, 1), "resumed": "--resume" in extra,
+              "finished": time.strftime("%Y-%m-%d %H:%M:%S"), "command": shlex.join(command)}
+    partial = stage.record_path.with_suffix(".partial")
+    partial.write_text(json.dumps(record, indent=2))
+    partial.replace(stage.record_path)
+    return record, False
+
+
+def count_parameters(folder: Path) -> int:
+    """Parameters stored in a checkpoint's safetensors files (tied weights are stored, and counted, once)."""
+    from safetensors import safe_open
+
+    total = 0
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(file), "pt") as weights:
+            for key in weights.keys():
+                count = 1
+                for size in weights.get_slice(key).get_shape():
+                    count *= size
+                total += count
+    return total
+
+
+def majority_share(entry: dict, seed: int) -> tuple[float, int]:
+    """Share of the most frequent label in the evaluation rows a fine-tune of `entry` scores on, and their number."""
+    merged = _merged_config(entry)
+    task = get_task(merged["task_name"])
+    data, _ = load_task_data(task, merged.get("dataset_name"), merged.get("dataset_config_name"),
+                             merged.get("train_file"), merged.get("validation_file"),
+                             merged.get("validation_split_percentage", 10.0), seed)
+    rows = data["validation"]
+    if merged.get("max_eval_samples") is not None:
+        rows = rows.select(range(min(int(merged["max_eval_samples"]), len(rows))))
+    labels = list(rows["label"])
+    return max(labels.count(value) for value in set(labels)) / len(labels), len(labels)
+
+
+def _accuracy(metrics: dict) -> float:
+    for key in ("eval_accuracy", "accuracy"):
+        if key in metrics:
+            return 100.0 * metrics[key]
+    raise ReproductionError(f"no accuracy among the fine-tune's metrics {sorted(metrics)}")
+
+
+def collect(preset: dict, stages: list[Stage], records: dict, seeds: list[int]) -> dict:
+    """The results of every finished stage (missing ones stay None): the table's numbers, seeds and wall times."""
+    results = {"encoders": {}, "decoders": {}, "tasks": {}}
+    for stage in stages:
+        record = records.get(stage.name)
+        kind, model = stage.info["kind"], stage.info["model"]
+        if kind in ("pretrain", "decoder"):
+            group = results["encoders" if kind == "pretrain" else "decoders"]
+            entry = group.setdefault(model, {"tasks": {}} if kind == "pretrain" else {})
+            if record is None:
+                entry["pretrain"] = None
+                continue
+            train = _read_json(stage.folder / "train_results.json", "pretraining results")
+            entry["pretrain"] = {"perplexity": train.get("perplexity"), "eval_loss": train.get("eval_loss"),
+                                 "steps": train.get("steps"), "validation": train.get("validation"),
+                                 "parameters": count_parameters(stage.folder), "seconds": record["seconds"],
+                                 "folder": str(stage.folder)}
+        else:
+            task = stage.info["task"]
+            runs = results["encoders"][model]["tasks"].setdefault(task, {"per_seed": {}})
+            if record is None:
+                continue
+            metrics = _read_json(stage.folder / "eval_results.json", "fine-tuning results")
+            runs["per_seed"][str(stage.info["seed"])] = {
+                "accuracy": _accuracy(metrics), "f1": 100.0 * metrics["eval_f1"] if "eval_f1" in metrics else None,
+                "seconds": record["seconds"]}
+            results["tasks"][task] = {"split": metrics.get("eval_split"), "eval_samples": metrics.get("eval_samples"),
+                                      "train_samples": metrics.get("train_samples")}
+    for model, entry in results["encoders"].items():
+        for task, runs in entry["tasks"].items():
+            values = [run["accuracy"] for run in runs["per_seed"].values()]
+            runs["accuracy"] = statistics.fmean(values) if len(values) == len(seeds) else None
+            runs["std"] = statistics.stdev(values) if len(values) > 1 and runs["accuracy"] is not None else None
+        scores = [entry["tasks"].get(task, {}).get("accuracy") for task in preset["finetune"]]
+        entry["average"] = statistics.fmean(scores) if scores and None not in scores else None
+        finished = [run["seconds"] for runs in entry["tasks"].values() for run in runs["per_seed"].values()]
+        entry["seconds"] = (entry["pretrain"] or {}).get("seconds", 0) + sum(finished)
+    baseline = results["encoders"].get(preset.get("baseline"), {}).get("average")
+    for entry in results["encoders"].values():
+        entry["vs_baseline"] = (entry["average"] - baseline
+                                if entry.get("average") is not None and baseline is not None else None)
+    base_ppl = ((results["decoders"].get(preset.get("decoder_baseline")) or {}).get("pretrain") or {}).get("perplexity")
+    for entry in results["decoders"].values():
+        ppl = (entry.get("pretrain") or {}).get("perplexity")
+        entry["vs_baseline"] = ppl / base_ppl if ppl is not None and base_ppl else None
+    return results
+
+
+def _cell(value, digits=1, suffix="") -> str:
+    return "pending" if value is None else f"{value:.{digits}f}{suffix}"
+
+
+def _minutes(seconds) -> str:
+    return "pending" if not seconds else f"{seconds / 60:.1f} min"
+
+
+SPLIT_NAMES = {
+    "sst2": "official dev set", "qnli": "official dev set (fine-tuned on a real ~10% train subset)",
+    "qqp": "QQP (train subset): 3,000 real train rows held apart (the official dev set is not offline)",
+    "imdb": "IMDB has no test split offline: rows of train held out with the seed",
+}
+
+
+def render_markdown(preset_name: str, preset: dict, results: dict, meta: dict) -> str:
+    tasks = list(preset.get("finetune", {}))
+    lines = [f"# Reproduction: preset `{preset_name}`", "", preset.get("description", ""), "",
+             f"Command: `{meta['command']}`  ", f"Machine: {meta['machine']}  ",
+             f"Seeds (fine-tuning): {', '.join(map(str, meta['seeds']))}; pretraining seed: {meta['pretrain_seed']}  ",
+             f"Wall time of the stages: {_minutes(meta['seconds'])} ({meta['stages_done']}/{meta['stages']} stages "
+             "finished)", ""]
+    if results["encoders"]:
+        title = " | ".join(TASK_TITLES[t] for t in tasks)
+        lines += ["## Encoders: accuracy (%) after fine-tuning, in the shape of the Linformer paper's Table 2", "",
+                  f"| Model | params | pretrain val MLM ppl | {title} | Average | vs baseline | wall time |",
+                  "|---|---:|---:|" + "---:|" * len(tasks) + "---:|---:|---:|"]
+        majority = meta.get("majority", {})
+        if majority:
+            shares = [majority[t]["share"] * 100 for t in tasks]
+            lines.append("| majority class | | | " + " | ".join(f"{s:.1f}" for s in shares)
+                         + f" | {statistics.fmean(shares):.1f} | | |")
+        for model, entry in results["encoders"].items():
+            pre = entry.get("pretrain") or {}
+            cells = []
+            for task in tasks:
+                runs = entry["tasks"].get(task, {})
+                cell = _cell(runs.get("accuracy"))
+                if runs.get("std") is not None:
+                    cell += f" ± {runs['std']:.1f}"
+                cells.append(cell)
+            delta = entry.get("vs_baseline")
+            lines.append(f"| {model} | {pre.get('parameters', 0) / 1e6:.2f} M | {_cell(pre.get('perplexity'))} | "
+                         + " | ".join(cells) + f" | {_cell(entry.get('average'), 2)} | "
+                         + ("baseline" if model == preset["baseline"] else _cell(delta, 2, " pt"))
+                         + f" | {_minutes(entry.get('seconds'))} |")
+        lines += ["", "Paper (Table 2: RoBERTa-base size, n = 512, 250k pretraining updates on BookCorpus + Wikipedia, "
+                  "dev accuracy; cells not listed are in the paper):", "",
+                  "| Paper model | SST-2 | IMDB | QNLI | QQP | Average |", "|---|---:|---:|---:|---:|---:|"]
+        for model, row in PAPER_TABLE2.items():
+            lines.append(f"| {model} | " + " | ".join(f"{row[t]:.1f}" if t in row else "" for t in TASKS)
+                         + f" | {row['average']:.2f} |")
+        lines += ["", "Evaluation rows:", ""]
+        for task in tasks:
+            info = results["tasks"].get(task, {})
+            lines.append(f"- {TASK_TITLES[task]}: {SPLIT_NAMES[task]}; evaluated on "
+                         f"{info.get('eval_samples', '?')} rows ({info.get('split', '?')}), trained on "
+                         f"{info.get('train_samples', '?')} rows")
+        lines.append("")
+    if results["decoders"]:
+        lines += ["## Decoders: causal-LM perplexity on WikiText-2 validation (same size, data, steps and seed)", "",
+                  "| Model | params | val perplexity | vs baseline | wall time |", "|---|---:|---:|---:|---:|"]
+        for model, entry in results["decoders"].items():
+            pre = entry.get("pretrain") or {}
+            ratio = ("baseline" if model == preset["decoder_baseline"] else _cell(entry.get("vs_baseline"), 3, "x"))
+            lines.append(f"| {model} | {pre.get('parameters', 0) / 1e6:.2f} M | {_cell(pre.get('perplexity'), 2)} | "
+                         f"{ratio} | {_minutes(pre.get('seconds'))} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(preset: dict, results: dict, meta: dict, path: Path) -> bool:
+    """Grouped bars: accuracy per task and model (majority class dashed), and decoder perplexities."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install matplotlib)")
+        return False
+    panels = [bool(results["encoders"]), bool(results["decoders"])]
+    figure, axes = plt.subplots(1, sum(panels), figsize=(6 * sum(panels) + 2, 4.5), squeeze=False)
+    axes = list(axes[0])
+    if results["encoders"]:
+        axis = axes.pop(0)
+        columns = [*preset["finetune"], "average"]
+        width = 0.8 / len(results["encoders"])
+        for i, (model, entry) in enumerate(results["encoders"].items()):
+            values = [entry["tasks"].get(t, {}).get("accuracy") or 0 for t in preset["finetune"]]
+            values.append(entry.get("average") or 0)
+            axis.bar([c + i * width for c in range(len(columns))], values, width, label=model)
+        for c, task in enumerate(preset["finetune"]):
+            share = meta.get("majority", {}).get(task, {}).get("share")
+            if share:
+                axis.hlines(share * 100, c - 0.1, c + 0.9, colors="black", linestyles="dashed")
+        axis.set_xticks([c + 0.4 - width / 2 for c in range(len(columns))],
+                        [TASK_TITLES.get(c, "Average") for c in columns])
+        axis.set_ylim(40, 100)
+        axis.set_ylabel("accuracy (%) (dashed: majority class)")
+        axis.legend(fontsize=7, loc="upper right")
+        axis.set_title("Fine-tuned encoders")
+    if results["decoders"]:
+        axis = axes.pop(0)
+        names = list(results["decoders"])
+        values = [((results["decoders"][n].get("pretrain") or {}).get("perplexity") or 0) for n in names]
+        axis.bar(range(len(names)), values, color="tab:gray")
+        axis.set_xticks(range(len(names)), names, rotation=15, fontsize=8)
+        axis.set_ylabel("validation perplexity (lower is better)")
+        axis.set_title("Decoders, WikiText-2")
+    figure.suptitle(f"{meta['preset']} preset — {meta['machine']}", fontsize=9)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return True
+
+
+def machine_description() -> str:
+    if torch.cuda.is_available():
+        return f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}, torch {torch.__version__}"
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} cores, no GPU, torch {torch.__version__}"
+
+
+def reproduce(preset_path, output_dir=None, seeds=None, launcher=None, dry_run=False, report_only=False,
+              argv=None) -> dict:
+    """Run (or reuse) every stage of the preset, then write results.json / results.md / results.png."""
+    preset = load_preset(preset_path)
+    preset_name = Path(preset_path).stem
+    output_dir = Path(output_dir or preset.get("output_dir") or f"outputs/reproduce/{preset_name}")
+    output_dir = output_dir if output_dir.is_absolute() else Path.cwd() / output_dir
+    seeds = list(seeds or preset.get("seeds") or [42])
+    launcher_text = launcher or preset.get("launcher", "python")
+    launcher = [sys.executable] if launcher_text == "python" else shlex.split(launcher_text)
+    pretrain_seed = _merged_config(preset["pretrain"]).get("seed", 42) if "pretrain" in preset else None
+
+    if dry_run:
+        for stage in plan(preset, output_dir, seeds, shared_tokenizers(preset, output_dir, train=False)):
+            print(shlex.join([*launcher, stage.script, *stage.argv]))
+        return {}
+
+    output_dir.mkdir(parents=True, exist_ok=True)
+    tokenizers = shared_tokenizers(preset, output_dir, train=not report_only)
+    stages = plan(preset, output_dir, seeds, tokenizers)
+    records = {}
+    for number, stage in enumerate(stages, 1):
+        if report_only:
+            record = stage.finished()
+            if record is not None:
+                records[stage.name] = record
+            continue
+        print(f"[{number}/{len(stages)}] {stage.name} ...", flush=True)
+        record, reused = run_stage(stage, launcher, output_dir / "logs")
+        records[stage.name] = record
+        print(f"    {'reused' if reused else 'done'} ({record['seconds']:.0f} s)", flush=True)
+
+    results = collect(preset, stages, records, seeds)
+    majority = {}
+    for task, entry in preset.get("finetune", {}).items():
+        share, rows = majority_share(entry, seeds[0])
+        majority[task] = {"share": share, "rows": rows}
+    meta = {"preset": preset_name, "preset_file": str(preset_path), "machine": machine_description(),
+            "command": "python scripts/reproduce.py " + shlex.join(sys.argv[1:] if argv is None else argv),
+            "seeds": seeds, "pretrain_seed": pretrain_seed, "majority": majority,
+            "seconds": sum(r["seconds"] for r in records.values()), "stages": len(stages),
+            "stages_done": len(records)}
+    report = {"meta": meta, "paper_table2": PAPER_TABLE2, **results}
+    (output_dir / "results.json").write_text(json.dumps(report, indent=2))
+    markdown = render_markdown(preset_name, preset, results, meta)
+    (output_dir / "results.md").write_text(markdown + "\n")
+    plot(preset, results, meta, output_dir / "results.png")
+    print(markdown)
+    print(f"Wrote {output_dir / 'results.json'}, results.md and results.png")
+    return report

@@ -1,0 +1,49 @@
+"""Reproduce the Linformer paper's SST-2 / IMDB / QNLI / QQP comparison (Table 2) and a causal-LM comparison.
+
+Pretrains a softmax RoBERTa, Linformer variants and the linear-attention encoder with identical dimensions, data
+(WikiText-2) and budget, fine-tunes each on SST-2, IMDB, QNLI and QQP, pretrains softmax / linear / causal-Linformer
+decoders, and writes results.md (Table 2's shape, the paper's figures beside), results.json and results.png.
+
+    python scripts/reproduce.py                          # the demo preset (about 15 minutes on 2 CPU cores)
+    python scripts/reproduce.py --preset cpu             # every variant and task (a few hours on 2 CPU cores)
+    python scripts/reproduce.py --preset paper           # RoBERTa-base size, n = 512: under `accelerate launch`
+    python scripts/reproduce.py --preset cpu --dry_run   # print every stage's command, run nothing
+
+Presets are configs/reproduce/NAME.json (or give a path). Every stage is a subprocess of scripts/pretrain.py or
+scripts/finetune.py; rerunning the same command reuses the finished stages and resumes an interrupted pretraining.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+from hf_linear_attn.pipeline.data import PipelineError
+from hf_linear_attn.pipeline.reproduction import REPO, reproduce
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="demo", help="demo, cpu, paper, or a preset JSON file")
+    parser.add_argument("--output_dir", help="default: the preset's (outputs/reproduce/NAME)")
+    parser.add_argument("--seeds", type=int, nargs="+", help="fine-tuning seeds (default: the preset's)")
+    parser.add_argument("--launcher", help="'python' or e.g. 'accelerate launch --num_processes 8' (default: the "
+                                           "preset's)")
+    parser.add_argument("--dry_run", action="store_true", help="print the stages' commands and stop")
+    parser.add_argument("--report_only", action="store_true",
+                        help="run nothing: write the table from the stages finished so far")
+    args = parser.parse_args(argv)
+    preset = Path(args.preset)
+    if not preset.suffix:
+        preset = REPO / "configs" / "reproduce" / f"{args.preset}.json"
+    if not preset.is_file():
+        known = sorted(p.stem for p in (REPO / "configs" / "reproduce").glob("*.json"))
+        sys.exit(f"error: no preset {args.preset!r}: use one of {known} or a JSON file")
+    try:
+        reproduce(preset, args.output_dir, args.seeds, args.launcher, args.dry_run, args.report_only,
+                  argv=sys.argv[1:] if argv is None else argv)
+    except PipelineError as error:
+        sys.exit(f"error: {error}")
+
+
+if __name__ == "__main__":
+    main()

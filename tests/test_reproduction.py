@@ -1,0 +1,178 @@
+"""scripts/reproduce.py: presets, the stage plan, reuse of finished stages, and the table against each stage's files."""
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from transformers import AutoConfig
+
+import hf_linear_attn  # noqa: F401  (registers the model types read below)
+from hf_linear_attn.pipeline.reproduction import (
+    REPO,
+    TASKS,
+    ReproductionError,
+    load_preset,
+    plan,
+    reproduce,
+)
+
+DATA = REPO.parent / "shared" / "data"
+PRESETS = sorted((REPO / "configs" / "reproduce").glob("*.json"))
+DIMENSIONS = {"encoders": ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                           "vocab_size", "max_position_embeddings"),
+              "decoders": ("n_embd", "n_layer", "n_head", "n_inner", "vocab_size")}
+
+
+def test_presets_exist_and_compare_like_with_like():
+    assert {p.stem for p in PRESETS} >= {"demo", "cpu", "paper"}
+    for path in PRESETS:
+        preset = load_preset(path)
+        for group, keys in DIMENSIONS.items():
+            configs = [AutoConfig.from_pretrained(REPO / file) for file in preset[group].values()]
+            for key in keys:  # identical dimensions inside a comparison: only the attention differs
+                assert len({getattr(c, key) for c in configs}) == 1, (path.name, group, key)
+    cpu = load_preset(REPO / "configs" / "reproduce" / "cpu.json")
+    types = [AutoConfig.from_pretrained(REPO / file) for file in cpu["encoders"].values()]
+    assert set(cpu["finetune"]) == set(TASKS)
+    assert {c.model_type for c in types} == {"roberta", "linformer", "linear_roberta"}
+    sharing = {c.linformer_sharing for c in types if c.model_type == "linformer"}
+    assert sharing == {"headwise", "key-value", "layerwise"} and len({c.linformer_k for c in types
+                                                                      if c.model_type == "linformer"}) == 2
+    assert {AutoConfig.from_pretrained(REPO / f).model_type for f in cpu["decoders"].values()} == {
+        "gpt2", "linear_gpt2", "linformer_gpt2"}
+    paper = load_preset(REPO / "configs" / "reproduce" / "paper.json")
+    assert paper["launcher"].startswith("accelerate launch")
+    assert AutoConfig.from_pretrained(REPO / paper["encoders"][paper["baseline"]]).hidden_size == 768
+
+
+def test_plan_orders_stages_and_dry_run_prints_them(tmp_path, capsys):
+    preset = load_preset(REPO / "configs" / "reproduce" / "cpu.json")
+    stages = plan(preset, tmp_path, [1, 2], {"mlm": "TOK"})
+    kinds = [s.info["kind"] for s in stages]
+    assert kinds.count("pretrain") == 6 and kinds.count("finetune") == 6 * 4 * 2 and kinds.count("decoder") == 3
+    for i, stage in enumerate(stages):  # each fine-tune comes after the pretraining it starts from
+        if stage.info["kind"] == "finetune":
+            source = stage.argv[stage.argv.index("--model_name_or_path") + 1]
+            assert any(s.info["kind"] == "pretrain" and str(s.folder) == source for s in stages[:i])
+    assert len({s.folder for s in stages}) == len(stages)
+    pre = stages[0].argv
+    assert pre[pre.index("--tokenizer_name_or_path") + 1] == "TOK" and "--max_steps" in pre
+    reproduce(REPO / "configs" / "reproduce" / "paper.json", output_dir=tmp_path, dry_run=True)
+    printed = capsys.readouterr().out.splitlines()
+    assert len(printed) == 6 * 5 + 3 and all(line.startswith("accelerate launch scripts/") for line in printed)
+    assert not any(tmp_path.iterdir())  # a dry run writes nothing
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"unknown_key": 1}, "unknown keys"),
+    ({"baseline": "nobody"}, "'baseline' must name one of the encoders"),
+    ({"finetune": {"mnli": {"config": "configs/finetune/cpu-sst2.json"}}}, "'finetune' needs tasks"),
+    ({"encoders": {"a": "configs/models/cpu/missing.json"}, "baseline": "a"}, "does not exist"),
+])
+def test_bad_presets_are_refused(tmp_path, change, message):
+    preset = {**json.loads((REPO / "configs" / "reproduce" / "demo.json").read_text()), **change}
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(preset))
+    with pytest.raises(ReproductionError, match=message):
+        load_preset(path)
+
+
+def _smoke_preset(tmp_path) -> Path:
+    preset = {
+        "description": "test", "seeds": [3],
+        "pretrain": {"config": "configs/pretrain/cpu-mlm.json",
+                     "args": {"max_steps": 2, "max_seq_length": 32, "eval_steps": 2, "save_steps": 100,
+                              "max_eval_samples": 8, "per_device_train_batch_size": 4}},
+        "encoders": {"RoBERTa (softmax)": "configs/models/cpu/roberta-softmax.json",
+                     "Linformer k = 32": "configs/models/cpu/linformer-k32.json"},
+        "baseline": "RoBERTa (softmax)",
+        "finetune": {"sst2": {"config": "configs/finetune/cpu-sst2.json",
+                              "args": {"max_train_samples": 32, "max_eval_samples": 40, "num_train_epochs": 1,
+                                       "train_sampling_strategy": "group_by_length"}},
+                     "qqp": {"config": "configs/finetune/cpu-qqp.json",
+                             "args": {"max_train_samples": 32, "max_eval_samples": 24, "num_train_epochs": 1,
+                                      "max_seq_length": 48}}},
+        "decoder_pretrain": {"config": "configs/pretrain/cpu-clm.json",
+                             "args": {"max_steps": 2, "max_seq_length": 32, "eval_steps": 2, "max_eval_samples": 8,
+                                      "per_device_train_batch_size": 4}},
+        "decoders": {"GPT-2 (softmax)": "configs/models/cpu/gpt2-softmax.json",
+                     "Linear attention (elu + 1)": "configs/models/cpu/linear-gpt2-elu.json"},
+        "decoder_baseline": "GPT-2 (softmax)",
+    }
+    path = tmp_path / "smoke.json"
+    path.write_text(json.dumps(preset))
+    return path
+
+
+def _run(preset, out, *extra):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, str(REPO / "scripts" / "reproduce.py"), "--preset", str(preset),
+                           "--output_dir", str(out), *extra], capture_output=True, text=True, cwd=REPO, env=env)
+
+
+def _tsv_labels(path, column, rows):
+    with open(path, newline="") as handle:
+        reader = csv.DictReader(handle, delimiter="\t", quoting=csv.QUOTE_NONE)
+        return [row[column] for _, row in zip(range(rows), reader)]
+
+
+@pytest.mark.skipif(not (DATA / "glue").is_dir() or not (DATA / "wikitext-2").is_dir(),
+                    reason="needs ../shared/data (GLUE and WikiText-2 files)")
+def test_reproduction_runs_reuses_and_reports_what_the_stages_wrote(tmp_path):
+    preset, out = _smoke_preset(tmp_path), tmp_path / "run"
+    first = _run(preset, out)
+    assert first.returncode == 0, first.stderr[-3000:]
+    report = json.loads((out / "results.json").read_text())
+    assert report["meta"]["stages_done"] == report["meta"]["stages"] == 2 * 3 + 2
+    for model, folder in (("RoBERTa (softmax)", "roberta-softmax"), ("Linformer k = 32", "linformer-k-32")):
+        entry = report["encoders"][model]
+        scores = []
+        for task, rows in (("sst2", 40), ("qqp", 24)):
+            written = json.loads((out / "finetune" / folder / f"{task}-seed3" / "eval_results.json").read_text())
+            assert written["eval_samples"] == rows
+            assert entry["tasks"][task]["accuracy"] == pytest.approx(100 * written["eval_accuracy"])
+            scores.append(100 * written["eval_accuracy"])
+        assert entry["average"] == pytest.approx(sum(scores) / 2)
+        trained = json.loads((out / "pretrain" / folder / "train_results.json").read_text())
+        assert entry["pretrain"]["perplexity"] == trained["perplexity"] and trained["steps"] == 2
+    base = report["encoders"]["RoBERTa (softmax)"]["average"]
+    assert report["encoders"]["Linformer k = 32"]["vs_baseline"] == pytest.approx(
+        report["encoders"]["Linformer k = 32"]["average"] - base)
+    # majority class, counted here from the TSV files (quoting disabled) independently of the pipeline
+    sst2 = _tsv_labels(DATA / "glue" / "sst2" / "dev.tsv", "label", 40)
+    qqp = _tsv_labels(DATA / "glue" / "qqp" / "dev_subset.tsv", "is_duplicate", 24)
+    for task, labels in (("sst2", sst2), ("qqp", qqp)):
+        share = max(labels.count(v) for v in set(labels)) / len(labels)
+        assert report["meta"]["majority"][task]["share"] == pytest.approx(share)
+    ratio = report["decoders"]["Linear attention (elu + 1)"]["vs_baseline"]
+    perplexities = [report["decoders"][m]["pretrain"]["perplexity"] for m in report["decoders"]]
+    assert ratio == pytest.approx(perplexities[1] / perplexities[0])
+    # every model of a comparison used the one shared tokenizer
+    for folder in ("roberta-softmax", "linformer-k-32"):
+        args = json.loads((out / "pretrain" / folder / "run_args.json").read_text())
+        assert args["tokenizer_name_or_path"] == str(out / "tokenizer-mlm")
+    table = (out / "results.md").read_text()
+    assert "| Linformer k = 32 |" in table and "92.25" in table and "QQP (train subset)" in table
+    assert (out / "results.png").stat().st_size > 10_000
+
+    # a rerun reuses every finished stage; a stage whose result is gone (an interrupted run) is redone alone
+    (out / "finetune" / "linformer-k-32" / "qqp-seed3" / "eval_results.json").unlink()
+    record = out / "pretrain" / "roberta-softmax" / "stage.json"
+    before = record.read_text()
+    second = _run(preset, out)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert second.stdout.count("reused") == 7 and second.stdout.count("done (") == 1
+    assert record.read_text() == before
+    assert (out / "finetune" / "linformer-k-32" / "qqp-seed3" / "eval_results.json").is_file()
+
+    # a finished stage is never mixed with a changed preset: the error names the folder
+    changed = json.loads(preset.read_text())
+    changed["pretrain"]["args"]["max_steps"] = 3
+    preset.write_text(json.dumps(changed))
+    third = _run(preset, out)
+    assert third.returncode != 0
+    assert "holds a finished run with other arguments" in third.stderr and "roberta-softmax" in third.stderr
