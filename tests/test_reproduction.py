@@ -169,6 +169,14 @@ def test_reproduction_runs_reuses_and_reports_what_the_stages_wrote(tmp_path):
     assert record.read_text() == before
     assert (out / "finetune" / "linformer-k-32" / "qqp-seed3" / "eval_results.json").is_file()
 
+    # the results folder can move: its stages are still recognised as finished
+    moved = tmp_path / "moved"
+    out.rename(moved)
+    out = moved
+    fourth = _run(preset, out)
+    assert fourth.returncode == 0, fourth.stderr[-3000:]
+    assert fourth.stdout.count("reused") == 8
+
     # a finished stage is never mixed with a changed preset: the error names the folder
     changed = json.loads(preset.read_text())
     changed["pretrain"]["args"]["max_steps"] = 3

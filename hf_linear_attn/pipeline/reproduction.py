@@ -113,18 +113,24 @@ class Stage:
     folder: Path
     argv: list[str]
     marker: str
+    root: Path
     info: dict = field(default_factory=dict)
 
     @property
     def record_path(self) -> Path:
         return self.folder / "stage.json"
 
+    def portable(self, argv: list[str], root: str | None = None) -> list[str]:
+        """argv with the run's output folder written as $OUTPUT_DIR: a moved results folder is still reused."""
+        root = str(root or self.root)
+        return [arg.replace(root, "$OUTPUT_DIR") for arg in argv]
+
     def finished(self) -> dict | None:
         """The stage's record when it has finished with these arguments; an error when with other ones."""
         if not (self.folder / self.marker).is_file():
             return None
         record = _read_json(self.record_path, "the stage record") if self.record_path.is_file() else {}
-        if record.get("argv") != self.argv:
+        if self.portable(record.get("argv", []), record.get("output_dir")) != self.portable(self.argv):
             raise ReproductionError(
                 f"{self.folder} holds a finished run with other arguments than this preset's stage '{self.name}' "
                 f"(recorded: {shlex.join(record.get('argv', ['<none>']))}; now: {shlex.join(self.argv)}); remove "
@@ -174,14 +180,14 @@ def plan(preset: dict, output_dir: Path, seeds: list[int], tokenizers: dict | No
                 *(["--tokenizer_name_or_path", tokenizers["mlm"]] if "mlm" in tokenizers else []),
                 *_flags(preset["pretrain"].get("args", {}))]
         stages.append(Stage(f"pretrain {name}", "scripts/pretrain.py", folder, argv, "train_results.json",
-                            {"kind": "pretrain", "model": name}))
+                            output_dir, {"kind": "pretrain", "model": name}))
         for task, entry in preset["finetune"].items():
             for seed in seeds:
                 tuned = output_dir / "finetune" / slug(name) / f"{task}-seed{seed}"
                 argv = ["--config", entry["config"], "--model_name_or_path", str(folder), "--output_dir", str(tuned),
                         "--seed", str(seed), *_flags(entry.get("args", {}))]
                 stages.append(Stage(f"fine-tune {name} on {TASK_TITLES[task]} (seed {seed})", "scripts/finetune.py",
-                                    tuned, argv, "eval_results.json",
+                                    tuned, argv, "eval_results.json", output_dir,
                                     {"kind": "finetune", "model": name, "task": task, "seed": seed}))
     for name, model_config in preset.get("decoders", {}).items():
         folder = output_dir / "decoders" / slug(name)
@@ -190,7 +196,7 @@ def plan(preset: dict, output_dir: Path, seeds: list[int], tokenizers: dict | No
                 *(["--tokenizer_name_or_path", tokenizers["clm"]] if "clm" in tokenizers else []),
                 *_flags(preset["decoder_pretrain"].get("args", {}))]
         stages.append(Stage(f"pretrain decoder {name}", "scripts/pretrain.py", folder, argv, "train_results.json",
-                            {"kind": "decoder", "model": name}))
+                            output_dir, {"kind": "decoder", "model": name}))
     return stages
 
 
@@ -225,7 +231,7 @@ def run_stage(stage: Stage, launcher: list[str], log_dir: Path) -> tuple[dict, b
     if code != 0 or not (stage.folder / stage.marker).is_file():
         raise ReproductionError(f"stage '{stage.name}' failed (exit status {code}); the end of {log}:\n{_tail(log)}\n"
                                 "Fix the cause and rerun the same command: finished stages are reused.")
-    record = {"argv": stage.argv, "seconds": round(seconds, 1), "resumed": "--resume" in extra,
+    record = {"argv": stage.argv, "output_dir": str(stage.root), "seconds": round(seconds, 1), "resumed": "--resume" in extra,
               "finished": time.strftime("%Y-%m-%d %H:%M:%S"), "command": shlex.join(command)}
     partial = stage.record_path.with_suffix(".partial")
     partial.write_text(json.dumps(record, indent=2))
@@ -359,7 +365,8 @@ def render_markdown(preset_name: str, preset: dict, results: dict, meta: dict) -
                     cell += f" ± {runs['std']:.1f}"
                 cells.append(cell)
             delta = entry.get("vs_baseline")
-            lines.append(f"| {model} | {pre.get('parameters', 0) / 1e6:.2f} M | {_cell(pre.get('perplexity'))} | "
+            lines.append(f"| {model} | {_cell(pre.get('parameters') and pre['parameters'] / 1e6, 2, ' M')} | "
+                         f"{_cell(pre.get('perplexity'))} | "
                          + " | ".join(cells) + f" | {_cell(entry.get('average'), 2)} | "
                          + ("baseline" if model == preset["baseline"] else _cell(delta, 2, " pt"))
                          + f" | {_minutes(entry.get('seconds'))} |")
@@ -382,7 +389,8 @@ def render_markdown(preset_name: str, preset: dict, results: dict, meta: dict) -
         for model, entry in results["decoders"].items():
             pre = entry.get("pretrain") or {}
             ratio = ("baseline" if model == preset["decoder_baseline"] else _cell(entry.get("vs_baseline"), 3, "x"))
-            lines.append(f"| {model} | {pre.get('parameters', 0) / 1e6:.2f} M | {_cell(pre.get('perplexity'), 2)} | "
+            lines.append(f"| {model} | {_cell(pre.get('parameters') and pre['parameters'] / 1e6, 2, ' M')} | "
+                         f"{_cell(pre.get('perplexity'), 2)} | "
                          f"{ratio} | {_minutes(pre.get('seconds'))} |")
         lines.append("")
     return "\n".join(lines)
