@@ -21,6 +21,7 @@ import os
 import platform
 import re
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -221,18 +222,25 @@ def run_stage(stage: Stage, launcher: list[str], log_dir: Path) -> tuple[dict, b
     command = [*launcher, str(REPO / stage.script), *stage.argv, *extra]
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / f"{slug(stage.name)}.log"
+    # seconds of earlier, interrupted attempts that this one resumes count towards the stage's wall time
+    spent_file = log_dir / f"{slug(stage.name)}.seconds"
+    earlier = float(spent_file.read_text()) if "--resume" in extra and spent_file.is_file() else 0.0
     started = time.perf_counter()
-    with open(log, "a") as handle:
-        handle.write(f"$ {shlex.join(command)}\n")
-        handle.flush()
-        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-        code = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT, cwd=REPO, env=env).returncode
-    seconds = time.perf_counter() - started
+    try:
+        with open(log, "a") as handle:
+            handle.write(f"$ {shlex.join(command)}\n")
+            handle.flush()
+            env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+            code = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT, cwd=REPO, env=env).returncode
+    finally:  # also when interrupted (Ctrl-C, SIGTERM): the child is stopped and the time spent kept
+        seconds = earlier + time.perf_counter() - started
+        spent_file.write_text(f"{seconds:.1f}")
     if code != 0 or not (stage.folder / stage.marker).is_file():
         raise ReproductionError(f"stage '{stage.name}' failed (exit status {code}); the end of {log}:\n{_tail(log)}\n"
                                 "Fix the cause and rerun the same command: finished stages are reused.")
-    record = {"argv": stage.argv, "output_dir": str(stage.root), "seconds": round(seconds, 1), "resumed": "--resume" in extra,
-              "finished": time.strftime("%Y-%m-%d %H:%M:%S"), "command": shlex.join(command)}
+    record = {"argv": stage.argv, "output_dir": str(stage.root), "seconds": round(seconds, 1),
+              "resumed": "--resume" in extra, "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
+              "command": shlex.join(command)}
     partial = stage.record_path.with_suffix(".partial")
     partial.write_text(json.dumps(record, indent=2))
     partial.replace(stage.record_path)
@@ -474,6 +482,8 @@ def reproduce(preset_path, output_dir=None, seeds=None, launcher=None, dry_run=F
         return {}
 
     output_dir.mkdir(parents=True, exist_ok=True)
+    # SIGTERM stops the run like Ctrl-C: the running stage's child is stopped and its time so far recorded
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("reproduction stopped (SIGTERM); rerun to continue"))
     tokenizers = shared_tokenizers(preset, output_dir, train=not report_only)
     stages = plan(preset, output_dir, seeds, tokenizers)
     records = {}
