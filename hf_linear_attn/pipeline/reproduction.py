@@ -18,7 +18,6 @@ error, never silently mixed into the table. An interrupted pretraining resumes f
 
 import json
 import os
-import platform
 import re
 import shlex
 import signal
@@ -29,8 +28,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
+from .benchmarks import describe_machine
 from .data import PipelineError, get_task, load_task_data, load_text_corpus, train_bpe_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -450,20 +448,6 @@ def plot(preset: dict, results: dict, meta: dict, path: Path) -> bool:
     return True
 
 
-def machine_description() -> str:
-    if torch.cuda.is_available():
-        return f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}, torch {torch.__version__}"
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} cores, no GPU, torch {torch.__version__}"
-
-
 def reproduce(preset_path, output_dir=None, seeds=None, launcher=None, dry_run=False, report_only=False,
               argv=None) -> dict:
     """Run (or reuse) every stage of the preset, then write results.json / results.md / results.png."""
@@ -503,7 +487,7 @@ def reproduce(preset_path, output_dir=None, seeds=None, launcher=None, dry_run=F
     for task, entry in preset.get("finetune", {}).items():
         share, rows = majority_share(entry, seeds[0])
         majority[task] = {"share": share, "rows": rows}
-    meta = {"preset": preset_name, "preset_file": str(preset_path), "machine": machine_description(),
+    meta = {"preset": preset_name, "preset_file": str(preset_path), "machine": describe_machine(),
             "command": "python scripts/reproduce.py " + shlex.join(sys.argv[1:] if argv is None else argv),
             "seeds": seeds, "pretrain_seed": pretrain_seed, "majority": majority,
             "seconds": sum(r["seconds"] for r in records.values()), "stages": len(stages),
