@@ -22,8 +22,9 @@ class LinformerConfig(RobertaStyleConfig):
             `"key-value"` (headwise and E = F: one per layer),
             `"layerwise"` (a single matrix for keys and values of every layer).
         linformer_init (`str`, defaults to `"xavier_uniform"`): init of E and F: `"xavier_uniform"` as the authors'
-            fairseq code (gain 1/sqrt(2) on each k x n matrix) or `"normal"` (N(0, initializer_range), as a later
-            BERT-style re-init of every weight does).
+            fairseq code (gain 1/sqrt(2) on each k x n matrix), `"normal"` (N(0, initializer_range), as a later
+            BERT-style re-init of every weight does) or `"pooling"` (each of the k rows the mean of n / k
+            consecutive positions, the paper's pooling projection as a learned E's starting point).
     """
 
     model_type = "linformer"

@@ -22,7 +22,7 @@ class LinformerGPT2Config(GPT2StyleConfig):
             `"none"` (per head), `"headwise"` (per layer), `"key-value"` (per layer, E = F), `"layerwise"` (one matrix
             for keys and values of every layer).
         linformer_init (`str`, defaults to `"xavier_uniform"`): init of E and F, `"xavier_uniform"` (fairseq, gain
-            1/sqrt(2)) or `"normal"` (N(0, initializer_range)).
+            1/sqrt(2)), `"normal"` (N(0, initializer_range)) or `"pooling"` (means of b / k consecutive positions).
     """
 
     model_type = "linformer_gpt2"

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 LINFORMER_SHARING = ("none", "headwise", "key-value", "layerwise")
-LINFORMER_INIT = ("xavier_uniform", "normal")
+LINFORMER_INIT = ("xavier_uniform", "normal", "pooling")
 
 
 class LinformerProjection(nn.Module):
@@ -40,6 +40,18 @@ def check_linformer_options(sharing: str, init: str) -> None:
 def xavier_bound(k: int, max_length: int) -> float:
     """Uniform bound of fairseq's Linformer init: xavier_uniform with gain 1/sqrt(2) on a (k, n) matrix."""
     return math.sqrt(6.0 / (k + max_length)) / math.sqrt(2.0)
+
+
+def pooling_matrix(k: int, max_length: int) -> torch.Tensor:
+    """(k, max_length) mean pooling: row i averages the positions j with floor(j k / max_length) = i.
+
+    The paper's Section 4 pooling projection, used as the starting point of a learned E / F. Unlike a random
+    (zero-mean) E, it starts as an average of real tokens, so a model whose E has not been trained yet still sees a
+    bag of its tokens rather than a random-signed mix of them (measured: README, "Reproduction").
+    """
+    window = (torch.arange(max_length) * k) // max_length
+    matrix = (window[None, :] == torch.arange(k)[:, None]).float()
+    return matrix / matrix.sum(-1, keepdim=True).clamp(min=1.0)
 
 
 def project_sequence(x: torch.Tensor, projection: torch.Tensor, key_mask: torch.Tensor | None = None) -> torch.Tensor:

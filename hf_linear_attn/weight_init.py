@@ -9,7 +9,7 @@ from torch import nn
 from transformers import initialization as init
 
 from .feature_maps import FavorFeatureMap, HedgehogFeatureMap, identity_weight, orthogonal_gaussian_matrix
-from .linformer_projection import LinformerProjection, xavier_bound
+from .linformer_projection import LinformerProjection, pooling_matrix, xavier_bound
 
 
 def init_feature_map(module: nn.Module) -> None:
@@ -22,10 +22,14 @@ def init_feature_map(module: nn.Module) -> None:
 
 
 def init_linformer_projection(module: nn.Module, linformer_init: str, initializer_range: float) -> None:
-    """E / F by ``linformer_init``: "xavier_uniform" (fairseq, gain 1/sqrt 2) or "normal" N(0, initializer_range)."""
+    """E / F by ``linformer_init``: "xavier_uniform" (fairseq, gain 1/sqrt 2), "normal" N(0, initializer_range) or
+    "pooling" (mean over consecutive windows of max_length / k positions)."""
     if not isinstance(module, LinformerProjection):
         return
-    if linformer_init == "normal":
+    if linformer_init == "pooling":
+        k, max_length = module.weight.shape[-2:]
+        init.copy_(module.weight, pooling_matrix(k, max_length).expand_as(module.weight).to(module.weight.device))
+    elif linformer_init == "normal":
         init.normal_(module.weight, mean=0.0, std=initializer_range)
     else:
         bound = xavier_bound(module.weight.shape[-2], module.weight.shape[-1])

@@ -64,6 +64,24 @@ def test_sharing_modes_have_the_paper_number_of_projections():
         assert matrices == count, (sharing, matrices)
 
 
+
+@pytest.mark.parametrize("sharing", ["headwise", "layerwise"])
+def test_pooling_init_projects_to_window_means(sharing):
+    """linformer_init="pooling": E x is the mean of each run of n / k consecutive rows (computed by reshaping)."""
+    from hf_linear_attn import project_sequence
+
+    torch.manual_seed(0)
+    model = AutoModel.from_config(LinformerConfig(**TINY, linformer_k=8, linformer_sharing=sharing,
+                                                  linformer_init="pooling"))
+    projections = [p for name, p in model.named_parameters() if "projection" in name]
+    assert projections
+    x = torch.randn(2, 4, 64, 8)  # (batch, heads, n = the model's maximum length, head dim)
+    expected = x.view(2, 4, 8, 8, 8).mean(dim=3)
+    for weight in projections:
+        assert weight.shape[-2:] == (8, 64)
+        torch.testing.assert_close(project_sequence(x, weight.detach()), expected)
+    assert projections[0].requires_grad  # a starting point: E and F are still learned
+
 @pytest.mark.parametrize("variant", sorted(FAMILY_VARIANTS))
 def test_padded_batch_equals_one_by_one(variant):
     torch.manual_seed(0)

@@ -82,13 +82,15 @@ def test_bad_presets_are_refused(tmp_path, change, message):
 
 
 def _smoke_preset(tmp_path) -> Path:
+    linformer_config = tmp_path / "linformer-k32.json"  # a copy, edited in place by the test below
+    linformer_config.write_text((REPO / "configs" / "models" / "cpu" / "linformer-k32.json").read_text())
     preset = {
         "description": "test", "seeds": [3],
         "pretrain": {"config": "configs/pretrain/cpu-mlm.json",
                      "args": {"max_steps": 2, "max_seq_length": 32, "eval_steps": 2, "save_steps": 100,
                               "max_eval_samples": 8, "per_device_train_batch_size": 4}},
         "encoders": {"RoBERTa (softmax)": "configs/models/cpu/roberta-softmax.json",
-                     "Linformer k = 32": "configs/models/cpu/linformer-k32.json"},
+                     "Linformer k = 32": str(linformer_config)},
         "baseline": "RoBERTa (softmax)",
         "finetune": {"sst2": {"config": "configs/finetune/cpu-sst2.json",
                               "args": {"max_train_samples": 32, "max_eval_samples": 40, "num_train_epochs": 1,
@@ -176,6 +178,13 @@ def test_reproduction_runs_reuses_and_reports_what_the_stages_wrote(tmp_path):
     fourth = _run(preset, out)
     assert fourth.returncode == 0, fourth.stderr[-3000:]
     assert fourth.stdout.count("reused") == 8
+
+    # nor with a config edited in place since: the error names the changed file
+    config = tmp_path / "linformer-k32.json"
+    config.write_text(config.read_text().replace('"pooling"', '"xavier_uniform"'))
+    edited = _run(preset, out)
+    assert edited.returncode != 0 and edited.stdout.count("reused") == 3
+    assert "inputs have changed since: linformer-k32.json" in edited.stderr.replace(str(tmp_path) + "/", "")
 
     # a finished stage is never mixed with a changed preset: the error names the folder
     changed = json.loads(preset.read_text())

@@ -28,7 +28,7 @@ class ConvertArguments:
                                                         "sequence-classification, ..., base"})
     linformer_k: int | None = field(default=None, metadata={"help": "Linformer projected length k"})
     linformer_sharing: str | None = field(default=None, metadata={"help": "none | headwise | key-value | layerwise"})
-    linformer_init: str | None = field(default=None, metadata={"help": "xavier_uniform | normal"})
+    linformer_init: str | None = field(default=None, metadata={"help": "xavier_uniform | normal | pooling"})
     linformer_block_size: int | None = field(default=None, metadata={"help": "causal Linformer block size"})
     feature_map: str | None = field(default=None, metadata={"help": "elu | relu | favor | hedgehog (learnable: "
                                                                     "the one distillation trains)"})

@@ -12,10 +12,12 @@ scripts/pretrain.py or scripts/finetune.py (under `python` or `accelerate launch
     results.json, results.md, results.png
 
 A stage whose folder holds its finished result (train_results.json / eval_results.json) and a stage.json with the
-same arguments is reused, so a rerun only does what is missing; a finished stage run with other arguments is an
-error, never silently mixed into the table. An interrupted pretraining resumes from its newest checkpoint.
+same arguments and inputs (a digest of the config files, models and tokenizer it read) is reused, so a rerun only
+does what is missing; a finished stage run with other arguments or inputs is an error, never silently mixed into the
+table. An interrupted pretraining resumes from its newest checkpoint.
 """
 
+import hashlib
 import json
 import os
 import re
@@ -124,8 +126,29 @@ class Stage:
         root = str(root or self.root)
         return [arg.replace(root, "$OUTPUT_DIR") for arg in argv]
 
+    def inputs(self) -> dict[str, str]:
+        """A digest of every file the arguments name, keyed by the portable argument: config files, and the
+        weights and tokenizer of a model / tokenizer folder. A config edited in place or an upstream model trained
+        again changes it, so the stage is no longer taken as finished."""
+        digests = {}
+        for arg, key in zip(self.argv, self.portable(self.argv)):
+            path = _repo_path(arg)
+            if arg.startswith("--") or path == self.folder:
+                continue
+            if path.is_file():
+                files = [path]
+            elif path.is_dir():
+                files = sorted(path.glob("*.safetensors")) + sorted(path.glob("tokenizer.json"))
+            else:
+                continue
+            digest = hashlib.sha256()
+            for file in files:
+                digest.update(file.read_bytes())
+            digests[key] = digest.hexdigest()[:16]
+        return digests
+
     def finished(self) -> dict | None:
-        """The stage's record when it has finished with these arguments; an error when with other ones."""
+        """The stage's record when it has finished with these arguments and inputs; an error when with others."""
         if not (self.folder / self.marker).is_file():
             return None
         record = _read_json(self.record_path, "the stage record") if self.record_path.is_file() else {}
@@ -134,6 +157,13 @@ class Stage:
                 f"{self.folder} holds a finished run with other arguments than this preset's stage '{self.name}' "
                 f"(recorded: {shlex.join(record.get('argv', ['<none>']))}; now: {shlex.join(self.argv)}); remove "
                 "the folder to rerun it, or use another --output_dir")
+        now = self.inputs()
+        changed = sorted(key for key, digest in record.get("inputs", now).items() if now.get(key) != digest)
+        if changed:
+            raise ReproductionError(
+                f"{self.folder} holds a finished run of stage '{self.name}' whose inputs have changed since: "
+                f"{', '.join(changed)} (a config edited, or an upstream model trained again); remove the folder "
+                "(and those of the stages that use it) to rerun it, or use another --output_dir")
         return record
 
 
@@ -211,6 +241,7 @@ def run_stage(stage: Stage, launcher: list[str], log_dir: Path) -> tuple[dict, b
     record = stage.finished()
     if record is not None:
         return record, True
+    inputs = stage.inputs()
     extra = []
     if stage.folder.exists() and any(stage.folder.iterdir()):  # an interrupted run of this stage
         checkpoints = stage.folder / "checkpoints"
@@ -236,7 +267,7 @@ def run_stage(stage: Stage, launcher: list[str], log_dir: Path) -> tuple[dict, b
     if code != 0 or not (stage.folder / stage.marker).is_file():
         raise ReproductionError(f"stage '{stage.name}' failed (exit status {code}); the end of {log}:\n{_tail(log)}\n"
                                 "Fix the cause and rerun the same command: finished stages are reused.")
-    record = {"argv": stage.argv, "output_dir": str(stage.root), "seconds": round(seconds, 1),
+    record = {"argv": stage.argv, "inputs": inputs, "output_dir": str(stage.root), "seconds": round(seconds, 1),
               "resumed": "--resume" in extra, "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
               "command": shlex.join(command)}
     partial = stage.record_path.with_suffix(".partial")
