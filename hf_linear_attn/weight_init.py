@@ -26,13 +26,13 @@ def init_linformer_projection(module: nn.Module, linformer_init: str, initialize
     "pooling" (mean over consecutive windows of max_length / k positions)."""
     if not isinstance(module, LinformerProjection):
         return
+    k, max_length = module.weight.shape[-2:]
     if linformer_init == "pooling":
-        k, max_length = module.weight.shape[-2:]
         init.copy_(module.weight, pooling_matrix(k, max_length).expand_as(module.weight).to(module.weight.device))
     elif linformer_init == "normal":
         init.normal_(module.weight, mean=0.0, std=initializer_range)
     else:
-        bound = xavier_bound(module.weight.shape[-2], module.weight.shape[-1])
+        bound = xavier_bound(k, max_length)
         init.uniform_(module.weight, -bound, bound)
 
 

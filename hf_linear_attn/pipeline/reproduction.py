@@ -157,8 +157,9 @@ class Stage:
                 f"{self.folder} holds a finished run with other arguments than this preset's stage '{self.name}' "
                 f"(recorded: {shlex.join(record.get('argv', ['<none>']))}; now: {shlex.join(self.argv)}); remove "
                 "the folder to rerun it, or use another --output_dir")
-        now = self.inputs()
-        changed = sorted(key for key, digest in record.get("inputs", now).items() if now.get(key) != digest)
+        recorded = record.get("inputs", {})  # records written before inputs were kept have none
+        now = self.inputs() if recorded else {}
+        changed = sorted(key for key, digest in recorded.items() if now.get(key) != digest)
         if changed:
             raise ReproductionError(
                 f"{self.folder} holds a finished run of stage '{self.name}' whose inputs have changed since: "
