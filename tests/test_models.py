@@ -64,7 +64,6 @@ def test_sharing_modes_have_the_paper_number_of_projections():
         assert matrices == count, (sharing, matrices)
 
 
-
 @pytest.mark.parametrize("sharing", ["headwise", "layerwise"])
 def test_pooling_init_projects_to_window_means(sharing):
     """linformer_init="pooling": E x is the mean of each run of n / k consecutive rows (computed by reshaping)."""
@@ -81,6 +80,7 @@ def test_pooling_init_projects_to_window_means(sharing):
         assert weight.shape[-2:] == (8, 64)
         torch.testing.assert_close(project_sequence(x, weight.detach()), expected)
     assert projections[0].requires_grad  # a starting point: E and F are still learned
+
 
 @pytest.mark.parametrize("variant", sorted(FAMILY_VARIANTS))
 def test_padded_batch_equals_one_by_one(variant):

@@ -51,9 +51,13 @@ def load_projections(folder: str | Path) -> dict[str, torch.Tensor]:
             projections = {name: handle.get_tensor(name).float() for name in handle.keys() if projection_kind(name)}
     except Exception as error:  # safetensors raises its own error types for damaged files
         raise PipelineError(f"cannot read {file}: {error}") from error
-    if not projections:
-        raise PipelineError(f"{file} has no Linformer projections (*_projection.weight): not a Linformer checkpoint")
+    _require_projections(projections, file)
     return projections
+
+
+def _require_projections(names, file: Path) -> None:
+    if not any(projection_kind(name) for name in names):
+        raise PipelineError(f"{file} has no Linformer projections (*_projection.weight): not a Linformer checkpoint")
 
 
 def projection_statistics(name: str, weight: torch.Tensor) -> dict:
@@ -105,12 +109,15 @@ def renormalise_rows(folder: str | Path, output_dir: str | Path, kinds: tuple[st
         raise PipelineError(f"choose projections to renormalise among {', '.join(PROJECTION_KINDS)}, got {kinds}")
     folder, output_dir = Path(folder), Path(output_dir)
     file = _weights_file(folder)
-    load_projections(folder)  # the clear error for a non-Linformer checkpoint
     if output_dir.resolve() == folder.resolve():
         raise PipelineError("--output_dir must differ from the model folder: the original weights are never overwritten")
     if output_dir.exists() and any(output_dir.iterdir()):
         raise PipelineError(f"{output_dir} is not empty; pass a new folder")
-    state = load_file(str(file))
+    try:
+        state = load_file(str(file))
+    except Exception as error:  # safetensors raises its own error types for damaged files
+        raise PipelineError(f"cannot read {file}: {error}") from error
+    _require_projections(state, file)
     changed = []
     for name, tensor in state.items():
         if projection_kind(name) in kinds:

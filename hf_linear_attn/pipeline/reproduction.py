@@ -143,7 +143,9 @@ class Stage:
                 continue
             digest = hashlib.sha256()
             for file in files:
-                digest.update(file.read_bytes())
+                with file.open("rb") as handle:  # in chunks: a paper-size checkpoint is hundreds of MB
+                    while chunk := handle.read(1 << 24):
+                        digest.update(chunk)
             digests[key] = digest.hexdigest()[:16]
         return digests
 
