@@ -25,6 +25,11 @@ class LinformerConfig(RobertaStyleConfig):
             fairseq code (gain 1/sqrt(2) on each k x n matrix), `"normal"` (N(0, initializer_range), as a later
             BERT-style re-init of every weight does) or `"pooling"` (each of the k rows the mean of n / k
             consecutive positions, the paper's pooling projection as a learned E's starting point).
+        linformer_normalize_rows (`bool`, defaults to `False`): project with E - (row sum - 1) / m on the m real
+            tokens of each example, so every row of E and F sums to 1 and each projected key / value is an affine
+            combination of token keys / values (a constant sequence projects to itself). Not in the paper: free rows
+            let short masked-LM pretraining drive F's row sums to ~0, which removes the sequence mean from the values
+            (README, "Status of the cpu preset"; `scripts/inspect_linformer.py` reports it).
     """
 
     model_type = "linformer"
@@ -32,6 +37,7 @@ class LinformerConfig(RobertaStyleConfig):
     linformer_k: int | list[int] = 128
     linformer_sharing: str = "headwise"
     linformer_init: str = "xavier_uniform"
+    linformer_normalize_rows: bool = False
 
     default_auto_map = {
         "AutoConfig": "configuration_linformer.LinformerConfig",

@@ -24,9 +24,11 @@ class LinformerProjection(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_matrices, k, max_length))
         nn.init.uniform_(self.weight, -xavier_bound(k, max_length), xavier_bound(k, max_length))
 
-    def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, key_mask: torch.Tensor | None = None, normalize_rows: bool = False
+    ) -> torch.Tensor:
         """(B, H, n, d) -> (B, H, k, d), pad rows (``key_mask`` False) removed first."""
-        return project_sequence(x, self.weight, key_mask)
+        return project_sequence(x, self.weight, key_mask, normalize_rows)
 
 
 def check_linformer_options(sharing: str, init: str) -> None:
@@ -54,8 +56,18 @@ def pooling_matrix(k: int, max_length: int) -> torch.Tensor:
     return matrix / matrix.sum(-1, keepdim=True).clamp(min=1.0)
 
 
-def project_sequence(x: torch.Tensor, projection: torch.Tensor, key_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """E[..., :n] @ x: x (B, H, n, d), projection (P, k, n_max) with P in {1, H} -> (B, H, k, d)."""
+def project_sequence(
+    x: torch.Tensor,
+    projection: torch.Tensor,
+    key_mask: torch.Tensor | None = None,
+    normalize_rows: bool = False,
+) -> torch.Tensor:
+    """E[..., :n] @ x: x (B, H, n, d), projection (P, k, n_max) with P in {1, H} -> (B, H, k, d).
+
+    ``normalize_rows``: use E' = E - (E.sum(-1) - 1) / m on the m real tokens of each example instead of E, so every
+    row of E' sums to 1 over them and each projected row is an affine combination of token rows (a constant sequence
+    projects to itself). Computed as E x - shift * sum(x) without forming E'.
+    """
     n, max_length = x.shape[-2], projection.shape[-1]
     if n > max_length:
         raise ValueError(
@@ -69,8 +81,21 @@ def project_sequence(x: torch.Tensor, projection: torch.Tensor, key_mask: torch.
         # that split view, and E is never expanded to one copy per head (a (B, H, k, n) temporary).
         batch, heads, _, d = x.shape
         flat = x.transpose(1, 2).reshape(batch, n, heads * d)
-        return torch.matmul(projection[0, :, :n].to(x.dtype), flat).view(batch, -1, heads, d).transpose(1, 2)
-    return torch.matmul(projection[..., :n].to(x.dtype), x)
+        projected = torch.matmul(projection[0, :, :n].to(x.dtype), flat).view(batch, -1, heads, d).transpose(1, 2)
+    else:
+        projected = torch.matmul(projection[..., :n].to(x.dtype), x)
+    if not normalize_rows:
+        return projected
+    return projected - _row_shift(projection[..., :n], key_mask, x.shape[0]).to(x.dtype) * x.sum(-2, keepdim=True)
+
+
+def _row_shift(projection: torch.Tensor, key_mask: torch.Tensor | None, batch: int) -> torch.Tensor:
+    """(B, P, k, 1): (row sum of E over each example's real tokens - 1) / their count."""
+    if key_mask is None:
+        key_mask = torch.ones(batch, projection.shape[-1], dtype=torch.bool, device=projection.device)
+    mask = key_mask.to(projection.dtype)
+    row_sums = torch.einsum("pkn,bn->bpk", projection, mask)
+    return ((row_sums - 1.0) / mask.sum(-1).clamp(min=1.0)[:, None, None])[..., None]
 
 
 def linformer_attention(
@@ -82,13 +107,14 @@ def linformer_attention(
     key_mask: torch.Tensor | None = None,
     dropout: float = 0.0,
     need_weights: bool = False,
+    normalize_rows: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """softmax(Q (E K)^T / sqrt(d)) (F V): q, k, v (B, H, n, d) -> output (B, H, n, d), weights (B, H, n, k) or None.
 
     No mask is needed after the projection: each of the k projected rows is a mix of real tokens only.
     """
-    projected_k = project_sequence(k, key_projection, key_mask)
-    projected_v = project_sequence(v, value_projection, key_mask)
+    projected_k = project_sequence(k, key_projection, key_mask, normalize_rows)
+    projected_v = project_sequence(v, value_projection, key_mask, normalize_rows)
     return projected_attention(q, projected_k, projected_v, dropout, need_weights)
 
 

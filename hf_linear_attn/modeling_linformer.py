@@ -40,6 +40,7 @@ class LinformerSelfAttention(nn.Module):
         self.value = nn.Linear(config.hidden_size, config.hidden_size)
         self.dropout = config.attention_probs_dropout_prob
         self.sharing = config.linformer_sharing
+        self.normalize_rows = config.linformer_normalize_rows
         k, max_length = config.k_for_layer(layer_idx), config.max_sequence_length
         num_matrices = self.num_heads if self.sharing == "none" else 1
         if self.sharing in ("none", "headwise", "key-value"):
@@ -65,8 +66,9 @@ class LinformerSelfAttention(nn.Module):
             value_projection = key_projection if self.sharing == "key-value" else self.value_projection.weight
         # K and V are projected to k rows as soon as each is computed: the n-row K and V are never alive together
         # with Q, which lowers the peak activation memory at long n.
-        projected_k = project_sequence(self._split_heads(self.key(hidden_states)), key_projection, key_mask)
-        projected_v = project_sequence(self._split_heads(self.value(hidden_states)), value_projection, key_mask)
+        rows = self.normalize_rows
+        projected_k = project_sequence(self._split_heads(self.key(hidden_states)), key_projection, key_mask, rows)
+        projected_v = project_sequence(self._split_heads(self.value(hidden_states)), value_projection, key_mask, rows)
         output, weights = projected_attention(
             self._split_heads(self.query(hidden_states)), projected_k, projected_v,
             dropout=self.dropout if self.training else 0.0, need_weights=output_attentions,

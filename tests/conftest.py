@@ -28,6 +28,7 @@ FAMILY_VARIANTS = {
     "linformer-headwise": lambda **kw: LinformerConfig(**{**TINY, "linformer_k": [8, 12], **kw}),
     "linformer-key-value": lambda **kw: LinformerConfig(**{**TINY, "linformer_k": 8, "linformer_sharing": "key-value", **kw}),
     "linformer-layerwise": lambda **kw: LinformerConfig(**{**TINY, "linformer_k": 8, "linformer_sharing": "layerwise", **kw}),
+    "linformer-rows": lambda **kw: LinformerConfig(**{**TINY, "linformer_k": 8, "linformer_normalize_rows": True, **kw}),
     "linear-elu": lambda **kw: LinearRobertaConfig(**{**TINY, **kw}),
     "linear-relu": lambda **kw: LinearRobertaConfig(**{**TINY, "feature_map": "relu", **kw}),
     "linear-favor": lambda **kw: LinearRobertaConfig(**{**TINY, "feature_map": "favor", "num_random_features": 32, **kw}),

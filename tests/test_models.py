@@ -82,6 +82,29 @@ def test_pooling_init_projects_to_window_means(sharing):
     assert projections[0].requires_grad  # a starting point: E and F are still learned
 
 
+@pytest.mark.parametrize("heads_share", [True, False])
+def test_normalized_rows_project_with_per_example_affine_rows(heads_share):
+    """normalize_rows: each example's rows of E are shifted to sum 1 over its real tokens (formed here explicitly)."""
+    from hf_linear_attn import project_sequence
+
+    torch.manual_seed(0)
+    projection = torch.randn(1 if heads_share else 4, 6, 32)
+    x = torch.randn(3, 4, 20, 8)
+    lengths = [20, 13, 7]
+    mask = torch.arange(20)[None, :] < torch.tensor(lengths)[:, None]
+    got = project_sequence(x, projection, mask, normalize_rows=True)
+    for b, m in enumerate(lengths):
+        rows = projection[..., :m]
+        affine = rows - (rows.sum(-1, keepdim=True) - 1.0) / m
+        torch.testing.assert_close(affine.sum(-1), torch.ones(affine.shape[:2]))
+        torch.testing.assert_close(got[b], torch.matmul(affine, x[b, :, :m]), atol=1e-5, rtol=1e-4)
+    # a constant sequence projects to itself, whatever E is; without the option it is scaled by E's row sums
+    constant = torch.randn(1, 4, 1, 8).expand(1, 4, 20, 8)
+    torch.testing.assert_close(project_sequence(constant, projection, normalize_rows=True),
+                               constant[:, :, :6].expand(1, 4, 6, 8), atol=1e-5, rtol=1e-4)
+    assert not torch.allclose(project_sequence(constant, projection), constant[:, :, :6].expand(1, 4, 6, 8))
+
+
 @pytest.mark.parametrize("variant", sorted(FAMILY_VARIANTS))
 def test_padded_batch_equals_one_by_one(variant):
     torch.manual_seed(0)

@@ -13,8 +13,8 @@ from .data import PipelineError, load_text_corpus, pack_corpus
 from .distillation import distill, distillation_distance, distillation_mode, language_model_quality
 from .pretraining import max_model_length
 
-FAMILY_OPTIONS = ("linformer_k", "linformer_sharing", "linformer_init", "linformer_block_size", "feature_map",
-                  "num_random_features", "learned_feature_dim")
+FAMILY_OPTIONS = ("linformer_k", "linformer_sharing", "linformer_init", "linformer_normalize_rows",
+                  "linformer_block_size", "feature_map", "num_random_features", "learned_feature_dim")
 
 
 @dataclass
@@ -29,6 +29,8 @@ class ConvertArguments:
     linformer_k: int | None = field(default=None, metadata={"help": "Linformer projected length k"})
     linformer_sharing: str | None = field(default=None, metadata={"help": "none | headwise | key-value | layerwise"})
     linformer_init: str | None = field(default=None, metadata={"help": "xavier_uniform | normal | pooling"})
+    linformer_normalize_rows: bool | None = field(default=None, metadata={"help": "encoder Linformer: keep rows of "
+                                                                                  "E / F summing to 1"})
     linformer_block_size: int | None = field(default=None, metadata={"help": "causal Linformer block size"})
     feature_map: str | None = field(default=None, metadata={"help": "elu | relu | favor | hedgehog (learnable: "
                                                                     "the one distillation trains)"})
