@@ -65,8 +65,9 @@ def write_model_card(output_dir: Path, *, repo_id: str, config, base_model: str,
         example_input=example, command=command, data_description=data_description, truncation_rule=truncation_rule,
         max_seq_length=max_seq_length, hyperparameters=", ".join(f"{k} {v}" for k, v in hyperparameters.items()),
         limitations=("Trained and evaluated at the scale recorded above; figures from a small CPU-scale run are not "
-                     "comparable with published full-scale results. Inputs longer than the model's maximum length "
-                     "must be truncated (the rule above)."),
+                     "comparable with published full-scale results (hf-linear-attn's model_cards/reproduction "
+                     "compares each architecture with softmax attention at one equal budget). Inputs longer than "
+                     "the model's maximum length must be truncated (the rule above)."),
     )
     card.save(output_dir / "README.md")
     return card
