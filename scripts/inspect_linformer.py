@@ -6,8 +6,9 @@
 
 The report gives, per projection, the row sums (1 for the pooling init), the mean weight inside and outside each
 row's pooling window and the relative distance to pooling. --renormalise writes a copy whose chosen projections
-(key, value, shared) have row sums 1 again, to fine-tune and compare (README, "Status of the cpu preset"). The figures are of the stored E / F: a model with
-linformer_normalize_rows=True projects with their rows shifted to sum 1 over each example's tokens.
+(key, value, shared) have row sums 1 again, to fine-tune and compare (README, "Status of the cpu preset"). The
+figures are of the stored E / F: a model with linformer_normalize_rows=True projects with their rows shifted to sum
+1 over each example's tokens.
 """
 
 import argparse
