@@ -86,13 +86,13 @@ def project_sequence(
         projected = torch.matmul(projection[..., :n].to(x.dtype), x)
     if not normalize_rows:
         return projected
-    return projected - _row_shift(projection[..., :n], key_mask, x.shape[0]).to(x.dtype) * x.sum(-2, keepdim=True)
+    return projected - _row_shift(projection[..., :n], key_mask).to(x.dtype) * x.sum(-2, keepdim=True)
 
 
-def _row_shift(projection: torch.Tensor, key_mask: torch.Tensor | None, batch: int) -> torch.Tensor:
-    """(B, P, k, 1): (row sum of E over each example's real tokens - 1) / their count."""
-    if key_mask is None:
-        key_mask = torch.ones(batch, projection.shape[-1], dtype=torch.bool, device=projection.device)
+def _row_shift(projection: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
+    """(B or 1, P, k, 1): (row sum of E over each example's real tokens - 1) / their count."""
+    if key_mask is None:  # every column is a real token, the same shift for every example
+        return ((projection.sum(-1) - 1.0) / projection.shape[-1])[None, ..., None]
     mask = key_mask.to(projection.dtype)
     row_sums = torch.einsum("pkn,bn->bpk", projection, mask)
     return ((row_sums - 1.0) / mask.sum(-1).clamp(min=1.0)[:, None, None])[..., None]

@@ -1,4 +1,4 @@
-"""The quick demo (`bash scripts/demo.sh`), on real WikiText-2, at its smallest size (a real subprocess, as a user runs it)."""
+"""The quick demo (`bash scripts/demo.sh`) on real WikiText-2, at its smallest size, in a real subprocess."""
 
 import json
 import os
