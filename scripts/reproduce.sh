@@ -2,7 +2,7 @@
 # Set up .venv (scripts/bootstrap.sh), then reproduce the Linformer paper's Table 2 comparison and the
 # decoder comparison with scripts/reproduce.py (default: the demo preset, 17.4 minutes on 2 CPU cores).
 #   bash scripts/reproduce.sh                    # demo preset -> outputs/reproduce/demo/results.{md,json,png}
-#   bash scripts/reproduce.sh --preset cpu       # every variant and task (241.8 min on 2 cores)
+#   bash scripts/reproduce.sh --preset cpu       # every variant and task (263.4 min on 2 cores)
 #   bash scripts/reproduce.sh --help
 set -euo pipefail
 cd "$(dirname "$0")/.."

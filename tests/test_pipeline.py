@@ -266,6 +266,31 @@ def test_decoder_pretrains_and_finetunes_on_a_sentence_pair_task(corpus, tmp_pat
     assert "dev_subset.tsv" in card and "type: f1" in card
 
 
+@needs_data
+def test_a_finetuning_seed_names_one_run_across_processes(corpus, tmp_path):
+    """Two fresh processes with one seed end with identical weights (the new classification head included: torch
+    starts every process from a random seed); another seed draws another head."""
+    config = tiny_preset(tmp_path, "roberta-softmax")
+    run_pretrain(pretrain_args(corpus, config, tmp_path / "lm", "--max_steps", 2, "--save_steps", 100,
+                               "--eval_steps", 2))
+    tuned = {}
+    for name, seed in (("a", 7), ("b", 7), ("c", 8)):
+        proc = subprocess.run([
+            sys.executable, str(REPO_ROOT / "scripts" / "finetune.py"), "--model_name_or_path", str(tmp_path / "lm"),
+            "--task_name", "sst2", "--output_dir", str(tmp_path / name), "--seed", str(seed),
+            "--train_file", str(GLUE / "sst2" / "train.tsv"), "--validation_file", str(GLUE / "sst2" / "dev.tsv"),
+            "--max_train_samples", "16", "--max_eval_samples", "16", "--max_seq_length", "32", "--max_steps", "2",
+            "--per_device_train_batch_size", "8", "--save_strategy", "no", "--report_to", "none"],
+            capture_output=True, text=True, timeout=600, env=ENV)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        tuned[name] = weights(tmp_path / name)
+    head = [key for key in tuned["a"] if key.startswith("classifier.")]
+    assert head and tuned["a"].keys() == tuned["b"].keys()
+    for key in tuned["a"]:
+        torch.testing.assert_close(tuned["a"][key], tuned["b"][key], rtol=0, atol=0, msg=key)
+    assert any(not torch.equal(tuned["a"][key], tuned["c"][key]) for key in head)
+
+
 # --------------------------------------------------------------------------------------------------- bad input
 
 

@@ -17,6 +17,7 @@ from transformers import (
     DataCollatorWithPadding,
     Trainer,
     TrainingArguments,
+    set_seed,
 )
 
 import hf_linear_attn  # noqa: F401  (registers the package's models with the Auto classes)
@@ -106,6 +107,9 @@ def run_finetuning(args: FinetuneArguments, training: TrainingArguments, argv=No
         data["validation"] = data["validation"].select(range(min(args.max_eval_samples, len(data["validation"]))))
 
     tokenizer, config = _load_tokenizer_and_config(args, len(task.label_names), task.label_names)
+    # The classification head is new: seed before it is drawn (torch's own start seed is random), so a seed
+    # names one run, as in Trainer's model_init path
+    set_seed(training.seed)
     try:
         model = AutoModelForSequenceClassification.from_pretrained(
             args.model_name_or_path, config=config, trust_remote_code=args.trust_remote_code)
