@@ -25,7 +25,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="demo", help="demo, cpu, paper, or a preset JSON file")
     parser.add_argument("--output_dir", help="default: the preset's (outputs/reproduce/NAME)")
-    parser.add_argument("--seeds", type=int, nargs="+", help="fine-tuning seeds (default: the preset's)")
+    parser.add_argument("--seeds", type=int, nargs="+", help="fine-tuning seeds for every task (default: each "
+                        "task's 'seeds' in the preset, else the preset's 'seeds')")
     parser.add_argument("--launcher", help="'python' or e.g. 'accelerate launch --num_processes 8' (default: the "
                                            "preset's)")
     parser.add_argument("--dry_run", action="store_true", help="print the stages' commands and stop")

@@ -15,6 +15,8 @@ from hf_linear_attn.pipeline.reproduction import (
     REPO,
     TASKS,
     ReproductionError,
+    collect,
+    describe_seeds,
     load_preset,
     plan,
     reproduce,
@@ -62,6 +64,12 @@ def test_plan_orders_stages_and_dry_run_prints_them(tmp_path, capsys):
             source = stage.argv[stage.argv.index("--model_name_or_path") + 1]
             assert any(s.info["kind"] == "pretrain" and str(s.folder) == source for s in stages[:i])
     assert len({s.folder for s in stages}) == len(stages)
+    # without --seeds each task keeps the preset's seeds: more of them where one fine-tune is too noisy to read
+    own = [s.info for s in plan(preset, tmp_path) if s.info["kind"] == "finetune"]
+    for task, entry in preset["finetune"].items():
+        seeds = entry.get("seeds", preset["seeds"])
+        assert [i["seed"] for i in own if i["task"] == task] == seeds * encoders
+    assert {task for task, entry in preset["finetune"].items() if len(entry.get("seeds", [])) > 1} == {"imdb", "qqp"}
     pre = stages[0].argv
     assert pre[pre.index("--tokenizer_name_or_path") + 1] == "TOK" and "--max_steps" in pre
     reproduce(REPO / "configs" / "reproduce" / "paper.json", output_dir=tmp_path, dry_run=True)
@@ -75,6 +83,9 @@ def test_plan_orders_stages_and_dry_run_prints_them(tmp_path, capsys):
     ({"baseline": "nobody"}, "'baseline' must name one of the encoders"),
     ({"finetune": {"mnli": {"config": "configs/finetune/cpu-sst2.json"}}}, "'finetune' needs tasks"),
     ({"encoders": {"a": "configs/models/cpu/missing.json"}, "baseline": "a"}, "does not exist"),
+    ({"seeds": []}, "'seeds' of the preset must be a non-empty list"),
+    ({"finetune": {"sst2": {"config": "configs/finetune/cpu-sst2.json", "seeds": [1, 1]}}},
+     "'seeds' of finetune 'sst2' must be a non-empty list of distinct integers"),
 ])
 def test_bad_presets_are_refused(tmp_path, change, message):
     preset = {**json.loads((REPO / "configs" / "reproduce" / "demo.json").read_text()), **change}
@@ -82,6 +93,38 @@ def test_bad_presets_are_refused(tmp_path, change, message):
     path.write_text(json.dumps(preset))
     with pytest.raises(ReproductionError, match=message):
         load_preset(path)
+
+
+def test_a_task_averages_its_seeds_once_all_have_finished(tmp_path):
+    preset = {"baseline": "A", "encoders": {"A": "a.json", "B": "b.json"}, "pretrain": {"config": "p.json"},
+              "finetune": {"sst2": {"config": "s.json"}, "imdb": {"config": "i.json", "seeds": [42, 1, 2]}}}
+    stages = plan(preset, tmp_path, tokenizers={})
+    scores = {("A", "sst2", 42): 80.0, ("A", "imdb", 42): 72.0, ("A", "imdb", 1): 75.0, ("A", "imdb", 2): 78.0,
+              ("B", "sst2", 42): 81.0, ("B", "imdb", 42): 60.0, ("B", "imdb", 1): 75.0}  # B's IMDB seed 2: pending
+    records = {}
+    for stage in stages:
+        info = stage.info
+        stage.folder.mkdir(parents=True)
+        if info["kind"] == "pretrain":
+            (stage.folder / "train_results.json").write_text(json.dumps({"perplexity": 9.0}))
+        elif (info["model"], info["task"], info["seed"]) in scores:
+            split = "dev.tsv" if info["task"] == "sst2" else f"10% of train.jsonl held out (seed {info['seed']})"
+            (stage.folder / "eval_results.json").write_text(json.dumps(
+                {"eval_accuracy": scores[info["model"], info["task"], info["seed"]] / 100, "eval_split": split}))
+        else:
+            continue
+        records[stage.name] = {"seconds": 10.0}
+    results = collect(preset, stages, records)
+    a, b = results["encoders"]["A"], results["encoders"]["B"]
+    assert a["tasks"]["imdb"]["accuracy"] == pytest.approx(75.0)  # (72 + 75 + 78) / 3
+    assert a["tasks"]["imdb"]["std"] == pytest.approx(3.0)  # sample std: sqrt((9 + 0 + 9) / (3 - 1))
+    assert a["average"] == pytest.approx((80.0 + 75.0) / 2) and a["vs_baseline"] == 0.0
+    assert set(b["tasks"]["imdb"]["per_seed"]) == {"42", "1"}
+    assert b["tasks"]["imdb"]["accuracy"] is None and b["average"] is None and b["vs_baseline"] is None
+    assert results["tasks"]["imdb"]["split"] == "10% of train.jsonl held out (a split per fine-tuning seed: 42, 1, 2)"
+    assert results["tasks"]["sst2"]["split"] == "dev.tsv"
+    assert describe_seeds({"sst2": [42], "imdb": [42, 1, 2]}) == "42 (SST-2); 42, 1, 2 (IMDB)"
+    assert describe_seeds({"sst2": [7], "imdb": [7]}) == "7"
 
 
 def _smoke_preset(tmp_path) -> Path:

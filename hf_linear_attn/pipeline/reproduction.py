@@ -27,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -100,6 +101,13 @@ def load_preset(path) -> dict:
                 raise ReproductionError(f"{path}: config file {file} does not exist")
     if not preset.get("encoders") and not preset.get("decoders"):
         raise ReproductionError(f"{path}: nothing to run: give 'encoders' and/or 'decoders'")
+    for where, entry in [("the preset", preset), *((f"finetune '{task}'", entry)
+                                                  for task, entry in preset.get("finetune", {}).items())]:
+        seeds = entry.get("seeds")
+        if seeds is not None and (not isinstance(seeds, list) or not seeds or len(set(seeds)) != len(seeds)
+                                  or not all(isinstance(seed, int) for seed in seeds)):
+            raise ReproductionError(f"{path}: 'seeds' of {where} must be a non-empty list of distinct integers "
+                                    f"(got {seeds!r})")
     if len({slug(name) for name in preset.get("encoders", {})}) != len(preset.get("encoders", {})):
         raise ReproductionError(f"{path}: two encoder names give the same folder name")
     return preset
@@ -202,9 +210,19 @@ def shared_tokenizers(preset: dict, output_dir: Path, train: bool) -> dict:
     return tokenizers
 
 
-def plan(preset: dict, output_dir: Path, seeds: list[int], tokenizers: dict | None = None) -> list[Stage]:
-    """Every stage of the preset, in running order (each encoder's pretraining before its fine-tunes)."""
+def finetune_seeds(preset: dict, seeds: list[int] | None = None) -> dict[str, list[int]]:
+    """The fine-tuning seeds of each task: `seeds` (the command line's --seeds) for every task where given, else
+    the task's own "seeds" (more seeds where one run is too noisy to read), else the preset's, else [42]."""
+    return {task: list(seeds or entry.get("seeds") or preset.get("seeds") or [42])
+            for task, entry in preset.get("finetune", {}).items()}
+
+
+def plan(preset: dict, output_dir: Path, seeds: list[int] | None = None,
+         tokenizers: dict | None = None) -> list[Stage]:
+    """Every stage of the preset, in running order (each encoder's pretraining before its fine-tunes); `seeds`,
+    where given, replaces every task's fine-tuning seeds."""
     tokenizers = tokenizers or {}
+    task_seeds = finetune_seeds(preset, seeds)
     stages = []
     for name, model_config in preset.get("encoders", {}).items():
         folder = output_dir / "pretrain" / slug(name)
@@ -214,7 +232,7 @@ def plan(preset: dict, output_dir: Path, seeds: list[int], tokenizers: dict | No
         stages.append(Stage(f"pretrain {name}", "scripts/pretrain.py", folder, argv, "train_results.json",
                             output_dir, {"kind": "pretrain", "model": name}))
         for task, entry in preset["finetune"].items():
-            for seed in seeds:
+            for seed in task_seeds[task]:
                 tuned = output_dir / "finetune" / slug(name) / f"{task}-seed{seed}"
                 argv = ["--config", entry["config"], "--model_name_or_path", str(folder), "--output_dir", str(tuned),
                         "--seed", str(seed), *_flags(entry.get("args", {}))]
@@ -315,9 +333,12 @@ def _accuracy(metrics: dict) -> float:
     raise ReproductionError(f"no accuracy among the fine-tune's metrics {sorted(metrics)}")
 
 
-def collect(preset: dict, stages: list[Stage], records: dict, seeds: list[int]) -> dict:
-    """The results of every finished stage (missing ones stay None): the table's numbers, seeds and wall times."""
+def collect(preset: dict, stages: list[Stage], records: dict) -> dict:
+    """The results of every finished stage (missing ones stay None): the table's numbers, seeds and wall times.
+    A task's accuracy is the mean over its seeds, once every planned seed has finished."""
     results = {"encoders": {}, "decoders": {}, "tasks": {}}
+    planned = Counter((s.info["model"], s.info["task"]) for s in stages if s.info["kind"] == "finetune")
+    splits = {}
     for stage in stages:
         record = records.get(stage.name)
         kind, model = stage.info["kind"], stage.info["model"]
@@ -343,10 +364,15 @@ def collect(preset: dict, stages: list[Stage], records: dict, seeds: list[int]) 
                 "seconds": record["seconds"]}
             results["tasks"][task] = {"split": metrics.get("eval_split"), "eval_samples": metrics.get("eval_samples"),
                                       "train_samples": metrics.get("train_samples")}
+            splits.setdefault(task, {})[metrics.get("eval_split")] = stage.info["seed"]
+    for task, names in splits.items():  # rows held out with the seed: one split per seed, the same for every model
+        if len(names) > 1:
+            results["tasks"][task]["split"] = re.sub(r"\(seed \d+\)", "(a split per fine-tuning seed: "
+                                                     + ", ".join(map(str, names.values())) + ")", next(iter(names)))
     for model, entry in results["encoders"].items():
         for task, runs in entry["tasks"].items():
             values = [run["accuracy"] for run in runs["per_seed"].values()]
-            runs["accuracy"] = statistics.fmean(values) if len(values) == len(seeds) else None
+            runs["accuracy"] = statistics.fmean(values) if len(values) == planned[model, task] else None
             runs["std"] = statistics.stdev(values) if len(values) > 1 and runs["accuracy"] is not None else None
         scores = [entry["tasks"].get(task, {}).get("accuracy") for task in preset["finetune"]]
         entry["average"] = statistics.fmean(scores) if scores and None not in scores else None
@@ -378,11 +404,21 @@ SPLIT_NAMES = {
 }
 
 
+def describe_seeds(seeds: dict[str, list[int]]) -> str:
+    """'42, 1, 2 (IMDB, QQP); 42 (SST-2, QNLI)', or '42' where every task has the same seeds."""
+    groups = {}
+    for task, values in seeds.items():
+        groups.setdefault(", ".join(map(str, values)), []).append(TASK_TITLES[task])
+    if len(groups) == 1:
+        return next(iter(groups))
+    return "; ".join(f"{values} ({', '.join(tasks)})" for values, tasks in groups.items())
+
+
 def render_markdown(preset_name: str, preset: dict, results: dict, meta: dict) -> str:
     tasks = list(preset.get("finetune", {}))
     lines = [f"# Reproduction: preset `{preset_name}`", "", preset.get("description", ""), "",
              f"Command: `{meta['command']}`  ", f"Machine: {meta['machine']}  ",
-             f"Seeds (fine-tuning): {', '.join(map(str, meta['seeds']))}; pretraining seed: {meta['pretrain_seed']}  ",
+             f"Seeds (fine-tuning): {describe_seeds(meta['seeds'])}; pretraining seed: {meta['pretrain_seed']}  ",
              f"Wall time of the stages: {_minutes(meta['seconds'])} ({meta['stages_done']}/{meta['stages']} stages "
              "finished)", ""]
     if results["encoders"]:
@@ -489,7 +525,7 @@ def reproduce(preset_path, output_dir=None, seeds=None, launcher=None, dry_run=F
     preset_name = Path(preset_path).stem
     output_dir = Path(output_dir or preset.get("output_dir") or f"outputs/reproduce/{preset_name}")
     output_dir = output_dir if output_dir.is_absolute() else Path.cwd() / output_dir
-    seeds = list(seeds or preset.get("seeds") or [42])
+    seeds = list(seeds) if seeds else None  # None: each task's seeds from the preset
     launcher_text = launcher or preset.get("launcher", "python")
     launcher = [sys.executable] if launcher_text == "python" else shlex.split(launcher_text)
     pretrain_seed = _merged_config(preset["pretrain"]).get("seed", 42) if "pretrain" in preset else None
@@ -516,14 +552,15 @@ def reproduce(preset_path, output_dir=None, seeds=None, launcher=None, dry_run=F
         records[stage.name] = record
         print(f"    {'reused' if reused else 'done'} ({record['seconds']:.0f} s)", flush=True)
 
-    results = collect(preset, stages, records, seeds)
+    results = collect(preset, stages, records)
+    task_seeds = finetune_seeds(preset, seeds)
     majority = {}
     for task, entry in preset.get("finetune", {}).items():
-        share, rows = majority_share(entry, seeds[0])
-        majority[task] = {"share": share, "rows": rows}
+        shares = [majority_share(entry, seed) for seed in task_seeds[task]]  # held-out rows can follow the seed
+        majority[task] = {"share": statistics.fmean(share for share, _ in shares), "rows": shares[0][1]}
     meta = {"preset": preset_name, "preset_file": str(preset_path), "machine": describe_machine(),
             "command": "python scripts/reproduce.py " + shlex.join(sys.argv[1:] if argv is None else argv),
-            "seeds": seeds, "pretrain_seed": pretrain_seed, "majority": majority,
+            "seeds": task_seeds, "pretrain_seed": pretrain_seed, "majority": majority,
             "seconds": sum(r["seconds"] for r in records.values()), "stages": len(stages),
             "stages_done": len(records)}
     report = {"meta": meta, "paper_table2": PAPER_TABLE2, **results}
