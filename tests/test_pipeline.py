@@ -521,3 +521,16 @@ def test_presets_parse_as_script_arguments():
         raw = json.loads(path.read_text())
         assert args.task_name == raw["task_name"] and training.learning_rate == raw["learning_rate"]
         assert args.task_name in path.stem
+
+
+@pytest.mark.parametrize("script", ["pretrain", "finetune"])
+def test_help_of_the_training_scripts_renders(script):
+    """`--help` lists every flag: a bare '%' in a help string once made argparse crash on `pretrain.py --help`."""
+    from transformers import HfArgumentParser, TrainingArguments
+
+    from hf_linear_attn.pipeline.finetuning import FinetuneArguments
+    from hf_linear_attn.pipeline.pretraining import PretrainArguments
+
+    types = (PretrainArguments,) if script == "pretrain" else (FinetuneArguments, TrainingArguments)
+    text = HfArgumentParser(types).format_help()
+    assert "--validation_split_percentage" in text and "--output_dir" in text

@@ -62,7 +62,7 @@ class PretrainArguments:
     validation_file: str | None = field(default=None, metadata={"help": "local validation file (same format)"})
     text_column: str = field(default="text")
     validation_split_percentage: float = field(default=5.0, metadata={
-        "help": "% of train held out for validation when there is no validation split"})
+        "help": "percentage of train held out for validation when there is no validation split"})
     tokenizer_name_or_path: str | None = field(default=None, metadata={
         "help": "tokenizer folder or Hub id; default: --model_name_or_path's, or (new models) a byte-level BPE "
                 "trained on the corpus"})
