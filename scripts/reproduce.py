@@ -29,6 +29,10 @@ def main(argv=None):
                         "task's 'seeds' in the preset, else the preset's 'seeds')")
     parser.add_argument("--launcher", help="'python' or e.g. 'accelerate launch --num_processes 8' (default: the "
                                            "preset's)")
+    parser.add_argument("--models", nargs="+", metavar="NAME",
+                        help="run only these encoders / decoders of the preset (names as in its JSON; a name in both "
+                             "groups selects both; each group's baseline is kept); their stages are the full run's, "
+                             "so a later full run reuses them")
     parser.add_argument("--dry_run", action="store_true", help="print the stages' commands and stop")
     parser.add_argument("--report_only", action="store_true",
                         help="run nothing: write the table from the stages finished so far")
@@ -41,7 +45,7 @@ def main(argv=None):
         sys.exit(f"error: no preset {args.preset!r}: use one of {known} or a JSON file")
     try:
         reproduce(preset, args.output_dir, args.seeds, args.launcher, args.dry_run, args.report_only,
-                  argv=sys.argv[1:] if argv is None else argv)
+                  argv=sys.argv[1:] if argv is None else argv, models=args.models)
     except PipelineError as error:
         sys.exit(f"error: {error}")
 

@@ -534,3 +534,29 @@ def test_help_of_the_training_scripts_renders(script):
     types = (PretrainArguments,) if script == "pretrain" else (FinetuneArguments, TrainingArguments)
     text = HfArgumentParser(types).format_help()
     assert "--validation_split_percentage" in text and "--output_dir" in text
+
+
+@pytest.mark.parametrize("preset", ["roberta-softmax", "linformer-k32-rows", "linear-roberta-elu"])
+def test_masked_tokens_loss_equals_the_models_own_loss_and_gradients(preset):
+    """Pretraining runs the LM head on masked tokens only; loss and gradients must equal the model's full-logit
+    loss (float64, so only the summation order differs). A model without an `lm_head` (BERT's `cls`) is not wrapped."""
+    from transformers import AutoConfig, AutoModelForMaskedLM, BertConfig, BertForMaskedLM
+
+    from hf_linear_attn.pipeline.pretraining import MaskedTokensLoss
+
+    config = json.loads((REPO_ROOT / "configs" / "models" / "cpu" / f"{preset}.json").read_text())
+    config.update(TINY_ENCODER, vocab_size=500, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    model = AutoModelForMaskedLM.from_config(AutoConfig.for_model(**config)).double()
+    ids = torch.randint(5, 500, (3, 128), generator=torch.Generator().manual_seed(1))
+    labels = torch.where(torch.rand(ids.shape, generator=torch.Generator().manual_seed(2)) < 0.15, ids, -100)
+    params = [p for p in model.parameters() if p.requires_grad]
+    full = model(input_ids=ids, labels=labels).loss
+    full_grads = torch.autograd.grad(full, params)
+    assert MaskedTokensLoss.supports(model)
+    picked = MaskedTokensLoss(model)(input_ids=ids, labels=labels).loss
+    picked_grads = torch.autograd.grad(picked, params)
+    torch.testing.assert_close(picked, full, rtol=1e-12, atol=1e-12)
+    for a, b in zip(picked_grads, full_grads):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+    assert not MaskedTokensLoss.supports(BertForMaskedLM(BertConfig(**TINY_ENCODER, vocab_size=500)))

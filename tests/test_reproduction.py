@@ -20,6 +20,7 @@ from hf_linear_attn.pipeline.reproduction import (
     load_preset,
     plan,
     reproduce,
+    select_models,
 )
 
 DATA = REPO.parent / "shared" / "data"
@@ -76,6 +77,30 @@ def test_plan_orders_stages_and_dry_run_prints_them(tmp_path, capsys):
     printed = capsys.readouterr().out.splitlines()
     assert len(printed) == 6 * 5 + 3 and all(line.startswith("accelerate launch scripts/") for line in printed)
     assert not any(tmp_path.iterdir())  # a dry run writes nothing
+
+
+def test_models_option_runs_a_subset_with_its_baseline_in_the_full_runs_folders(tmp_path, capsys):
+    """--models keeps the named models plus their group's baseline, drops a group with none named, and plans the
+    very stages (folders, arguments) of the full run, so a later full run reuses them."""
+    preset = load_preset(REPO / "configs" / "reproduce" / "cpu.json")
+    subset = select_models(preset, ["Linformer k = 64"])
+    assert list(subset["encoders"]) == ["RoBERTa (softmax)", "Linformer k = 64"] and "decoders" not in subset
+    full = {s.folder: s.argv for s in plan(preset, tmp_path)}
+    for stage in plan(subset, tmp_path):
+        assert full[stage.folder] == stage.argv
+    assert list(select_models(preset, ["GPT-2 (softmax)"])["decoders"]) == ["GPT-2 (softmax)"]
+    assert "encoders" not in select_models(preset, ["GPT-2 (softmax)"])
+    with pytest.raises(ReproductionError, match=r"\['Linformer k = 999'\] are not models of this preset"):
+        select_models(preset, ["Linformer k = 999"])
+    from reproduce import main
+
+    main(["--preset", "cpu", "--output_dir", str(tmp_path), "--dry_run", "--models", "Linear attention (elu + 1)"])
+    printed = capsys.readouterr().out.splitlines()
+    # the name is an encoder's and a decoder's: both run, each with its baseline (1 pretraining + 8 fine-tunes
+    # per encoder: seeds 42 on SST-2 / QNLI, 42, 1, 2 on IMDB / QQP)
+    folders = sorted({line.split("--output_dir ")[1].split()[0].split(str(tmp_path))[1].split("/")[2]
+                      for line in printed})
+    assert len(printed) == 2 * (1 + 8) + 2 and folders == ["gpt-2-softmax", "linear-attention-elu-1", "roberta-softmax"]
 
 
 @pytest.mark.parametrize("change, message", [

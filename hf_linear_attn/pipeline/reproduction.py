@@ -210,6 +210,27 @@ def shared_tokenizers(preset: dict, output_dir: Path, train: bool) -> dict:
     return tokenizers
 
 
+def select_models(preset: dict, names: list[str] | None) -> dict:
+    """The preset restricted to the named encoders / decoders (None: all of them). A group's baseline stays in
+    whenever one of its models is named, since every row of the table is read against it; a group with none named
+    is left out."""
+    if not names:
+        return preset
+    known = [*preset.get("encoders", {}), *preset.get("decoders", {})]
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise ReproductionError(f"--models: {unknown} are not models of this preset; it has {known}")
+    selected = dict(preset)
+    for models, baseline in (("encoders", "baseline"), ("decoders", "decoder_baseline")):
+        chosen = {name: config for name, config in preset.get(models, {}).items()
+                  if name in names or (name == preset.get(baseline) and set(names) & set(preset[models]))}
+        if chosen:
+            selected[models] = chosen
+        else:
+            selected.pop(models, None)
+    return selected
+
+
 def finetune_seeds(preset: dict, seeds: list[int] | None = None) -> dict[str, list[int]]:
     """The fine-tuning seeds of each task: `seeds` (the command line's --seeds) for every task where given, else
     the task's own "seeds" (more seeds where one run is too noisy to read), else the preset's, else [42]."""
@@ -519,9 +540,10 @@ def plot(preset: dict, results: dict, meta: dict, path: Path) -> bool:
 
 
 def reproduce(preset_path, output_dir=None, seeds=None, launcher=None, dry_run=False, report_only=False,
-              argv=None) -> dict:
-    """Run (or reuse) every stage of the preset, then write results.json / results.md / results.png."""
-    preset = load_preset(preset_path)
+              argv=None, models=None) -> dict:
+    """Run (or reuse) every stage of the preset (or of the `models` named, with their baselines), then write
+    results.json / results.md / results.png."""
+    preset = select_models(load_preset(preset_path), models)
     preset_name = Path(preset_path).stem
     output_dir = Path(output_dir or preset.get("output_dir") or f"outputs/reproduce/{preset_name}")
     output_dir = output_dir if output_dir.is_absolute() else Path.cwd() / output_dir
