@@ -33,6 +33,9 @@ def main(argv=None):
                         help="run only these encoders / decoders of the preset (names as in its JSON; a name in both "
                              "groups selects both; each group's baseline is kept); their stages are the full run's, "
                              "so a later full run reuses them")
+    parser.add_argument("--records", metavar="FILE",
+                        help="records.json of an earlier run (e.g. model_cards/reproduction/cpu/records.json): its "
+                             "finished stages whose arguments and inputs match are taken instead of run")
     parser.add_argument("--dry_run", action="store_true", help="print the stages' commands and stop")
     parser.add_argument("--report_only", action="store_true",
                         help="run nothing: write the table from the stages finished so far")
@@ -45,7 +48,8 @@ def main(argv=None):
         sys.exit(f"error: no preset {args.preset!r}: use one of {known} or a JSON file")
     try:
         reproduce(preset, args.output_dir, args.seeds, args.launcher, args.dry_run, args.report_only,
-                  argv=sys.argv[1:] if argv is None else argv, models=args.models)
+                  argv=sys.argv[1:] if argv is None else argv, models=args.models,
+                  records_file=args.records)
     except PipelineError as error:
         sys.exit(f"error: {error}")
 

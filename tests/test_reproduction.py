@@ -21,6 +21,7 @@ from hf_linear_attn.pipeline.reproduction import (
     plan,
     reproduce,
     select_models,
+    with_outcome,
 )
 
 DATA = REPO.parent / "shared" / "data"
@@ -138,7 +139,7 @@ def test_a_task_averages_its_seeds_once_all_have_finished(tmp_path):
                 {"eval_accuracy": scores[info["model"], info["task"], info["seed"]] / 100, "eval_split": split}))
         else:
             continue
-        records[stage.name] = {"seconds": 10.0}
+        records[stage.name] = with_outcome(stage, {"seconds": 10.0})  # the result files' metrics, as a run reads them
     results = collect(preset, stages, records)
     a, b = results["encoders"]["A"], results["encoders"]["B"]
     assert a["tasks"]["imdb"]["accuracy"] == pytest.approx(75.0)  # (72 + 75 + 78) / 3
@@ -249,6 +250,49 @@ def test_reproduction_runs_reuses_and_reports_what_the_stages_wrote(tmp_path):
     fourth = _run(preset, out)
     assert fourth.returncode == 0, fourth.stderr[-3000:]
     assert fourth.stdout.count("reused") == 8
+
+    # records.json stands for the finished stages where their folders are not (a later session, another machine)
+    records = json.loads((out / "records.json").read_text())
+    assert len(records["stages"]) == 8
+    assert all("result" in r and r["inputs"] for r in records["stages"].values())
+    elsewhere = tmp_path / "elsewhere"
+    taken = _run(preset, elsewhere, "--records", str(out / "records.json"))
+    assert taken.returncode == 0, taken.stderr[-3000:]
+    assert taken.stdout.count("from records") == 8 and "done (" not in taken.stdout
+    assert not (elsewhere / "pretrain").exists() and not (elsewhere / "finetune").exists()
+    here, there = (json.loads((folder / "results.json").read_text()) for folder in (out, elsewhere))
+    for model, entry in here["encoders"].items():
+        assert there["encoders"][model]["tasks"] == entry["tasks"] and there["encoders"][model]["average"] == \
+            entry["average"]
+        assert there["encoders"][model]["pretrain"]["parameters"] == entry["pretrain"]["parameters"]
+    assert there["decoders"]["GPT-2 (softmax)"]["pretrain"]["perplexity"] == \
+        here["decoders"]["GPT-2 (softmax)"]["pretrain"]["perplexity"]
+    # a stage missing from the records runs, after its pretraining runs again (same weights: reproducible)
+    partial = json.loads(json.dumps(records))
+    del partial["stages"]["$OUTPUT_DIR/finetune/linformer-k-32/qqp-seed3"]
+    (tmp_path / "partial.json").write_text(json.dumps(partial))
+    completed = _run(preset, tmp_path / "completed", "--records", str(tmp_path / "partial.json"))
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert completed.stdout.count("from records") == 7 and completed.stdout.count("done (") == 1
+    assert "first pretrain Linformer k = 32, known here only from the records" in completed.stdout
+    redone = json.loads((tmp_path / "completed" / "results.json").read_text())["encoders"]["Linformer k = 32"]
+    assert redone["tasks"]["qqp"]["accuracy"] == here["encoders"]["Linformer k = 32"]["tasks"]["qqp"]["accuracy"]
+    # records whose pretraining does not rerun to the recorded weights are not mixed with new fine-tunes
+    forged = json.loads(json.dumps(records))
+    model_key = "$OUTPUT_DIR/pretrain/roberta-softmax"
+    forged["stages"][model_key]["output_digest"] = "0" * 16
+    for record in forged["stages"].values():
+        if model_key in record["inputs"]:
+            record["inputs"][model_key] = "0" * 16
+    del forged["stages"]["$OUTPUT_DIR/finetune/roberta-softmax/qqp-seed3"]  # SST-2 is taken, then QQP must run
+    (tmp_path / "forged.json").write_text(json.dumps(forged))
+    refused = _run(preset, tmp_path / "refused", "--records", str(tmp_path / "forged.json"))
+    assert refused.returncode != 0 and "wrote other weights than in the records" in refused.stderr
+    (tmp_path / "not-records.json").write_text("[1, 2]")
+    for bad, message in (("missing.json", "cannot read the records file"), ("not-records.json", "not a records file")):
+        with pytest.raises(ReproductionError, match=message):
+            reproduce(preset, tmp_path / "bad", records_file=tmp_path / bad)
+        assert not (tmp_path / "bad").exists()  # refused before anything is written
 
     # nor with a config edited in place since: the error names the changed file
     config = tmp_path / "linformer-k32.json"

@@ -134,28 +134,36 @@ class Stage:
         root = str(root or self.root)
         return [arg.replace(root, "$OUTPUT_DIR") for arg in argv]
 
-    def inputs(self) -> dict[str, str]:
+    def inputs(self, known: dict[str, str] | None = None) -> dict[str, str]:
         """A digest of every file the arguments name, keyed by the portable argument: config files, and the
         weights and tokenizer of a model / tokenizer folder. A config edited in place or an upstream model trained
-        again changes it, so the stage is no longer taken as finished."""
+        again changes it, so the stage is no longer taken as finished. `known` gives the digest of model folders
+        that this run knows only from the records of an earlier one (portable folder -> digest)."""
         digests = {}
         for arg, key in zip(self.argv, self.portable(self.argv)):
             path = _repo_path(arg)
             if arg.startswith("--") or path == self.folder:
                 continue
-            if path.is_file():
-                files = [path]
-            elif path.is_dir():
-                files = sorted(path.glob("*.safetensors")) + sorted(path.glob("tokenizer.json"))
-            else:
-                continue
-            digest = hashlib.sha256()
-            for file in files:
-                with file.open("rb") as handle:  # in chunks: a paper-size checkpoint is hundreds of MB
-                    while chunk := handle.read(1 << 24):
-                        digest.update(chunk)
-            digests[key] = digest.hexdigest()[:16]
+            if known and key in known and not any(path.glob("*.safetensors")):
+                digests[key] = known[key]
+            elif path.is_file() or path.is_dir():
+                digests[key] = folder_digest(path)
         return digests
+
+    @property
+    def key(self) -> str:
+        """The stage's folder as a portable path: its name in a records file."""
+        return self.portable([str(self.folder)])[0]
+
+    def recorded(self, records: dict, known: dict[str, str]) -> dict | None:
+        """This stage's record among the records of an earlier run when it ran with this run's arguments and
+        inputs (None otherwise: the stage then runs here)."""
+        record = records.get(self.key)
+        if record is None or "result" not in record:
+            return None
+        if self.portable(record.get("argv", []), record.get("output_dir")) != self.portable(self.argv):
+            return None
+        return record if record.get("inputs") == self.inputs(known) else None
 
     def finished(self) -> dict | None:
         """The stage's record when it has finished with these arguments and inputs; an error when with others."""
@@ -176,6 +184,18 @@ class Stage:
                 f"{', '.join(changed)} (a config edited, or an upstream model trained again); remove the folder "
                 "(and those of the stages that use it) to rerun it, or use another --output_dir")
         return record
+
+
+def folder_digest(path: Path) -> str:
+    """sha256 (16 hex digits) of a file, or of a model folder's weights and tokenizer (in chunks: a paper-size
+    checkpoint is hundreds of MB)."""
+    files = [path] if path.is_file() else sorted(path.glob("*.safetensors")) + sorted(path.glob("tokenizer.json"))
+    digest = hashlib.sha256()
+    for file in files:
+        with file.open("rb") as handle:
+            while chunk := handle.read(1 << 24):
+                digest.update(chunk)
+    return digest.hexdigest()[:16]
 
 
 def _merged_config(entry: dict) -> dict:
@@ -311,11 +331,45 @@ def run_stage(stage: Stage, launcher: list[str], log_dir: Path) -> tuple[dict, b
                                 "Fix the cause and rerun the same command: finished stages are reused.")
     record = {"argv": stage.argv, "inputs": inputs, "output_dir": str(stage.root), "seconds": round(seconds, 1),
               "resumed": "--resume" in extra, "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
-              "command": shlex.join(command)}
+              "command": shlex.join(command), "machine": describe_machine()}
+    record = with_outcome(stage, record)
     partial = stage.record_path.with_suffix(".partial")
     partial.write_text(json.dumps(record, indent=2))
     partial.replace(stage.record_path)
     return record, False
+
+
+def with_outcome(stage: Stage, record: dict) -> dict:
+    """The record with what the stage produced, read from its folder where the record lacks it: the result file's
+    metrics, and for a pretraining the digest of the weights it wrote and their parameter count. With these a
+    records file stands for the stage in a run that does not have its folder."""
+    record = dict(record)
+    if "result" not in record:
+        record["result"] = _read_json(stage.folder / stage.marker, "the stage's results")
+    if stage.script.endswith("pretrain.py") and "output_digest" not in record:
+        record["output_digest"] = folder_digest(stage.folder)
+        record["parameters"] = count_parameters(stage.folder)
+    return record
+
+
+def load_records(path) -> dict:
+    """{stage key: record} from a records.json that a run wrote (see `write_records`)."""
+    records = _read_json(Path(path), "the records file")
+    if not isinstance(records, dict) or not isinstance(records.get("stages"), dict):
+        raise ReproductionError(f"{path} is not a records file of scripts/reproduce.py (no 'stages' mapping)")
+    return records["stages"]
+
+
+def write_records(stages: list[Stage], records: dict, output_dir: Path) -> Path:
+    """output_dir/records.json: the record of every finished stage with its outcome (a few KB a stage, no weights).
+    Committed beside a results table, it lets a later run on a machine without these folders take the finished
+    stages from it (`--records`) instead of running them again."""
+    path = output_dir / "records.json"
+    stages_out = {stage.key: records[stage.name] for stage in stages if stage.name in records}
+    partial = path.with_suffix(".partial")
+    partial.write_text(json.dumps({"stages": stages_out}, indent=1))
+    partial.replace(path)
+    return path
 
 
 def count_parameters(folder: Path) -> int:
@@ -369,17 +423,17 @@ def collect(preset: dict, stages: list[Stage], records: dict) -> dict:
             if record is None:
                 entry["pretrain"] = None
                 continue
-            train = _read_json(stage.folder / "train_results.json", "pretraining results")
+            train = record["result"]
             entry["pretrain"] = {"perplexity": train.get("perplexity"), "eval_loss": train.get("eval_loss"),
                                  "steps": train.get("steps"), "validation": train.get("validation"),
-                                 "parameters": count_parameters(stage.folder), "seconds": record["seconds"],
+                                 "parameters": record["parameters"], "seconds": record["seconds"],
                                  "folder": str(stage.folder)}
         else:
             task = stage.info["task"]
             runs = results["encoders"][model]["tasks"].setdefault(task, {"per_seed": {}})
             if record is None:
                 continue
-            metrics = _read_json(stage.folder / "eval_results.json", "fine-tuning results")
+            metrics = record["result"]
             runs["per_seed"][str(stage.info["seed"])] = {
                 "accuracy": _accuracy(metrics), "f1": 100.0 * metrics["eval_f1"] if "eval_f1" in metrics else None,
                 "seconds": record["seconds"]}
@@ -435,10 +489,16 @@ def describe_seeds(seeds: dict[str, list[int]]) -> str:
     return "; ".join(f"{values} ({', '.join(tasks)})" for values, tasks in groups.items())
 
 
+def describe_machines(meta: dict) -> str:
+    """This machine, or every machine the stages ran on where some came from the records of another."""
+    machines = meta.get("stage_machines") or [meta["machine"]]
+    return machines[0] if len(machines) == 1 else "the stages ran on " + "; ".join(machines)
+
+
 def render_markdown(preset_name: str, preset: dict, results: dict, meta: dict) -> str:
     tasks = list(preset.get("finetune", {}))
     lines = [f"# Reproduction: preset `{preset_name}`", "", preset.get("description", ""), "",
-             f"Command: `{meta['command']}`  ", f"Machine: {meta['machine']}  ",
+             f"Command: `{meta['command']}`  ", f"Machine: {describe_machines(meta)}  ",
              f"Seeds (fine-tuning): {describe_seeds(meta['seeds'])}; pretraining seed: {meta['pretrain_seed']}  ",
              f"Wall time of the stages: {_minutes(meta['seconds'])} ({meta['stages_done']}/{meta['stages']} stages "
              "finished)", ""]
@@ -539,10 +599,60 @@ def plot(preset: dict, results: dict, meta: dict, path: Path) -> bool:
     return True
 
 
+def run_stages(stages: list[Stage], launcher: list[str], output_dir: Path, archive: dict,
+               report_only: bool = False) -> dict:
+    """Run every stage that has not finished, in order; returns {stage name: record with outcome}.
+
+    A stage is taken, not run, when its folder here holds a finished run with the same arguments and inputs, or
+    when `archive` (the records.json of an earlier run) holds one. A pretraining taken from the archive has no
+    weights here: its recorded weight digest stands for them in the inputs of its fine-tunes, and it runs here
+    only when a fine-tune of it has to; its new weights must then have that digest, or the fine-tunes taken from
+    the archive would not have started from them."""
+    records, known, vouched = {}, {}, set()  # known: folder key -> digest of weights known only from the archive
+    by_folder = {str(stage.folder): stage for stage in stages}
+    for number, stage in enumerate(stages, 1):
+        if not report_only:
+            print(f"[{number}/{len(stages)}] {stage.name} ...", flush=True)
+        record, source = stage.finished(), "reused"
+        if record is None and archive:
+            record, source = stage.recorded(archive, known), "from records"
+            if record is not None:
+                vouched.update(key for key in record["inputs"] if key in known)
+        if record is not None:
+            record = with_outcome(stage, record) if source == "reused" else record
+        elif report_only:
+            continue
+        else:
+            for upstream in [by_folder[arg] for arg in stage.argv if by_folder.get(arg) is not None]:
+                if upstream.key not in known:
+                    continue
+                print(f"    first {upstream.name}, known here only from the records ...", flush=True)
+                rerun, _ = run_stage(upstream, launcher, output_dir / "logs")
+                rerun = with_outcome(upstream, rerun)
+                if upstream.key in vouched and rerun["output_digest"] != known[upstream.key]:
+                    raise ReproductionError(
+                        f"'{upstream.name}' ran again here and wrote other weights than in the records (digest "
+                        f"{rerun['output_digest']}, recorded {known[upstream.key]}), so the fine-tunes taken from the "
+                        "records did not start from these weights; rerun without --records, or on the machine kind "
+                        "the records name")
+                records[upstream.name] = rerun
+                del known[upstream.key]
+            record, source = run_stage(stage, launcher, output_dir / "logs")[0], "done"
+            record = with_outcome(stage, record)
+        if source == "from records" and "output_digest" in record:
+            known[stage.key] = record["output_digest"]
+        records[stage.name] = record
+        if not report_only:
+            print(f"    {source} ({record['seconds']:.0f} s)", flush=True)
+            write_records(stages, records, output_dir)
+    return records
+
+
 def reproduce(preset_path, output_dir=None, seeds=None, launcher=None, dry_run=False, report_only=False,
-              argv=None, models=None) -> dict:
-    """Run (or reuse) every stage of the preset (or of the `models` named, with their baselines), then write
-    results.json / results.md / results.png."""
+              argv=None, models=None, records_file=None) -> dict:
+    """Run (or reuse) every stage of the preset (or of the `models` named, with their baselines), taking finished
+    stages from `records_file` (an earlier run's records.json) where they match, then write results.json /
+    results.md / results.png and records.json."""
     preset = select_models(load_preset(preset_path), models)
     preset_name = Path(preset_path).stem
     output_dir = Path(output_dir or preset.get("output_dir") or f"outputs/reproduce/{preset_name}")
@@ -557,22 +667,14 @@ def reproduce(preset_path, output_dir=None, seeds=None, launcher=None, dry_run=F
             print(shlex.join([*launcher, stage.script, *stage.argv]))
         return {}
 
+    archive = load_records(records_file) if records_file else {}  # read before anything is written
     output_dir.mkdir(parents=True, exist_ok=True)
     # SIGTERM stops the run like Ctrl-C: the running stage's child is stopped and its time so far recorded
     signal.signal(signal.SIGTERM, lambda *_: sys.exit("reproduction stopped (SIGTERM); rerun to continue"))
-    tokenizers = shared_tokenizers(preset, output_dir, train=not report_only)
+    # with records, the tokenizers are trained even for a report: the records' inputs are checked against them
+    tokenizers = shared_tokenizers(preset, output_dir, train=not report_only or records_file is not None)
     stages = plan(preset, output_dir, seeds, tokenizers)
-    records = {}
-    for number, stage in enumerate(stages, 1):
-        if report_only:
-            record = stage.finished()
-            if record is not None:
-                records[stage.name] = record
-            continue
-        print(f"[{number}/{len(stages)}] {stage.name} ...", flush=True)
-        record, reused = run_stage(stage, launcher, output_dir / "logs")
-        records[stage.name] = record
-        print(f"    {'reused' if reused else 'done'} ({record['seconds']:.0f} s)", flush=True)
+    records = run_stages(stages, launcher, output_dir, archive, report_only)
 
     results = collect(preset, stages, records)
     task_seeds = finetune_seeds(preset, seeds)
@@ -580,13 +682,16 @@ def reproduce(preset_path, output_dir=None, seeds=None, launcher=None, dry_run=F
     for task, entry in preset.get("finetune", {}).items():
         shares = [majority_share(entry, seed) for seed in task_seeds[task]]  # held-out rows can follow the seed
         majority[task] = {"share": statistics.fmean(share for share, _ in shares), "rows": shares[0][1]}
+    machines = sorted({r["machine"] for r in records.values() if r.get("machine")})
     meta = {"preset": preset_name, "preset_file": str(preset_path), "machine": describe_machine(),
+            "stage_machines": machines,
             "command": "python scripts/reproduce.py " + shlex.join(sys.argv[1:] if argv is None else argv),
             "seeds": task_seeds, "pretrain_seed": pretrain_seed, "majority": majority,
             "seconds": sum(r["seconds"] for r in records.values()), "stages": len(stages),
             "stages_done": len(records)}
     report = {"meta": meta, "paper_table2": PAPER_TABLE2, **results}
     (output_dir / "results.json").write_text(json.dumps(report, indent=2))
+    write_records(stages, records, output_dir)
     markdown = render_markdown(preset_name, preset, results, meta)
     (output_dir / "results.md").write_text(markdown + "\n")
     plot(preset, results, meta, output_dir / "results.png")
