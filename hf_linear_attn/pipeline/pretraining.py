@@ -519,5 +519,9 @@ def run_pretraining(args: PretrainArguments) -> dict:
         tokenizer.save_pretrained(output_dir)
         (output_dir / "train_results.json").write_text(json.dumps(results, indent=2))
     accelerator.wait_for_everyone()
+    # end_training destroys the process group: the DDP wrapper (its reducer holds the group) goes first. Freed after
+    # the group, the reducer joined gloo threads that never ended: a 2-process run hung there at exit (seen once).
+    trained = optimizer = scheduler = stream = stream_source = None
+    accelerator.free_memory()
     accelerator.end_training()
     return results
