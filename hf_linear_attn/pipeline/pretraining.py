@@ -513,9 +513,8 @@ def run_pretraining(args: PretrainArguments) -> dict:
                "mixed_precision": accelerator.mixed_precision,
                "seconds_this_session": round(time.perf_counter() - started, 1)}
     if accelerator.is_main_process:
-        unwrapped = model  # the model object inside `trained`, trained in place
-        unwrapped.save_pretrained(output_dir)
-        tokenizer.model_max_length = max_model_length(unwrapped.config)  # the model's limit, not this run's length
+        model.save_pretrained(output_dir)  # the module inside `trained`, trained in place
+        tokenizer.model_max_length = max_model_length(model.config)  # the model's limit, not this run's length
         tokenizer.save_pretrained(output_dir)
         (output_dir / "train_results.json").write_text(json.dumps(results, indent=2))
     accelerator.wait_for_everyone()

@@ -627,8 +627,7 @@ def run_stages(stages: list[Stage], launcher: list[str], output_dir: Path, archi
                 if upstream.key not in known:
                     continue
                 print(f"    first {upstream.name}, known here only from the records ...", flush=True)
-                rerun, _ = run_stage(upstream, launcher, output_dir / "logs")
-                rerun = with_outcome(upstream, rerun)
+                rerun, _ = run_stage(upstream, launcher, output_dir / "logs")  # a new record has its outcome
                 if upstream.key in vouched and rerun["output_digest"] != known[upstream.key]:
                     raise ReproductionError(
                         f"'{upstream.name}' ran again here and wrote other weights than in the records (digest "
@@ -638,7 +637,6 @@ def run_stages(stages: list[Stage], launcher: list[str], output_dir: Path, archi
                 records[upstream.name] = rerun
                 del known[upstream.key]
             record, source = run_stage(stage, launcher, output_dir / "logs")[0], "done"
-            record = with_outcome(stage, record)
         if source == "from records" and "output_digest" in record:
             known[stage.key] = record["output_digest"]
         records[stage.name] = record
