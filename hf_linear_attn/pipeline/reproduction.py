@@ -464,8 +464,8 @@ def collect(preset: dict, stages: list[Stage], records: dict) -> dict:
     return results
 
 
-def _cell(value, digits=1, suffix="") -> str:
-    return "pending" if value is None else f"{value:.{digits}f}{suffix}"
+def _cell(value, digits=1, suffix="", sign="") -> str:
+    return "pending" if value is None else f"{value:{sign}.{digits}f}{suffix}"
 
 
 def _minutes(seconds) -> str:
@@ -525,7 +525,7 @@ def render_markdown(preset_name: str, preset: dict, results: dict, meta: dict) -
             lines.append(f"| {model} | {_cell(pre.get('parameters') and pre['parameters'] / 1e6, 2, ' M')} | "
                          f"{_cell(pre.get('perplexity'))} | "
                          + " | ".join(cells) + f" | {_cell(entry.get('average'), 2)} | "
-                         + ("baseline" if model == preset["baseline"] else _cell(delta, 2, " pt"))
+                         + ("baseline" if model == preset["baseline"] else _cell(delta, 2, " pt", sign="+"))
                          + f" | {_minutes(entry.get('seconds'))} |")
         lines += ["", "Paper (Table 2: RoBERTa-base size, n = 512, 250k pretraining updates on BookCorpus + Wikipedia, "
                   "dev accuracy; cells not listed are in the paper):", "",
