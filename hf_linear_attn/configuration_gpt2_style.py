@@ -4,6 +4,14 @@ from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 
 
+def check_dropouts(config, names) -> None:
+    """Raise a ValueError naming a dropout probability outside [0, 1)."""
+    for name in names:
+        value = getattr(config, name)
+        if value is not None and not 0 <= value < 1:
+            raise ValueError(f"{name} must be a probability in [0, 1), got {value}.")
+
+
 @strict
 class GPT2StyleConfig(PreTrainedConfig):
     r"""
@@ -78,3 +86,4 @@ class GPT2StyleConfig(PreTrainedConfig):
             raise ValueError(f"n_positions must be positive, got {self.n_positions}.")
         if self.add_cross_attention:
             raise ValueError("These decoders have no cross-attention: add_cross_attention must be False.")
+        check_dropouts(self, ("resid_pdrop", "embd_pdrop", "attn_pdrop"))

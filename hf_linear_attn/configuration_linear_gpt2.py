@@ -32,7 +32,7 @@ class LinearGPT2Config(GPT2StyleConfig):
     feature_map: str = "elu"
     num_random_features: int = 256
     learned_feature_dim: int | None = None
-    linear_attention_eps: float = 1e-6
+    linear_attention_eps: float | int = 1e-6
     linear_attention_chunk_size: int = 64
 
     default_auto_map = {

@@ -28,7 +28,7 @@ class LinearRobertaConfig(RobertaStyleConfig):
     feature_map: str = "elu"
     num_random_features: int = 256
     learned_feature_dim: int | None = None
-    linear_attention_eps: float = 1e-6
+    linear_attention_eps: float | int = 1e-6
 
     default_auto_map = {
         "AutoConfig": "configuration_linear_roberta.LinearRobertaConfig",

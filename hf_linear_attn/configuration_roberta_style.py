@@ -4,6 +4,14 @@ from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 
 
+def check_dropouts(config, names) -> None:
+    """Raise a ValueError naming a dropout probability outside [0, 1)."""
+    for name in names:
+        value = getattr(config, name)
+        if value is not None and not 0 <= value < 1:
+            raise ValueError(f"{name} must be a probability in [0, 1), got {value}.")
+
+
 @strict
 class RobertaStyleConfig(PreTrainedConfig):
     r"""
@@ -81,6 +89,7 @@ class RobertaStyleConfig(PreTrainedConfig):
                 f"max_position_embeddings ({self.max_position_embeddings}) leaves no positions after the pad index "
                 f"({self.pad_token_id}); use at least pad_token_id + 2."
             )
+        check_dropouts(self, ("hidden_dropout_prob", "attention_probs_dropout_prob", "classifier_dropout"))
         if self.is_decoder or self.add_cross_attention:
             raise ValueError(
                 "These encoders are bidirectional: is_decoder and add_cross_attention must be False. "

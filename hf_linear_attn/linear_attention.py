@@ -186,7 +186,9 @@ def _chunkwise_parallel(q, k, v, state, c: int):
     q_c, k_c, v_c = (t.reshape(batch, heads, chunks, c, t.shape[-1]) for t in (q, k, v))
     scores = torch.matmul(q_c, k_c.transpose(-1, -2)).tril()  # (B, H, N, C, C), causal inside the chunk
     chunk_kv = torch.matmul(k_c.transpose(-1, -2), v_c)  # (B, H, N, m, d): one state per chunk
-    kv_before = torch.cumsum(chunk_kv, dim=2) - chunk_kv + state.unsqueeze(2)  # exclusive prefix
+    # exclusive prefix: the state before each chunk, summed directly (an inclusive sum minus the chunk's own state
+    # would cancel catastrophically when one chunk's keys dwarf the ones before it)
+    kv_before = torch.cumsum(torch.cat([state.unsqueeze(2), chunk_kv[:, :, :-1]], dim=2), dim=2)
     out = torch.matmul(scores, v_c) + torch.matmul(q_c, kv_before)
     return out.reshape(batch, heads, n + padded, d)[:, :, :n], kv_before[:, :, -1] + chunk_kv[:, :, -1]
 

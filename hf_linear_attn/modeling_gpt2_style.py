@@ -44,6 +44,7 @@ class GPT2StyleAttention(nn.Module):
         self.head_dim = config.n_embd // config.n_head
         self.c_attn = Conv1D(3 * self.embed_dim, self.embed_dim)
         self.c_proj = Conv1D(self.embed_dim, self.embed_dim)
+        self.c_proj.is_residual_projection = True  # GPT-2's scaled init (see _init_weights)
         self.resid_dropout = nn.Dropout(config.resid_pdrop)
 
     @staticmethod
@@ -76,6 +77,7 @@ class GPT2StyleBlock(GradientCheckpointingLayer):
         self.attn = attention_class(config, layer_idx)
         self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
         self.mlp = GPT2MLP(inner_dim, config)
+        self.mlp.c_proj.is_residual_projection = True
 
     def forward(self, hidden_states, key_mask=None, past_key_values=None, output_attentions=False, shared_projection=None):
         attn_output, weights = self.attn(
@@ -110,18 +112,22 @@ class GPT2StylePreTrainedModel(PreTrainedModel):
     def _init_weights(self, module):
         super()._init_weights(module)
         if isinstance(module, Conv1D):
-            init.normal_(module.weight, mean=0.0, std=self.config.initializer_range)
+            # GPT-2's scaled init of the two projections per block that add to the residual stream. It is chosen
+            # here, on the Conv1D itself: transformers skips the init of custom-code modules that hold no
+            # parameters of their own (the attention and MLP modules), so a branch on those never runs.
+            std = self.config.initializer_range
+            if getattr(module, "is_residual_projection", False):
+                std /= (2 * self.config.n_layer) ** 0.5
+            init.normal_(module.weight, mean=0.0, std=std)
             init.zeros_(module.bias)
-        if isinstance(module, (GPT2StyleAttention, GPT2MLP)):
-            # GPT-2's scaled init of the two residual projections per block.
-            init.normal_(module.c_proj.weight, mean=0.0, std=self.config.initializer_range / (2 * self.config.n_layer) ** 0.5)
 
     def check_key_mask(self, key_mask: torch.Tensor, has_past: bool) -> None:
         """Raise if this family cannot honour ``key_mask`` (batch, n) of the new tokens; every mask is fine by default."""
 
-    @staticmethod
-    def _finish(output, return_dict):
-        return output if return_dict is not False else output.to_tuple()
+    def _finish(self, output, return_dict):
+        """The output, or its tuple when return_dict (else config.return_dict) is False, as in Transformers."""
+        return_dict = return_dict if return_dict is not None else getattr(self.config, "return_dict", True)
+        return output if return_dict else output.to_tuple()
 
 
 class GPT2StyleModel(GPT2StylePreTrainedModel):
@@ -167,8 +173,13 @@ class GPT2StyleModel(GPT2StylePreTrainedModel):
             ):
                 raise ValueError(
                     f"attention_mask has shape {tuple(attention_mask.shape)}; these decoders take the tokenizer's 2-D "
-                    f"0/1 mask (batch, past + new tokens) = ({batch}, {past_length + n}), or ({batch}, {n}) for the "
-                    "new tokens only. 4-D masks are not supported."
+                    f"0/1 mask (batch, past + new tokens) = ({batch}, {past_length + n}). 4-D masks are not supported."
+                )
+            if past_length and attention_mask.shape[1] == n and position_ids is None:
+                raise ValueError(
+                    f"attention_mask covers the {n} new tokens only, after {past_length} cached ones: pass the mask of "
+                    f"the past and new tokens ({batch}, {past_length + n}), as generate() does, since positions count "
+                    "each row's real tokens and left padding in the cached part would shift them; or pass position_ids."
                 )
             key_mask = attention_mask[:, -n:].bool()
         if position_ids is None:

@@ -40,8 +40,7 @@ class LinearGPT2Attention(GPT2StyleAttention):
         )
 
     def attend(self, q, k, v, key_mask, cache_layer, output_attentions, shared_projection):
-        phi_q = self.feature_map(q, is_query=True)
-        phi_k = self.feature_map(k, is_query=False, key_mask=key_mask)
+        phi_q, phi_k = self.feature_map.pair(q, k, key_mask)
         state = None if cache_layer is None else cache_layer.state
         if state is not None:
             if output_attentions:

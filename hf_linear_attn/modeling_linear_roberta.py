@@ -52,8 +52,7 @@ class LinearRobertaSelfAttention(nn.Module):
 
     def forward(self, hidden_states, key_mask=None, output_attentions=False, shared_projection=None):
         q, k, v = (self._split_heads(proj(hidden_states)) for proj in (self.query, self.key, self.value))
-        phi_q = self.feature_map(q, is_query=True)
-        phi_k = self.feature_map(k, is_query=False, key_mask=key_mask)
+        phi_q, phi_k = self.feature_map.pair(q, k, key_mask)
         output = bidirectional_linear_attention(phi_q, phi_k, v, key_mask, eps=self.eps)
         weights = linear_attention_weights(phi_q, phi_k, key_mask, eps=self.eps) if output_attentions else None
         return output.transpose(1, 2).reshape(hidden_states.shape), weights

@@ -126,9 +126,10 @@ class RobertaStylePreTrainedModel(PreTrainedModel):
     def _run_base_model(self, **inputs):
         return self.roberta(**inputs, return_dict=True)
 
-    @staticmethod
-    def _finish(output, return_dict):
-        return output if return_dict is not False else output.to_tuple()
+    def _finish(self, output, return_dict):
+        """The output, or its tuple when return_dict (else config.return_dict) is False, as in Transformers."""
+        return_dict = return_dict if return_dict is not None else getattr(self.config, "return_dict", True)
+        return output if return_dict else output.to_tuple()
 
 
 class RobertaStyleModel(RobertaStylePreTrainedModel):

@@ -9,6 +9,13 @@ TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
+# What was installed, and from what: when nothing changed, nothing is installed again (and no index is asked,
+# so the scripts run offline once set up).
+STAMP=$(printf '%s\n' "$TORCH_SPEC" "$(cat pyproject.toml)" | sha256sum | cut -c1-16)
+if [ "$(cat .venv/.bootstrap-stamp 2>/dev/null)" = "$STAMP" ] && .venv/bin/python -c "import hf_linear_attn" 2>/dev/null; then
+  exit 0
+fi
 .venv/bin/python -m pip install --quiet --disable-pip-version-check --upgrade pip
 .venv/bin/python -m pip install --quiet --disable-pip-version-check "$TORCH_SPEC"
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[test]"
+echo "$STAMP" > .venv/.bootstrap-stamp

@@ -3,7 +3,7 @@
     python scripts/convert.py --model_name_or_path roberta-base --target linformer --linformer_k 128 \
         --output_dir outputs/convert/roberta-linformer
     python scripts/convert.py --model_name_or_path gpt2 --target linear_gpt2 --feature_map hedgehog \
-        --distill_steps 500 --train_file ../shared/data/wikitext-2/train.txt --output_dir outputs/convert/gpt2-linear
+        --distill_steps 500 --train_file ../shared/data/wikitext-2/wiki.train.tokens --output_dir outputs/convert/gpt2-linear
 
 Every shared weight is copied exactly; conversion_report.json lists what was copied, what is new (and its init)
 and what was dropped. --distill_steps N trains only the new parts so the student's attention matches the

@@ -136,6 +136,32 @@ def test_favor_key_stabiliser_ignores_pads_and_eval_is_deterministic():
     torch.testing.assert_close(fm(q, True), fm(q, True))  # fixed buffer: no hidden redraw
 
 
+@pytest.mark.parametrize("scale", [1.0, 2.0, 3.0])
+def test_favor_pair_equals_its_exact_estimator_whatever_the_norms(scale):
+    """The attention layers map queries and keys together (FeatureMap.pair): FAVOR+ then equals, in float32, its
+    own estimator computed in float64 without eps (weights proportional to sum_i exp(a_i(q) + b_i(k)), normalised
+    over the real keys). Mapped separately, each side with its own stabiliser, eps swamps the normaliser once
+    the norms grow (scale 2: most rows off by more than 1%), which the last check shows this test would catch."""
+    torch.manual_seed(0)
+    fm = FavorFeatureMap(64, 256)
+    q, k = (scale * torch.randn(1, 2, 128, 64) for _ in range(2))
+    v = torch.randn(1, 2, 128, 64)
+    mask = torch.ones(1, 128, dtype=torch.bool)
+    mask[:, 100:] = False
+
+    def logits(x):  # w_i . x' - |x'|^2 / 2 in float64, x' = x / d^(1/4)
+        x = x.double() * 64**-0.25
+        return x @ fm.projection.double().T - 0.5 * (x * x).sum(-1, keepdim=True)
+
+    scores = torch.logsumexp(logits(q)[:, :, :, None, :] + logits(k)[:, :, None, :, :], dim=-1)
+    reference = scores.masked_fill(~mask[:, None, None, :], -torch.inf).softmax(-1) @ v.double()
+    relative = lambda out: ((out.double() - reference).norm(dim=-1) / reference.norm(dim=-1))  # noqa: E731
+    joint = bidirectional_linear_attention(*fm.pair(q, k, mask), v, mask)
+    assert relative(joint).max() < 1e-3
+    separate = bidirectional_linear_attention(fm(q, True), fm(k, False, mask), v, mask)
+    assert scale < 2 or (relative(separate) > 0.01).float().mean() > 0.5
+
+
 def test_accumulation_is_float32_under_bf16():
     q, k, v = qkv(b=1, h=2, n=4096, d=16, dtype=torch.bfloat16)
     phi = build_feature_map("elu", 2, 16)

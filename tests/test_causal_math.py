@@ -74,6 +74,20 @@ def test_scan_and_parallel_forms_agree_at_length():
         causal_linear_attention(phi(q, True), phi(k, False), v, form="fast")
 
 
+@pytest.mark.parametrize("form", ["scan", "parallel"])
+def test_a_huge_key_late_in_a_chunk_leaves_the_earlier_rows_of_the_chunk_exact(form):
+    """Positive features span many decades (FAVOR's unstabilised causal keys): one key 1e9 times the others. The
+    rows before it in its chunk must still see the earlier chunks' state exactly (an inclusive prefix sum minus the
+    chunk's own state cancels it away in float32)."""
+    torch.manual_seed(2)
+    phi_q, phi_k, v = torch.rand(1, 1, 16, 4), torch.rand(1, 1, 16, 4), torch.randn(1, 1, 16, 3)
+    phi_k[:, :, 14] *= 1e9
+    out, (s, z) = causal_linear_attention(phi_q, phi_k, v, chunk_size=4, form=form)
+    ref = causal_quadratic_reference(phi_q, phi_k, v, 1e-6)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(z.double(), phi_k.double().sum(-2), atol=0, rtol=1e-5)
+
+
 def test_future_tokens_do_not_change_earlier_outputs():
     feature_map = build_feature_map("favor", 3, 8, num_random_features=16, causal=True)
     q, k, v = qkv(n=40)

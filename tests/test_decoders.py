@@ -251,6 +251,8 @@ def test_base_model_hidden_states_attentions_and_tuple_output(variant):
         if variant.startswith("linear"):
             assert weights.shape == (2, 4, 13, 13) and weights.triu(1).abs().max() == 0
     assert isinstance(model(ids, return_dict=False), tuple)
+    model.config.return_dict = False
+    assert isinstance(model(ids), tuple)
 
 
 def test_gradient_checkpointing_gives_the_same_gradients():
@@ -338,6 +340,8 @@ def test_bad_configs_are_refused_with_the_option_named():
         LinformerGPT2Config(linformer_sharing="blockwise")
     with pytest.raises(Exception, match="cross-attention"):
         LinearGPT2Config(add_cross_attention=True)
+    with pytest.raises(Exception, match=r"resid_pdrop must be a probability in \[0, 1\), got 1.5"):
+        LinformerGPT2Config(resid_pdrop=1.5)
 
 
 def test_bad_inputs_are_refused_with_a_fix():
@@ -357,6 +361,29 @@ def test_bad_inputs_are_refused_with_a_fix():
         model(random_ids(1, 1), past_key_values=cache, output_attentions=True)
     with pytest.raises(ValueError, match="exactly one of input_ids or inputs_embeds"):
         model()
+    # after a cached prefix, a mask of the new tokens alone cannot place left-padded rows: the whole mask is asked
+    ids, mask = left_padded_batch([random_ids(1, 6)[0], random_ids(1, 2, seed=1)[0]])
+    cache = model(ids[:, :5], attention_mask=mask[:, :5], use_cache=True).past_key_values
+    with pytest.raises(ValueError, match=r"covers the 1 new tokens only, after 5 cached ones: pass the mask .* \(2, 6\)"):
+        model(ids[:, 5:], attention_mask=mask[:, 5:], past_key_values=cache)
+
+
+@pytest.mark.parametrize("variant", ["linear-elu", "linformer-headwise"])
+def test_new_decoders_get_gpt2s_init_including_the_scaled_residual_projections(variant):
+    """GPT-2 draws the two projections per block that add to the residual stream with std 0.02 / sqrt(2 n_layer),
+    every other Conv1D with 0.02: the same as stock GPT-2 of the same size, measured on 256 x 256 matrices."""
+    size = dict(n_embd=256, n_layer=8, n_head=4, n_inner=1024, initializer_range=0.02)
+    torch.manual_seed(0)
+    ours = AutoModelForCausalLM.from_config(DECODER_VARIANTS[variant](**size))
+    torch.manual_seed(0)
+    stock = GPT2LMHeadModel(GPT2Config(**{**TINY_DECODER, **size}))
+    scaled = 0.02 / (2 * 8) ** 0.5
+    for block, reference in zip(ours.transformer.h, stock.transformer.h):
+        for name, want in (("attn.c_proj", scaled), ("mlp.c_proj", scaled), ("attn.c_attn", 0.02), ("mlp.c_fc", 0.02)):
+            got = block.get_submodule(name).weight.std().item()
+            assert got == pytest.approx(want, rel=0.05), name
+            assert reference.get_submodule(name).weight.std().item() == pytest.approx(want, rel=0.05), name
+            assert not block.get_submodule(name).bias.any()
 
 
 def test_torch_compile_matches_eager_and_trains():

@@ -158,6 +158,9 @@ def test_every_head_runs_trains_and_reports_attentions(variant):
             assert all(g is not None and g.abs().sum() > 0 for g in grads if g is not None)
         tuple_out = model(**inputs, return_dict=False)
         assert isinstance(tuple_out, tuple)
+        model.config.return_dict = False  # as in Transformers: the config's choice when the call makes none
+        assert isinstance(model(**inputs), tuple) and not isinstance(model(**inputs, return_dict=True), tuple)
+        model.config.return_dict = True
 
 
 def test_multiple_choice_logits_shape_and_regression_head():
@@ -252,6 +255,8 @@ def test_torch_compile_runs_and_matches_eager():
         (dict(linformer_k=[8, 16], linformer_sharing="layerwise"), "needs a single k"),
         (dict(hidden_size=30), "must be a multiple of num_attention_heads"),
         (dict(is_decoder=True), "bidirectional"),
+        (dict(hidden_dropout_prob=2.0), r"hidden_dropout_prob must be a probability in \[0, 1\), got 2.0"),
+        (dict(classifier_dropout=-0.1), "classifier_dropout must be a probability"),
     ],
 )
 def test_invalid_linformer_configs_fail_at_config_time(kwargs, message):
@@ -270,6 +275,7 @@ def test_invalid_linformer_configs_fail_at_config_time(kwargs, message):
 def test_invalid_linear_configs_fail_at_config_time(kwargs, message):
     with pytest.raises(Exception, match=message):
         AutoConfig.for_model("linear_roberta", **{**TINY, **kwargs})
+    assert AutoConfig.for_model("linear_roberta", **{**TINY, "linear_attention_eps": 1}).linear_attention_eps == 1
 
 
 def test_too_long_input_left_padding_and_bad_masks_raise_clear_errors():

@@ -331,6 +331,33 @@ def test_pretraining_refuses_bad_input_with_clear_errors(corpus, tmp_path):
     bad_config = tmp_path / "bad.json"
     bad_config.write_text(json.dumps({"max_stpes": 3}))
     assert "max_stpes" in _error(main, ["--config", str(bad_config), *args])
+    # --overwrite_output_dir would delete an input that lies inside the folder it empties
+    inside = tmp_path / "out" / "model.json"
+    inside.write_text(config.read_text())
+    message = _error(main, [*replaced(args, model_config=inside), "--overwrite_output_dir"])
+    assert "--model_config" in message and "lies inside --output_dir" in message
+    assert inside.is_file() and (tmp_path / "out" / "notes.txt").exists()
+
+
+def test_a_run_resumed_from_an_older_checkpoint_saves_over_the_steps_it_had_saved(tmp_path):
+    """Resuming from step 1 of a run that had saved steps 1 and 2 reaches step 2 again: the new step 2 replaces
+    the old one (the rename onto a full folder used to fail) and nothing temporary is left."""
+    from accelerate import Accelerator
+
+    from hf_linear_attn.pipeline.pretraining import checkpoints_in, save_checkpoint
+
+    accelerator = Accelerator(cpu=True)
+    model = torch.nn.Linear(2, 2)
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    for step in (1, 2):
+        save_checkpoint(accelerator, tmp_path, step, keep=3)
+    with torch.no_grad():
+        model.weight.fill_(7.0)
+    save_checkpoint(accelerator, tmp_path, 2, keep=3)
+    assert [p.name for p in checkpoints_in(tmp_path)] == ["step_0000001", "step_0000002"]
+    saved = torch.load(tmp_path / "checkpoints" / "step_0000002" / "pytorch_model.bin", weights_only=True)
+    assert torch.equal(saved["weight"], torch.full((2, 2), 7.0))
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_0000001", "step_0000002"]
 
 
 @pytest.mark.slow
@@ -431,10 +458,37 @@ def test_finetuning_refuses_bad_input_with_clear_errors(tmp_path):
     weird = tmp_path / "weird.jsonl"
     weird.write_text('{"text": "ok", "label": "maybe"}\n' * 3)
     assert "labels ['maybe']" in _error(main, [*base, "--task_name", "imdb", "--train_file", str(weird)])
+    one_label = tmp_path / "one_label.jsonl"
+    one_label.write_text('{"text": "fine", "label": 1}\n' * 4)
+    assert "has the same label" in _error(main, [*base, "--task_name", "imdb", "--train_file", str(one_label)])
+    sst2 = [*base, "--task_name", "sst2", "--train_file", str(GLUE / "sst2" / "dev.tsv")]
+    assert "--head_fraction must be between 0 and 1" in _error(main, [*sst2, "--head_fraction", "1.5"])
+    assert "--max_train_samples must be at least 1" in _error(main, [*sst2, "--max_train_samples", "0"])
+    message = _error(main, [*sst2, "--model_card_template", str(tmp_path / "no-template.md")])
+    assert "model card template not found" in message  # before any training, not after it
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "eval_results.json").write_text("{}")
-    message = _error(main, [*base, "--task_name", "sst2", "--train_file", str(GLUE / "sst2" / "dev.tsv")])
+    message = _error(main, sst2)
     assert "not empty" in message and (tmp_path / "out" / "eval_results.json").read_text() == "{}"
+    # --overwrite_output_dir would delete the model it is to start from
+    (tmp_path / "out" / "model").mkdir()
+    message = _error(main, [*replaced(sst2, model_name_or_path=tmp_path / "out" / "model"), "--overwrite_output_dir"])
+    assert "--model_name_or_path" in message and "lies inside --output_dir" in message
+    assert (tmp_path / "out" / "model").is_dir() and (tmp_path / "out" / "eval_results.json").is_file()
+
+
+def test_subsets_of_hub_splits_are_drawn_at_random_and_of_local_files_taken_in_order():
+    """IMDB's Hub splits are sorted by label: --max_train_samples must not take 1,000 negative reviews."""
+    from datasets import Dataset
+
+    from hf_linear_attn.pipeline.finetuning import _subset
+
+    rows = Dataset.from_dict({"text": [f"review {i}" for i in range(200)], "label": [0] * 100 + [1] * 100})
+    drawn = _subset(rows, 20, hub=True, seed=42)
+    assert len(drawn) == 20 and set(drawn["label"]) == {0, 1}
+    assert drawn["text"] == _subset(rows, 20, hub=True, seed=42)["text"] != _subset(rows, 20, hub=True, seed=1)["text"]
+    assert _subset(rows, 20, hub=False, seed=42)["text"] == [f"review {i}" for i in range(20)]
+    assert _subset(rows, 500, hub=True, seed=42) is rows and _subset(rows, None, hub=True, seed=42) is rows
 
 
 # ------------------------------------------------------------------------------------------ data, metrics, card

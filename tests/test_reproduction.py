@@ -15,8 +15,11 @@ from hf_linear_attn.pipeline.reproduction import (
     REPO,
     TASKS,
     ReproductionError,
+    Stage,
+    _merged_config,
     collect,
     describe_seeds,
+    finetune_seeds,
     load_preset,
     plan,
     reproduce,
@@ -153,6 +156,39 @@ def test_a_task_averages_its_seeds_once_all_have_finished(tmp_path):
     assert describe_seeds({"sst2": [7], "imdb": [7]}) == "7"
 
 
+def test_a_result_the_run_did_not_record_is_adopted_from_its_launch_record_or_refused(tmp_path):
+    """A stage's script can write its result and the run stop before writing stage.json (stopped in between, or
+    the script failed after its result): the launch record kept beside the logs says what made it."""
+    folder = tmp_path / "finetune" / "a" / "sst2-seed42"
+    argv = ["--config", "configs/finetune/cpu-sst2.json", "--output_dir", str(folder), "--seed", "42"]
+    stage = Stage("fine-tune A on SST-2 (seed 42)", "scripts/finetune.py", folder, argv, "eval_results.json", tmp_path)
+    assert stage.finished() is None  # nothing there yet
+    folder.mkdir(parents=True)
+    (folder / "eval_results.json").write_text(json.dumps({"eval_accuracy": 0.75}))
+    with pytest.raises(ReproductionError, match="no record of the stage that wrote it"):
+        stage.finished()
+    stage.pending_path.parent.mkdir()
+    stage.pending_path.write_text(json.dumps({"argv": [*argv[:-1], "43"], "inputs": {}, "output_dir": str(tmp_path)}))
+    with pytest.raises(ReproductionError, match="no launch record of stage .* with these arguments"):
+        stage.finished()  # the launch record of another run of the folder does not vouch for this result
+    stage.pending_path.write_text(json.dumps({"argv": argv, "inputs": stage.inputs(), "output_dir": str(tmp_path)}))
+    stage.pending_path.with_name("fine-tune-a-on-sst-2-seed-42.seconds").write_text("12.5")
+    record = stage.finished()
+    assert record["result"] == {"eval_accuracy": 0.75} and record["seconds"] == 12.5
+    assert json.loads(stage.record_path.read_text()) == record and not stage.pending_path.exists()
+    assert stage.finished() == record  # from stage.json now
+
+
+def test_seeds_must_be_distinct_and_data_paths_resolve_from_any_directory(tmp_path, monkeypatch):
+    preset = load_preset(REPO / "configs" / "reproduce" / "cpu.json")
+    with pytest.raises(ReproductionError, match="--seeds must be distinct"):
+        finetune_seeds(preset, [42, 42])
+    monkeypatch.chdir(tmp_path)  # the preset's data paths are relative to the repository, like its configs
+    merged = _merged_config(preset["finetune"]["sst2"])
+    assert Path(merged["train_file"]).is_absolute()
+    assert Path(merged["train_file"]).resolve() == (REPO / "../shared/data/glue/sst2/train.tsv").resolve()
+
+
 def _smoke_preset(tmp_path) -> Path:
     linformer_config = tmp_path / "linformer-k32.json"  # a copy, edited in place by the test below
     linformer_config.write_text((REPO / "configs" / "models" / "cpu" / "linformer-k32.json").read_text())
@@ -257,6 +293,10 @@ def test_reproduction_runs_reuses_and_reports_what_the_stages_wrote(tmp_path):
     records = json.loads((out / "records.json").read_text())
     assert len(records["stages"]) == 8
     assert all("result" in r and r["inputs"] for r in records["stages"].values())
+    # a --models run writes the records of the preset's other stages too (here they come from --records)
+    reproduce(preset, tmp_path / "subset", records_file=out / "records.json", models=["GPT-2 (softmax)"],
+              report_only=True)
+    assert json.loads((tmp_path / "subset" / "records.json").read_text()) == records
     elsewhere = tmp_path / "elsewhere"
     taken = _run(preset, elsewhere, "--records", str(out / "records.json"))
     assert taken.returncode == 0, taken.stderr[-3000:]

@@ -19,6 +19,19 @@ class PipelineError(ValueError):
     """Bad input to a training script; the message names what is wrong and how to fix it."""
 
 
+def refuse_sources_inside(output_dir, sources: dict) -> None:
+    """An error when a local input ({flag: path}) is output_dir or inside it: replacing output_dir
+    (--overwrite_output_dir) would delete it before it is read."""
+    target = Path(output_dir).resolve()
+    for flag, source in sources.items():
+        if source and Path(source).exists():
+            path = Path(source).resolve()
+            if path == target or target in path.parents:
+                raise PipelineError(f"{flag} {source} lies inside --output_dir {output_dir}, which "
+                                    "--overwrite_output_dir empties first: copy it elsewhere or choose another "
+                                    "--output_dir")
+
+
 TEXT_BUILDERS = {".txt": "text", ".tokens": "text", ".raw": "text", ".json": "json", ".jsonl": "json",
                  ".parquet": "parquet", ".tsv": "csv", ".csv": "csv"}
 

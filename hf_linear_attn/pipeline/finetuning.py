@@ -22,7 +22,7 @@ from transformers import (
 
 import hf_linear_attn  # noqa: F401  (registers the package's models with the Auto classes)
 
-from .data import PipelineError, encode_task, get_task, load_task_data
+from .data import PipelineError, encode_task, get_task, load_task_data, refuse_sources_inside
 from .hub import DEFAULT_TEMPLATE, push_folder, write_model_card
 from .metrics import load_task_metric
 from .pretraining import max_model_length
@@ -45,8 +45,11 @@ class FinetuneArguments:
     head_fraction: float = field(default=0.25, metadata={
         "help": "for single texts longer than max_seq_length: the share of tokens kept from the start (the rest "
                 "from the end)"})
-    max_train_samples: int | None = field(default=None, metadata={"help": "train on the first N rows"})
-    max_eval_samples: int | None = field(default=None, metadata={"help": "evaluate on the first N rows"})
+    max_train_samples: int | None = field(default=None, metadata={
+        "help": "train on N rows: the first N of a local file, a seeded random N of a Hub split (Hub splits can "
+                "be sorted by label, as IMDB's are)"})
+    max_eval_samples: int | None = field(default=None, metadata={
+        "help": "evaluate on N rows, chosen as for --max_train_samples"})
     metric_source: str = field(default="auto", metadata={
         "help": "evaluate modules from the Hub, the local offline copies, or auto (local when HF_HUB_OFFLINE=1)",
         "choices": ["auto", "hub", "local"]})
@@ -62,7 +65,31 @@ def _occupied(output_dir: Path, args: FinetuneArguments, training: TrainingArgum
     if not args.overwrite_output_dir:
         raise PipelineError(f"{output_dir} is not empty (it holds another run): pass --overwrite_output_dir to "
                             "replace it, --resume_from_checkpoint to continue it, or choose another --output_dir")
+    refuse_sources_inside(output_dir, {"--model_name_or_path": args.model_name_or_path,
+                                       "--tokenizer_name_or_path": args.tokenizer_name_or_path,
+                                       "--train_file": args.train_file, "--validation_file": args.validation_file,
+                                       "--model_card_template": args.model_card_template})
     return True
+
+
+def _check_arguments(args: FinetuneArguments) -> None:
+    """What can be checked before any data is read or anything is written."""
+    if not 0.0 <= args.head_fraction <= 1.0:
+        raise PipelineError(f"--head_fraction must be between 0 and 1 (got {args.head_fraction}): the share of a long "
+                            "text's tokens kept from its start")
+    for flag, value in (("--max_train_samples", args.max_train_samples), ("--max_eval_samples", args.max_eval_samples)):
+        if value is not None and value < 1:
+            raise PipelineError(f"{flag} must be at least 1 (got {value})")
+    if not Path(args.model_card_template).is_file():
+        raise PipelineError(f"model card template not found: {args.model_card_template} (--model_card_template)")
+
+
+def _subset(rows, count: int | None, hub: bool, seed: int):
+    """At most `count` rows: the first ones of a local file, a seeded random choice from a Hub split (whose order
+    is the publisher's: IMDB's train and test are sorted by label, so their first rows are all negative)."""
+    if count is None or count >= len(rows):
+        return rows
+    return (rows.shuffle(seed=seed) if hub else rows).select(range(count))
 
 
 def _load_tokenizer_and_config(args: FinetuneArguments, num_labels: int, label_names):
@@ -97,14 +124,17 @@ def _load_tokenizer_and_config(args: FinetuneArguments, num_labels: int, label_n
 def run_finetuning(args: FinetuneArguments, training: TrainingArguments, argv=None) -> dict:
     """Fine-tune and evaluate; write eval_results.json and README.md; push when --push_to_hub. Returns metrics."""
     task = get_task(args.task_name)
+    _check_arguments(args)
     output_dir = Path(training.output_dir)
     replace = _occupied(output_dir, args, training)
     data, eval_split = load_task_data(task, args.dataset_name, args.dataset_config_name, args.train_file,
                                       args.validation_file, args.validation_split_percentage, training.seed)
-    if args.max_train_samples is not None:
-        data["train"] = data["train"].select(range(min(args.max_train_samples, len(data["train"]))))
-    if args.max_eval_samples is not None:
-        data["validation"] = data["validation"].select(range(min(args.max_eval_samples, len(data["validation"]))))
+    hub = args.dataset_name is not None
+    data["train"] = _subset(data["train"], args.max_train_samples, hub, training.seed)
+    data["validation"] = _subset(data["validation"], args.max_eval_samples, hub, training.seed)
+    if len(set(data["train"]["label"])) < 2:
+        raise PipelineError(f"every training row of {task.name} has the same label: a classifier cannot learn from "
+                            "them (a local file sorted by label, cut by --max_train_samples? shuffle the file)")
 
     tokenizer, config = _load_tokenizer_and_config(args, len(task.label_names), task.label_names)
     # The classification head is new: seed before it is drawn (torch's own start seed is random), so a seed

@@ -36,7 +36,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_N
 
 import hf_linear_attn  # noqa: F401  (registers the package's models with the Auto classes)
 
-from .data import PipelineError, load_text_corpus, pack_corpus, train_bpe_tokenizer
+from .data import PipelineError, load_text_corpus, pack_corpus, refuse_sources_inside, train_bpe_tokenizer
 
 CHECKPOINTS = "checkpoints"
 STEP_PREFIX = "step_"
@@ -176,7 +176,12 @@ def save_checkpoint(accelerator: Accelerator, output_dir: Path, step: int, keep:
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         _fsync_tree(partial)
+        if final.exists():  # a run resumed from an older checkpoint reaches the steps it had saved before
+            stale = final.with_name(f".stale-{final.name}")
+            shutil.rmtree(stale, ignore_errors=True)
+            os.replace(final, stale)
         os.replace(partial, final)  # the rename is atomic: a crash leaves either no checkpoint or a whole one
+        shutil.rmtree(final.with_name(f".stale-{final.name}"), ignore_errors=True)
         for old in checkpoints_in(output_dir)[:-keep] if keep > 0 else []:
             shutil.rmtree(old)
     accelerator.wait_for_everyone()
@@ -216,6 +221,10 @@ def check_output_dir(args: PretrainArguments, world_size: int) -> Path | None:
     if output_dir.exists() and any(output_dir.iterdir()) and not args.overwrite_output_dir:
         raise PipelineError(f"{output_dir} is not empty (it holds another run): pass --resume to continue it, "
                             "--overwrite_output_dir to replace it, or choose another --output_dir")
+    refuse_sources_inside(output_dir, {"--model_name_or_path": args.model_name_or_path,
+                                       "--tokenizer_name_or_path": args.tokenizer_name_or_path,
+                                       "--model_config": args.model_config, "--train_file": args.train_file,
+                                       "--validation_file": args.validation_file})
     return None
 
 

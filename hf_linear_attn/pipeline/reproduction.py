@@ -129,6 +129,12 @@ class Stage:
     def record_path(self) -> Path:
         return self.folder / "stage.json"
 
+    @property
+    def pending_path(self) -> Path:
+        """Where the record of a launched stage waits until the stage has finished (beside its log: the stage's
+        own folder must stay empty for its script)."""
+        return self.root / "logs" / f"{slug(self.name)}.pending.json"
+
     def portable(self, argv: list[str], root: str | None = None) -> list[str]:
         """argv with the run's output folder written as $OUTPUT_DIR: a moved results folder is still reused."""
         root = str(root or self.root)
@@ -169,7 +175,9 @@ class Stage:
         """The stage's record when it has finished with these arguments and inputs; an error when with others."""
         if not (self.folder / self.marker).is_file():
             return None
-        record = _read_json(self.record_path, "the stage record") if self.record_path.is_file() else {}
+        if not self.record_path.is_file():
+            self.adopt()
+        record = _read_json(self.record_path, "the stage record")
         if self.portable(record.get("argv", []), record.get("output_dir")) != self.portable(self.argv):
             raise ReproductionError(
                 f"{self.folder} holds a finished run with other arguments than this preset's stage '{self.name}' "
@@ -185,6 +193,29 @@ class Stage:
                 "(and those of the stages that use it) to rerun it, or use another --output_dir")
         return record
 
+    def adopt(self) -> None:
+        """Write stage.json for a result that this stage's script wrote but the run never recorded (the run was
+        stopped between the two, or the script failed after writing it), from the record kept when it was launched.
+        Without one nothing says what arguments made the result: an error."""
+        pending = _read_json(self.pending_path, "the launch record") if self.pending_path.is_file() else None
+        if pending is None or self.portable(pending["argv"], pending["output_dir"]) != self.portable(self.argv):
+            raise ReproductionError(
+                f"{self.folder} holds a result ({self.marker}) but no record of the stage that wrote it (stage.json), "
+                f"and no launch record of stage '{self.name}' with these arguments; remove the folder to rerun the "
+                "stage, or use another --output_dir")
+        spent = self.pending_path.with_name(f"{slug(self.name)}.seconds")  # written when the launch ended
+        done = (self.folder / self.marker).stat().st_mtime
+        seconds = float(spent.read_text()) if spent.is_file() else done - self.pending_path.stat().st_mtime
+        pending.update(seconds=round(seconds, 1), finished=time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(done)))
+        _write_json(self.record_path, with_outcome(self, pending))
+        self.pending_path.unlink()
+
+
+def _write_json(path: Path, data: dict) -> None:
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(data, indent=2))
+    partial.replace(path)
+
 
 def folder_digest(path: Path) -> str:
     """sha256 (16 hex digits) of a file, or of a model folder's weights and tokenizer (in chunks: a paper-size
@@ -198,8 +229,16 @@ def folder_digest(path: Path) -> str:
     return digest.hexdigest()[:16]
 
 
+DATA_PATH_KEYS = ("train_file", "validation_file")
+
+
 def _merged_config(entry: dict) -> dict:
-    return {**_read_json(_repo_path(entry["config"]), "the config"), **entry.get("args", {})}
+    """A preset entry's config file with its overrides; data paths resolved against the repository root, where
+    the stages' subprocesses run, so that the run's own reads (tokenizer corpus, majority class) find the same
+    files from any working directory."""
+    merged = {**_read_json(_repo_path(entry["config"]), "the config"), **entry.get("args", {})}
+    return {key: str(_repo_path(value)) if key in DATA_PATH_KEYS and isinstance(value, str) else value
+            for key, value in merged.items()}
 
 
 def shared_tokenizers(preset: dict, output_dir: Path, train: bool) -> dict:
@@ -254,6 +293,8 @@ def select_models(preset: dict, names: list[str] | None) -> dict:
 def finetune_seeds(preset: dict, seeds: list[int] | None = None) -> dict[str, list[int]]:
     """The fine-tuning seeds of each task: `seeds` (the command line's --seeds) for every task where given, else
     the task's own "seeds" (more seeds where one run is too noisy to read), else the preset's, else [42]."""
+    if seeds and len(set(seeds)) != len(seeds):
+        raise ReproductionError(f"--seeds must be distinct (got {list(seeds)}): a repeated seed names the same run")
     return {task: list(seeds or entry.get("seeds") or preset.get("seeds") or [42])
             for task, entry in preset.get("finetune", {}).items()}
 
@@ -316,6 +357,9 @@ def run_stage(stage: Stage, launcher: list[str], log_dir: Path) -> tuple[dict, b
     # seconds of earlier, interrupted attempts that this one resumes count towards the stage's wall time
     spent_file = log_dir / f"{slug(stage.name)}.seconds"
     earlier = float(spent_file.read_text()) if "--resume" in extra and spent_file.is_file() else 0.0
+    record = {"argv": stage.argv, "inputs": inputs, "output_dir": str(stage.root), "resumed": "--resume" in extra,
+              "command": shlex.join(command), "machine": describe_machine()}
+    _write_json(stage.pending_path, record)  # what a result found here without stage.json was made with
     started = time.perf_counter()
     try:
         with open(log, "a") as handle:
@@ -329,13 +373,10 @@ def run_stage(stage: Stage, launcher: list[str], log_dir: Path) -> tuple[dict, b
     if code != 0 or not (stage.folder / stage.marker).is_file():
         raise ReproductionError(f"stage '{stage.name}' failed (exit status {code}); the end of {log}:\n{_tail(log)}\n"
                                 "Fix the cause and rerun the same command: finished stages are reused.")
-    record = {"argv": stage.argv, "inputs": inputs, "output_dir": str(stage.root), "seconds": round(seconds, 1),
-              "resumed": "--resume" in extra, "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
-              "command": shlex.join(command), "machine": describe_machine()}
-    record = with_outcome(stage, record)
-    partial = stage.record_path.with_suffix(".partial")
-    partial.write_text(json.dumps(record, indent=2))
-    partial.replace(stage.record_path)
+    record = with_outcome(stage, {**record, "seconds": round(seconds, 1),
+                                  "finished": time.strftime("%Y-%m-%d %H:%M:%S")})
+    _write_json(stage.record_path, record)
+    stage.pending_path.unlink(missing_ok=True)
     return record, False
 
 
@@ -360,12 +401,13 @@ def load_records(path) -> dict:
     return records["stages"]
 
 
-def write_records(stages: list[Stage], records: dict, output_dir: Path) -> Path:
+def write_records(stages: list[Stage], records: dict, output_dir: Path, carried: dict | None = None) -> Path:
     """output_dir/records.json: the record of every finished stage with its outcome (a few KB a stage, no weights).
     Committed beside a results table, it lets a later run on a machine without these folders take the finished
-    stages from it (`--records`) instead of running them again."""
+    stages from it (`--records`) instead of running them again. `carried` ({stage key: record}) are the records of
+    the preset's stages outside this run (a --models run) that earlier runs left: they are kept, not dropped."""
     path = output_dir / "records.json"
-    stages_out = {stage.key: records[stage.name] for stage in stages if stage.name in records}
+    stages_out = {**(carried or {}), **{stage.key: records[stage.name] for stage in stages if stage.name in records}}
     partial = path.with_suffix(".partial")
     partial.write_text(json.dumps({"stages": stages_out}, indent=1))
     partial.replace(path)
@@ -600,7 +642,7 @@ def plot(preset: dict, results: dict, meta: dict, path: Path) -> bool:
 
 
 def run_stages(stages: list[Stage], launcher: list[str], output_dir: Path, archive: dict,
-               report_only: bool = False) -> dict:
+               report_only: bool = False, carried: dict | None = None) -> dict:
     """Run every stage that has not finished, in order; returns {stage name: record with outcome}.
 
     A stage is taken, not run, when its folder here holds a finished run with the same arguments and inputs, or
@@ -642,7 +684,7 @@ def run_stages(stages: list[Stage], launcher: list[str], output_dir: Path, archi
         records[stage.name] = record
         if not report_only:
             print(f"    {source} ({record['seconds']:.0f} s)", flush=True)
-            write_records(stages, records, output_dir)
+            write_records(stages, records, output_dir, carried)
     return records
 
 
@@ -651,7 +693,8 @@ def reproduce(preset_path, output_dir=None, seeds=None, launcher=None, dry_run=F
     """Run (or reuse) every stage of the preset (or of the `models` named, with their baselines), taking finished
     stages from `records_file` (an earlier run's records.json) where they match, then write results.json /
     results.md / results.png and records.json."""
-    preset = select_models(load_preset(preset_path), models)
+    full_preset = load_preset(preset_path)
+    preset = select_models(full_preset, models)
     preset_name = Path(preset_path).stem
     output_dir = Path(output_dir or preset.get("output_dir") or f"outputs/reproduce/{preset_name}")
     output_dir = output_dir if output_dir.is_absolute() else Path.cwd() / output_dir
@@ -666,13 +709,19 @@ def reproduce(preset_path, output_dir=None, seeds=None, launcher=None, dry_run=F
         return {}
 
     archive = load_records(records_file) if records_file else {}  # read before anything is written
+    earlier = load_records(output_dir / "records.json") if (output_dir / "records.json").is_file() else {}
     output_dir.mkdir(parents=True, exist_ok=True)
     # SIGTERM stops the run like Ctrl-C: the running stage's child is stopped and its time so far recorded
     signal.signal(signal.SIGTERM, lambda *_: sys.exit("reproduction stopped (SIGTERM); rerun to continue"))
     # with records, the tokenizers are trained even for a report: the records' inputs are checked against them
     tokenizers = shared_tokenizers(preset, output_dir, train=not report_only or records_file is not None)
     stages = plan(preset, output_dir, seeds, tokenizers)
-    records = run_stages(stages, launcher, output_dir, archive, report_only)
+    # records of the preset's other stages (outside --models) are kept: from this folder's records.json, else
+    # from --records, so that running the models one group at a time never loses what the others finished
+    planned = {stage.key for stage in stages}
+    others = {stage.key for stage in plan(full_preset, output_dir, seeds, tokenizers)} - planned
+    carried = {key: record for key, record in {**archive, **earlier}.items() if key in others}
+    records = run_stages(stages, launcher, output_dir, archive, report_only, carried)
 
     results = collect(preset, stages, records)
     task_seeds = finetune_seeds(preset, seeds)
@@ -689,7 +738,7 @@ def reproduce(preset_path, output_dir=None, seeds=None, launcher=None, dry_run=F
             "stages_done": len(records)}
     report = {"meta": meta, "paper_table2": PAPER_TABLE2, **results}
     (output_dir / "results.json").write_text(json.dumps(report, indent=2))
-    write_records(stages, records, output_dir)
+    write_records(stages, records, output_dir, carried)
     markdown = render_markdown(preset_name, preset, results, meta)
     (output_dir / "results.md").write_text(markdown + "\n")
     plot(preset, results, meta, output_dir / "results.png")
