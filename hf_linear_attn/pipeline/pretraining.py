@@ -176,12 +176,12 @@ def save_checkpoint(accelerator: Accelerator, output_dir: Path, step: int, keep:
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         _fsync_tree(partial)
+        stale = final.with_name(f".stale-{final.name}")
         if final.exists():  # a run resumed from an older checkpoint reaches the steps it had saved before
-            stale = final.with_name(f".stale-{final.name}")
             shutil.rmtree(stale, ignore_errors=True)
             os.replace(final, stale)
         os.replace(partial, final)  # the rename is atomic: a crash leaves either no checkpoint or a whole one
-        shutil.rmtree(final.with_name(f".stale-{final.name}"), ignore_errors=True)
+        shutil.rmtree(stale, ignore_errors=True)
         for old in checkpoints_in(output_dir)[:-keep] if keep > 0 else []:
             shutil.rmtree(old)
     accelerator.wait_for_everyone()

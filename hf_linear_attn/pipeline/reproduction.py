@@ -129,11 +129,14 @@ class Stage:
     def record_path(self) -> Path:
         return self.folder / "stage.json"
 
+    def log_file(self, suffix: str) -> Path:
+        """logs/<stage><suffix>: its output (.log), the seconds its launches took (.seconds), and the record of a
+        launched stage until it has finished (.pending.json; the stage's own folder must stay empty for its script)."""
+        return self.root / "logs" / f"{slug(self.name)}{suffix}"
+
     @property
     def pending_path(self) -> Path:
-        """Where the record of a launched stage waits until the stage has finished (beside its log: the stage's
-        own folder must stay empty for its script)."""
-        return self.root / "logs" / f"{slug(self.name)}.pending.json"
+        return self.log_file(".pending.json")
 
     def portable(self, argv: list[str], root: str | None = None) -> list[str]:
         """argv with the run's output folder written as $OUTPUT_DIR: a moved results folder is still reused."""
@@ -203,7 +206,7 @@ class Stage:
                 f"{self.folder} holds a result ({self.marker}) but no record of the stage that wrote it (stage.json), "
                 f"and no launch record of stage '{self.name}' with these arguments; remove the folder to rerun the "
                 "stage, or use another --output_dir")
-        spent = self.pending_path.with_name(f"{slug(self.name)}.seconds")  # written when the launch ended
+        spent = self.log_file(".seconds")  # written when the launch ended
         done = (self.folder / self.marker).stat().st_mtime
         seconds = float(spent.read_text()) if spent.is_file() else done - self.pending_path.stat().st_mtime
         pending.update(seconds=round(seconds, 1), finished=time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(done)))
@@ -339,7 +342,7 @@ def _tail(path: Path, lines: int = 15) -> str:
         return "(no log)"
 
 
-def run_stage(stage: Stage, launcher: list[str], log_dir: Path) -> tuple[dict, bool]:
+def run_stage(stage: Stage, launcher: list[str]) -> tuple[dict, bool]:
     """Run the stage unless it has finished with the same arguments; returns (its record, whether it was reused)."""
     record = stage.finished()
     if record is not None:
@@ -352,10 +355,10 @@ def run_stage(stage: Stage, launcher: list[str], log_dir: Path) -> tuple[dict, b
             p.name.startswith("step_") for p in checkpoints.iterdir())
         extra = ["--resume"] if resumable else ["--overwrite_output_dir"]
     command = [*launcher, str(REPO / stage.script), *stage.argv, *extra]
-    log_dir.mkdir(parents=True, exist_ok=True)
-    log = log_dir / f"{slug(stage.name)}.log"
+    log = stage.log_file(".log")
+    log.parent.mkdir(parents=True, exist_ok=True)
     # seconds of earlier, interrupted attempts that this one resumes count towards the stage's wall time
-    spent_file = log_dir / f"{slug(stage.name)}.seconds"
+    spent_file = stage.log_file(".seconds")
     earlier = float(spent_file.read_text()) if "--resume" in extra and spent_file.is_file() else 0.0
     record = {"argv": stage.argv, "inputs": inputs, "output_dir": str(stage.root), "resumed": "--resume" in extra,
               "command": shlex.join(command), "machine": describe_machine()}
@@ -669,7 +672,7 @@ def run_stages(stages: list[Stage], launcher: list[str], output_dir: Path, archi
                 if upstream.key not in known:
                     continue
                 print(f"    first {upstream.name}, known here only from the records ...", flush=True)
-                rerun, _ = run_stage(upstream, launcher, output_dir / "logs")  # a new record has its outcome
+                rerun, _ = run_stage(upstream, launcher)  # a new record has its outcome
                 if upstream.key in vouched and rerun["output_digest"] != known[upstream.key]:
                     raise ReproductionError(
                         f"'{upstream.name}' ran again here and wrote other weights than in the records (digest "
@@ -678,7 +681,7 @@ def run_stages(stages: list[Stage], launcher: list[str], output_dir: Path, archi
                         "the records name")
                 records[upstream.name] = rerun
                 del known[upstream.key]
-            record, source = run_stage(stage, launcher, output_dir / "logs")[0], "done"
+            record, source = run_stage(stage, launcher)[0], "done"
         if source == "from records" and "output_digest" in record:
             known[stage.key] = record["output_digest"]
         records[stage.name] = record
