@@ -60,8 +60,8 @@ def test_plan_orders_stages_and_dry_run_prints_them(tmp_path, capsys):
     preset = load_preset(REPO / "configs" / "reproduce" / "cpu.json")
     stages = plan(preset, tmp_path, [1, 2], {"mlm": "TOK"})
     kinds = [s.info["kind"] for s in stages]
-    encoders = len(preset["encoders"])  # six of the paper's kind, and k = 32 and k = 64 layerwise with rows summing to 1
-    assert encoders == 8
+    encoders = len(preset["encoders"])  # six of the paper's kind, and four of them again with rows summing to 1
+    assert encoders == 10
     assert kinds.count("pretrain") == encoders and kinds.count("finetune") == encoders * 4 * 2
     assert kinds.count("decoder") == 3
     for i, stage in enumerate(stages):  # each fine-tune comes after the pretraining it starts from
