@@ -13,16 +13,16 @@ checkpoint: fine-tune it with scripts/finetune.py --model_name_or_path OUTPUT_DI
 
 import sys
 
-from hf_linear_attn.pipeline.arguments import parse_arguments
-from hf_linear_attn.pipeline.converting import ConvertArguments, run_conversion
-from hf_linear_attn.pipeline.data import PipelineError
+from hf_linear_attn.training.arguments import parse_arguments
+from hf_linear_attn.conversion.cli import ConvertArguments, run_conversion
+from hf_linear_attn.training.data import UsageError
 
 
 def main(argv=None):
     try:
         args, _ = parse_arguments((ConvertArguments,), argv)
         return run_conversion(args)
-    except PipelineError as error:
+    except UsageError as error:
         sys.exit(f"error: {error}")
 
 

@@ -25,7 +25,7 @@ from transformers import (
 )
 
 import hf_linear_attn  # noqa: F401  (registers linformer / linear_roberta with the Auto classes)
-from hf_linear_attn.pipeline.data import train_bpe_tokenizer
+from hf_linear_attn.training.data import train_bpe_tokenizer
 
 DEFAULT_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "wikitext-2"
 

@@ -14,18 +14,18 @@ import sys
 
 from transformers import TrainingArguments
 
-from hf_linear_attn.pipeline.arguments import parse_arguments
-from hf_linear_attn.pipeline.data import PipelineError
-from hf_linear_attn.pipeline.finetuning import FinetuneArguments, run_finetuning
+from hf_linear_attn.training.arguments import parse_arguments
+from hf_linear_attn.training.data import UsageError
+from hf_linear_attn.training.finetuning import FinetuneArguments, run_finetuning
 
 
 def main(argv=None):
     try:
         args, training, _ = parse_arguments((FinetuneArguments, TrainingArguments), argv)
         if training.output_dir is None:
-            raise PipelineError("pass --output_dir")
+            raise UsageError("pass --output_dir")
         metrics = run_finetuning(args, training, argv)
-    except PipelineError as error:
+    except UsageError as error:
         sys.exit(f"error: {error}")
     print({k: v for k, v in metrics.items() if k.startswith("eval_")})
     return metrics

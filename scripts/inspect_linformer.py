@@ -15,8 +15,8 @@ import argparse
 import json
 import sys
 
-from hf_linear_attn.pipeline.data import PipelineError
-from hf_linear_attn.pipeline.projection_report import PROJECTION_KINDS, format_report, renormalise_rows, report
+from hf_linear_attn.training.data import UsageError
+from hf_linear_attn.experiments.projection_report import PROJECTION_KINDS, format_report, renormalise_rows, report
 
 
 def main(argv=None):
@@ -34,7 +34,7 @@ def main(argv=None):
         if args.renormalise:
             changed = renormalise_rows(args.model, args.output_dir, tuple(args.renormalise))
             print(f"wrote {args.output_dir}: row sums set to 1 in {len(changed)} tensors")
-    except PipelineError as error:
+    except UsageError as error:
         sys.exit(f"error: {error}")
     return rows
 

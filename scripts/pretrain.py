@@ -11,16 +11,16 @@ from a Hub dataset (--dataset_name) or local text / json / parquet files (--trai
 
 import sys
 
-from hf_linear_attn.pipeline.arguments import parse_arguments
-from hf_linear_attn.pipeline.data import PipelineError
-from hf_linear_attn.pipeline.pretraining import PretrainArguments, run_pretraining
+from hf_linear_attn.training.arguments import parse_arguments
+from hf_linear_attn.training.data import UsageError
+from hf_linear_attn.training.pretraining import PretrainArguments, run_pretraining
 
 
 def main(argv=None):
     try:
         args, _ = parse_arguments((PretrainArguments,), argv)
         run_pretraining(args)
-    except PipelineError as error:
+    except UsageError as error:
         sys.exit(f"error: {error}")
 
 

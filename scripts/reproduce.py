@@ -6,7 +6,7 @@ decoders, and writes results.md (Table 2's shape, the paper's figures beside), r
 
     python scripts/reproduce.py                          # the demo preset (about 15 minutes on 2 CPU cores)
     python scripts/reproduce.py --preset cpu             # every variant and task (93 stages, ~12 h on 2 cores)
-    python scripts/reproduce.py --preset cpu --records model_cards/reproduction/cpu/records.json  # go on
+    python scripts/reproduce.py --preset cpu --records results/reproduction/cpu/records.json  # go on
     python scripts/reproduce.py --preset paper           # RoBERTa-base size, n = 512: under `accelerate launch`
     python scripts/reproduce.py --preset cpu --dry_run   # print every stage's command, run nothing
 
@@ -18,8 +18,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from hf_linear_attn.pipeline.data import PipelineError
-from hf_linear_attn.pipeline.reproduction import REPO, reproduce
+from hf_linear_attn.training.data import UsageError
+from hf_linear_attn.experiments.reproduction import REPO, reproduce
 
 
 def main(argv=None):
@@ -35,7 +35,7 @@ def main(argv=None):
                              "groups selects both; each group's baseline is kept); their stages are the full run's, "
                              "so a later full run reuses them")
     parser.add_argument("--records", metavar="FILE",
-                        help="records.json of an earlier run (e.g. model_cards/reproduction/cpu/records.json): its "
+                        help="records.json of an earlier run (e.g. results/reproduction/cpu/records.json): its "
                              "finished stages whose arguments and inputs match are taken instead of run")
     parser.add_argument("--dry_run", action="store_true", help="print the stages' commands and stop")
     parser.add_argument("--report_only", action="store_true",
@@ -51,7 +51,7 @@ def main(argv=None):
         reproduce(preset, args.output_dir, args.seeds, args.launcher, args.dry_run, args.report_only,
                   argv=sys.argv[1:] if argv is None else argv, models=args.models,
                   records_file=args.records)
-    except PipelineError as error:
+    except UsageError as error:
         sys.exit(f"error: {error}")
 
 

@@ -1,0 +1,120 @@
+"""The conversion script's run: convert, optionally distill the new parts and extend the length, then save."""
+
+import json
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from .convert import check_target, convert, extend_max_length, load_source, load_source_tokenizer, save_converted
+from hf_linear_attn.training.data import load_text_corpus, pack_corpus
+from hf_linear_attn.training.errors import UsageError
+from .distill import distill, distillation_distance, distillation_mode, language_model_quality
+from hf_linear_attn.training.pretraining import max_model_length
+
+FAMILY_OPTIONS = ("linformer_k", "linformer_sharing", "linformer_init", "linformer_normalize_rows",
+                  "linformer_block_size", "feature_map", "num_random_features", "learned_feature_dim")
+
+
+@dataclass
+class ConvertArguments:
+    """Arguments of scripts/convert.py."""
+
+    model_name_or_path: str = field(metadata={"help": "RoBERTa-family encoder or GPT-2: Hub id or local folder"})
+    target: str = field(metadata={"help": "linformer | linear_roberta (from encoders), linear_gpt2 | linformer_gpt2"})
+    output_dir: str = field(metadata={"help": "where the converted checkpoint is written"})
+    head: str = field(default="auto", metadata={"help": "auto (the source's own) or masked-lm, causal-lm, "
+                                                        "sequence-classification, ..., base"})
+    linformer_k: int | None = field(default=None, metadata={"help": "Linformer projected length k"})
+    linformer_sharing: str | None = field(default=None, metadata={"help": "none | headwise | key-value | layerwise"})
+    linformer_init: str | None = field(default=None, metadata={"help": "xavier_uniform | normal | pooling"})
+    linformer_normalize_rows: bool | None = field(default=None, metadata={"help": "encoder Linformer: keep rows of "
+                                                                                  "E / F summing to 1"})
+    linformer_block_size: int | None = field(default=None, metadata={"help": "causal Linformer block size"})
+    feature_map: str | None = field(default=None, metadata={"help": "elu | relu | favor | hedgehog (learnable: "
+                                                                    "the one distillation trains)"})
+    num_random_features: int | None = field(default=None, metadata={"help": "FAVOR+ features"})
+    learned_feature_dim: int | None = field(default=None, metadata={"help": "hedgehog width"})
+    distill_steps: int = field(default=0, metadata={"help": "attention-distillation steps (0: convert only)"})
+    distill_batch_size: int = field(default=8)
+    distill_lr: float | None = field(default=None, metadata={"help": "default 1e-2 for feature maps, 1e-3 for E / F"})
+    distill_max_length: int = field(default=128, metadata={"help": "tokens per distillation row"})
+    dataset_name: str | None = field(default=None, metadata={"help": "Hub text dataset for distillation"})
+    dataset_config_name: str | None = field(default=None)
+    train_file: str | None = field(default=None, metadata={"help": "local text / json / parquet for distillation"})
+    validation_file: str | None = field(default=None)
+    text_column: str = field(default="text")
+    validation_split_percentage: float = field(default=5.0)
+    eval_rows: int = field(default=64, metadata={"help": "validation rows for the before / after figures"})
+    extend_max_length: int | None = field(default=None, metadata={"help": "new maximum input length (encoders)"})
+    seed: int = field(default=42)
+    overwrite_output_dir: bool = field(default=False)
+
+
+def _rows(args, tokenizer, objective: str):
+    """Packed train / validation rows of distill_max_length tokens from the distillation corpus."""
+    if args.dataset_name is None and args.train_file is None:
+        raise UsageError("Distillation needs text: pass --train_file (e.g. WikiText-2) or --dataset_name.")
+    corpus, _ = load_text_corpus(args.dataset_name, args.dataset_config_name, args.train_file, args.validation_file,
+                                 args.text_column, args.validation_split_percentage, args.seed)
+    packed = pack_corpus(corpus, tokenizer, args.distill_max_length, objective)
+    train, validation = (packed[split].with_format("torch")[:]["input_ids"] for split in ("train", "validation"))
+    return train, validation[: args.eval_rows]
+
+
+def run_conversion(args: ConvertArguments) -> dict:
+    """Convert, distill (optional), extend (optional) and save; returns the report as a dict."""
+    check_target(args.target)  # before the source is loaded
+    output_dir = Path(args.output_dir)
+    if output_dir.exists() and any(output_dir.iterdir()) and not args.overwrite_output_dir:
+        raise UsageError(f"{output_dir} is not empty; choose another --output_dir or pass --overwrite_output_dir.")
+    options = {name: getattr(args, name) for name in FAMILY_OPTIONS if getattr(args, name) is not None}
+    teacher, missing = load_source(args.model_name_or_path, args.head)
+    torch.manual_seed(args.seed)
+    model, report = convert(teacher, args.target, args.head, **options)
+    tokenizer = load_source_tokenizer(args.model_name_or_path)
+    print(report.summary())
+    if args.distill_steps:
+        if tokenizer is None:
+            raise UsageError(f"{args.model_name_or_path} has no tokenizer; distillation needs one to read text.")
+        longest = max_model_length(teacher.config)
+        if args.distill_max_length > longest:
+            raise UsageError(f"--distill_max_length {args.distill_max_length} exceeds the teacher's longest input "
+                                f"({longest} tokens); lower it.")
+        objective = "mlm" if model.base_model_prefix == "roberta" else "clm"
+        train_rows, eval_rows = _rows(args, tokenizer, objective)
+        mode = distillation_mode(model)
+        lr = args.distill_lr or (1e-3 if mode == "layer_output" else 1e-2)
+        started = time.time()
+        before = distillation_distance(model, teacher, eval_rows)
+        has_lm_head = report.head in ("masked-lm", "causal-lm") and not missing  # read from the checkpoint
+        quality_before = language_model_quality(model, eval_rows, tokenizer) if has_lm_head else None
+        history = distill(model, teacher, report.new, train_rows, args.distill_steps, args.distill_batch_size, lr,
+                          seed=args.seed)
+        after = distillation_distance(model, teacher, eval_rows)
+        report.distillation = {
+            "mode": mode, "steps": args.distill_steps, "batch_size": args.distill_batch_size,
+            "lr": lr, "rows": args.distill_max_length, "train_rows": len(train_rows), "eval_rows": len(eval_rows),
+            "distance_before": before, "distance_after": after, "first_loss": history[0], "last_loss": history[-1],
+            "seconds": round(time.time() - started, 1),
+        }
+        if quality_before is not None:  # the language-model head came from the checkpoint: compare LM quality too
+            report.distillation.update(teacher=language_model_quality(teacher, eval_rows, tokenizer),
+                                       converted=quality_before,
+                                       distilled=language_model_quality(model, eval_rows, tokenizer))
+        print(json.dumps(report.distillation, indent=2))
+    if args.extend_max_length:
+        model = extend_max_length(model, args.extend_max_length)
+        report.extended_to = args.extend_max_length
+        if tokenizer is not None:
+            tokenizer.model_max_length = args.extend_max_length
+    partial = output_dir.with_name(f".partial-{output_dir.name}")  # a crash never leaves half a checkpoint
+    shutil.rmtree(partial, ignore_errors=True)
+    save_converted(model, report, partial, tokenizer)
+    if output_dir.exists():
+        shutil.rmtree(output_dir)
+    partial.rename(output_dir)
+    print(f"wrote {output_dir}")
+    return asdict(report)

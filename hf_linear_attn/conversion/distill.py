@@ -1,0 +1,191 @@
+"""Attention distillation after conversion: train only the new parts so the student attends like its teacher.
+
+Every layer is trained at once on the teacher's own inputs to that layer (its hidden states), as in Hedgehog
+(Zhang et al. 2024), so one teacher forward gives the targets of all layers and a layer never chases the drift of
+the layers below it:
+- linear attention (a learnable feature map, e.g. hedgehog): the student's normalised rows
+  phi(q_i).phi(k_j) / sum_j' phi(q_i).phi(k_j') against the teacher's softmax rows, by cross-entropy (reported as
+  KL divergence, zero when they agree);
+- Linformer (E / F): the layer output against the teacher's, by relative squared error.
+The shared weights stay frozen; fine-tune the result with the pipeline scripts as any checkpoint.
+"""
+
+import math
+
+import torch
+from tqdm.auto import tqdm
+
+from hf_linear_attn.training.errors import UsageError
+
+
+def _is_encoder(model) -> bool:
+    return model.base_model_prefix == "roberta"
+
+
+def _layers(model):
+    base = model.base_model
+    return (base.encoder.layer, base.encoder.shared_projection) if _is_encoder(model) else (base.h, base.shared_projection)
+
+
+def distillation_mode(model) -> str:
+    """'attention' for linear-attention students, 'layer_output' for Linformer students."""
+    return "layer_output" if model.config.model_type in ("linformer", "linformer_gpt2") else "attention"
+
+
+def trainable_parameters(model, new_names) -> list[torch.nn.Parameter]:
+    """The parameters among the conversion's new tensors (E / F, feature maps); an error if there are none."""
+    parameters = dict(model.named_parameters())
+    trainable = [parameters[name] for name in new_names if name in parameters]
+    if not trainable:
+        feature_map = getattr(model.config, "feature_map", None)
+        raise UsageError(
+            f"Nothing to distill: the {model.config.model_type} student has no new learnable parameters"
+            + (f" (feature map {feature_map!r} has none)" if feature_map else "")
+            + ". Convert with a learnable feature map (feature_map='hedgehog') or skip distillation."
+        )
+    return trainable
+
+
+def teacher_targets(teacher, input_ids, attention_mask):
+    """The teacher's per-layer inputs (hidden states) and softmax attention rows, without gradients."""
+    if getattr(teacher.config, "_attn_implementation", "eager") != "eager":
+        teacher.set_attn_implementation("eager")  # SDPA and flash kernels return no attention weights
+    with torch.no_grad():
+        out = teacher(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True,
+                      output_attentions=True)
+    if not out.attentions or any(a is None for a in out.attentions):
+        raise UsageError("The teacher returned no attention weights; load it with attn_implementation='eager'.")
+    return out.hidden_states, out.attentions
+
+
+def layer_losses(student, hidden_states, attentions, attention_mask, mode: str) -> list[torch.Tensor]:
+    """One loss per layer: attention cross-entropy (mode 'attention') or relative output error ('layer_output')."""
+    layers, shared = _layers(student)
+    key_mask = attention_mask.bool()
+    real = key_mask[:, None, :].float()  # (B, 1, n): average over real query rows only
+    losses = []
+    for index, layer in enumerate(layers):
+        inputs = hidden_states[index]
+        if mode == "attention":
+            if _is_encoder(student):
+                _, weights = layer.attention.self(inputs, key_mask, True, shared)
+            else:
+                _, weights = layer.attn(layer.ln_1(inputs), key_mask, None, True, shared)
+            rows = -(attentions[index] * torch.log(weights.float().clamp_min(1e-12))).sum(-1)  # (B, H, n)
+            losses.append((rows * real).sum() / (real.sum() * rows.shape[1]))
+        else:
+            if _is_encoder(student):
+                output, _ = layer(inputs, key_mask=key_mask, shared_projection=shared)
+            else:
+                output, _ = layer(inputs, key_mask, None, False, shared)
+                if index == len(layers) - 1:  # the teacher's last hidden state is after its final LayerNorm
+                    output = student.base_model.ln_f(output)
+            target = hidden_states[index + 1]
+            error = ((output - target) ** 2).sum(-1) * key_mask
+            losses.append(error.sum() / ((target**2).sum(-1) * key_mask).sum())
+    return losses
+
+
+def attention_entropy(attentions, attention_mask) -> float:
+    """Mean entropy of the teacher's attention rows over real query positions (cross-entropy minus KL)."""
+    real = attention_mask.bool()[:, None, :].float()
+    total = 0.0
+    for weights in attentions:
+        rows = -(weights * torch.log(weights.clamp_min(1e-12))).sum(-1)
+        total += float((rows * real).sum() / (real.sum() * rows.shape[1]))
+    return total / len(attentions)
+
+
+@torch.no_grad()
+def distillation_distance(student, teacher, rows: torch.Tensor, batch_size: int = 8) -> float:
+    """Mean over layers and rows: attention KL(teacher || student) in nats, or relative layer-output error."""
+    mode = distillation_mode(student)
+    student_was_training = student.training
+    student.eval()
+    total, count = 0.0, 0
+    for start in range(0, len(rows), batch_size):
+        ids = rows[start:start + batch_size]
+        mask = torch.ones_like(ids)
+        hidden, attentions = teacher_targets(teacher, ids, mask)
+        losses = layer_losses(student, hidden, attentions, mask, mode)
+        value = sum(float(v) for v in losses) / len(losses)
+        if mode == "attention":
+            value -= attention_entropy(attentions, mask)
+        total, count = total + value * len(ids), count + len(ids)
+    student.train(student_was_training)
+    return total / count
+
+
+def distill(student, teacher, new_names, rows: torch.Tensor, steps: int, batch_size: int = 8, lr: float = 1e-2,
+            seed: int = 0, progress: bool = True) -> list[float]:
+    """Train the student's new parameters for `steps` batches of `rows` (N, n); returns the loss of each step.
+
+    Everything else in the student stays frozen (and is restored to trainable afterwards); both models run in
+    evaluation mode (no dropout), the teacher without gradients.
+    """
+    if steps < 1 or batch_size < 1:
+        raise UsageError(f"steps and batch_size must be positive, got {steps} and {batch_size}.")
+    if len(rows) == 0:
+        raise UsageError("No distillation rows: the text corpus is empty or shorter than one row.")
+    mode = distillation_mode(student)
+    trainable = trainable_parameters(student, new_names)
+    trainable_ids = {id(p) for p in trainable}
+    frozen = [p for p in student.parameters() if p.requires_grad and id(p) not in trainable_ids]
+    for parameter in frozen:
+        parameter.requires_grad_(False)
+    teacher.eval()
+    student_was_training = student.training
+    student.eval()
+    optimizer = torch.optim.AdamW(trainable, lr=lr, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * s / steps)))
+    generator = torch.Generator().manual_seed(seed)
+    history = []
+    try:
+        bar = tqdm(range(steps), desc=f"distilling ({mode})", disable=not progress)
+        for _ in bar:
+            ids = rows[torch.randint(len(rows), (batch_size,), generator=generator)]
+            mask = torch.ones_like(ids)
+            hidden, attentions = teacher_targets(teacher, ids, mask)
+            losses = layer_losses(student, hidden, attentions, mask, mode)
+            loss = torch.stack(losses).mean()
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            schedule.step()
+            history.append(loss.item())
+            bar.set_postfix(loss=f"{history[-1]:.4f}")
+    finally:
+        for parameter in frozen:
+            parameter.requires_grad_(True)
+        student.train(student_was_training)
+    return history
+
+
+@torch.no_grad()
+def language_model_quality(model, rows: torch.Tensor, tokenizer, batch_size: int = 8, seed: int = 0) -> dict:
+    """Masked-LM (15% of non-special tokens replaced by <mask>, fixed seed) or causal-LM loss, perplexity, accuracy."""
+    was_training = model.training
+    model.eval()
+    causal = not _is_encoder(model)
+    generator = torch.Generator().manual_seed(seed)
+    loss_sum, correct, count = 0.0, 0, 0
+    for start in range(0, len(rows), batch_size):
+        ids = rows[start:start + batch_size]
+        if causal:
+            logits = model(input_ids=ids).logits[:, :-1]
+            labels = ids[:, 1:]
+            chosen = torch.ones_like(labels, dtype=torch.bool)
+            inputs = None
+        else:
+            special = torch.isin(ids, torch.tensor(tokenizer.all_special_ids))
+            chosen = (torch.rand(ids.shape, generator=generator) < 0.15) & ~special
+            inputs = torch.where(chosen, tokenizer.mask_token_id, ids)
+            logits = model(input_ids=inputs).logits
+            labels = ids
+        picked, targets = logits[chosen].float(), labels[chosen]
+        loss_sum += float(torch.nn.functional.cross_entropy(picked, targets, reduction="sum"))
+        correct += int((picked.argmax(-1) == targets).sum())
+        count += int(chosen.sum())
+    model.train(was_training)
+    loss = loss_sum / max(count, 1)
+    return {"loss": loss, "perplexity": math.exp(min(loss, 50)), "accuracy": correct / max(count, 1), "tokens": count}

@@ -1,0 +1,499 @@
+"""Benchmarks against softmax attention: encoder inference, decoder training, generation, kernel efficiency.
+
+Each configuration runs in a fresh Python process (`python -m hf_linear_attn.experiments.benchmarks --one SPEC`), so
+one configuration's memory never inflates another's and an out-of-memory kill costs only that configuration.
+Times are medians over repeated calls after a warm-up call. Memory is then measured on one more call: on CPU the
+process's peak resident set (VmHWM, reset through /proc/self/clear_refs) minus its resident set before the call,
+with glibc told to return freed blocks at once (see `release_freed_memory_at_once`); on CUDA
+`torch.cuda.max_memory_allocated` minus the memory allocated before it.
+"""
+
+import argparse
+import ctypes
+import gc
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+# "smoke" is for the test suite: the smallest shapes, seconds in all.
+PRESETS = {
+    "smoke": dict(encoder_n=[64, 128], encoder_k=[16], decoder_n=[64], generation_context=[32, 96],
+                  kernel_n=[256], encoder_dims=dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                                    intermediate_size=128),
+                  decoder_dims=dict(n_embd=64, n_layer=2, n_head=2, n_inner=128), vocab_size=512,
+                  ffn_chunk=32, new_tokens=4, repeats=2, timeout=300),
+    "quick": dict(encoder_n=[512, 1024, 2048], encoder_k=[128, 256], decoder_n=[1024, 2048],
+                  generation_context=[256, 1024, 4096], kernel_n=[2048, 8192],
+                  encoder_dims=dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                                    intermediate_size=3072),
+                  decoder_dims=dict(n_embd=768, n_layer=2, n_head=12, n_inner=3072), vocab_size=50265,
+                  ffn_chunk=512, new_tokens=16, repeats=3, budget=30, timeout=900),
+    "full": dict(encoder_n=[512, 1024, 2048, 4096, 8192, 16384], encoder_k=[128, 256, 512],
+                 decoder_n=[1024, 2048, 4096, 8192, 16384], generation_context=[256, 1024, 4096, 16384],
+                 kernel_n=[1024, 4096, 8192, 16384],
+                 encoder_dims=dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                                   intermediate_size=3072),
+                 decoder_dims=dict(n_embd=768, n_layer=2, n_head=12, n_inner=3072), vocab_size=50265,
+                 ffn_chunk=512, new_tokens=32, repeats=5, budget=30, timeout=3600),
+}
+
+
+# --------------------------------------------------------------------------------------------- measurement
+
+
+def describe_machine() -> str:
+    """CPU model, cores, torch build; the GPU when there is one."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    text = f"{cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
+    if torch.cuda.is_available():
+        text += f", GPU {torch.cuda.get_device_name()}"
+    return text
+
+
+def _rss_bytes(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+class PeakMemory:
+    """Peak memory of the calls inside the block, above what was in use when it started (bytes)."""
+
+    def __init__(self, device: str):
+        self.device, self.extra = device, 0
+
+    def __enter__(self):
+        gc.collect()
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.start = torch.cuda.memory_allocated()
+        else:
+            Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM, the peak resident set, to VmRSS now
+            self.start = _rss_bytes("VmRSS")
+        return self
+
+    def __exit__(self, *exc):
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            self.extra = torch.cuda.max_memory_allocated() - self.start
+        else:
+            self.extra = _rss_bytes("VmHWM") - self.start
+
+
+def release_freed_memory_at_once(device: str) -> None:
+    """From now on, let every freed block over 64 kB leave the resident set (CPU, glibc), so VmHWM sees true peaks.
+
+    glibc keeps freed blocks below its adaptive mmap threshold (up to 32 MB) in the heap; a later call reuses them
+    without raising the peak resident set, so a measurement after a warm-up would miss most of a model's
+    activations. It also makes allocation slower, which is why it is called only after the timed calls.
+    """
+    if device != "cpu":
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return  # not glibc: nothing retained this way that we know of
+    m_mmap_threshold = -3
+    libc.mallopt(m_mmap_threshold, 64 * 1024)
+    libc.malloc_trim(0)
+
+
+def measured(fn, repeats: int, device: str, budget: float | None = None) -> tuple[float, int]:
+    """(median seconds of fn over `repeats` calls after a warm-up call, peak extra bytes of one more call).
+
+    Time first, with the allocator as users have it; memory last, of a single call after the warm-up (one-time
+    library caches are not activations) and after one more call under the new allocator settings.
+    """
+    seconds = median_seconds(fn, repeats, device, budget)
+    release_freed_memory_at_once(device)
+    fn()  # settles the heap after the trim: its pages fault back in here, not inside the measurement
+    with PeakMemory(device) as memory:
+        fn()
+    return seconds, memory.extra
+
+
+def median_seconds(fn, repeats: int, device: str, budget: float | None = None) -> float:
+    """Median wall time of fn() over `repeats` calls after one warm-up call (fewer, at least one, when the calls
+    would take more than `budget` seconds in all: the longest configurations take minutes per call)."""
+    start = time.perf_counter()
+    fn()
+    if budget is not None:
+        repeats = max(1, min(repeats, int(budget / (time.perf_counter() - start))))
+    times = []
+    for _ in range(repeats):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+# ----------------------------------------------------------------------------------------- one configuration
+
+
+def _encoder(spec, device):
+    from transformers import AutoConfig, AutoModel
+
+    import hf_linear_attn  # noqa: F401
+
+    n = spec["n"]
+    extra = {"linformer_k": spec["k"], "linformer_sharing": "layerwise"} if spec["model"] == "linformer" else {}
+    config = AutoConfig.for_model(spec["model"], vocab_size=spec["vocab_size"], max_position_embeddings=n + 2,
+                                  type_vocab_size=1, pad_token_id=1, chunk_size_feed_forward=spec["ffn_chunk"],
+                                  **spec["dims"], **extra)
+    kwargs = {"attn_implementation": spec["attn"]} if spec["model"] == "roberta" else {}
+    model = AutoModel.from_config(config, **kwargs).to(device, getattr(torch, spec["dtype"])).eval()
+    ids = torch.randint(3, spec["vocab_size"], (1, n), device=device)
+    with torch.no_grad():
+        seconds, extra = measured(lambda: model(input_ids=ids), spec["repeats"], device, spec.get("budget"))
+    return {"seconds": seconds, "activation_bytes": extra}
+
+
+def _decoder_model(spec, device, n_positions):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import hf_linear_attn  # noqa: F401
+
+    extra = {"linformer_k": spec["k"], "linformer_block_size": spec["block"]} if spec["model"] == "linformer_gpt2" else {}
+    dropout = {} if spec.get("dropout", True) else dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    config = AutoConfig.for_model(spec["model"], vocab_size=spec["vocab_size"], n_positions=n_positions,
+                                  **dropout, **spec["dims"], **extra)
+    kwargs = {"attn_implementation": "sdpa"} if spec["model"] == "gpt2" else {}
+    return AutoModelForCausalLM.from_config(config, **kwargs).to(device)
+
+
+def _decoder_train(spec, device):
+    n = spec["n"]
+    model = _decoder_model(spec, device, n).train()
+    ids = torch.randint(0, spec["vocab_size"], (1, n), device=device)
+    mixed = spec["dtype"] != "float32"  # float32 weights under autocast, as the training scripts run
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        with torch.autocast(device_type=device, dtype=getattr(torch, spec["dtype"]), enabled=mixed):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+
+    seconds, extra = measured(step, spec["repeats"], device, spec.get("budget"))  # zero_grad frees the gradients
+    return {"seconds": seconds, "peak_bytes": extra}
+
+
+def _cache_bytes(cache) -> int:
+    if hasattr(cache, "state_bytes"):
+        return cache.state_bytes()
+    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+
+
+def _generation(spec, device):
+    context, new = spec["context"], spec["new_tokens"]
+    model = _decoder_model(spec, device, context + new + 1).to(getattr(torch, spec["dtype"])).eval()
+    prompt = torch.randint(0, spec["vocab_size"], (1, context), device=device)
+    per_token = []
+    with torch.no_grad():
+        for _ in range(spec["repeats"]):
+            out = model(input_ids=prompt, use_cache=True)
+            cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            for _ in range(new):
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                start = time.perf_counter()
+                out = model(input_ids=token, past_key_values=cache, use_cache=True)
+                token = out.logits[:, -1:].argmax(-1)
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                per_token.append(time.perf_counter() - start)
+                cache = out.past_key_values
+    seconds = statistics.median(per_token[1:])  # the first step after a prefill is the warm-up
+    return {"seconds_per_token": seconds, "tokens_per_second": 1 / seconds, "cache_bytes": _cache_bytes(cache)}
+
+
+def matmul_peak(dtype: torch.dtype, device: str, size: int = 2048, repeats: int = 5) -> float:
+    """Measured GFLOP/s of a square matmul: the machine's practical peak for this dtype."""
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    return 2 * size**3 / median_seconds(lambda: a @ b, repeats, device) / 1e9
+
+
+def linear_attention_flops(form: str, n: int, heads: int, d: int, chunk: int) -> float:
+    """Multiply-adds x 2 of the matrix products: causal (chunkwise) or bidirectional linear attention."""
+    if form == "bidirectional":
+        return heads * (2 * n * d * d) * 2  # phi(K)^T V, then phi(Q) S
+    chunks = -(-n // chunk)
+    per_chunk = 2 * chunk * chunk * d * 2 + 2 * chunk * d * d * 2  # in-chunk QK^T, AV; Q S, K^T V state update
+    return heads * chunks * per_chunk
+
+
+def _kernel(spec, device):
+    from hf_linear_attn import bidirectional_linear_attention, causal_linear_attention
+
+    dtype = getattr(torch, spec["dtype"])
+    n, heads, d, chunk = spec["n"], spec["heads"], spec["head_dim"], spec["chunk"]
+    phi_q, phi_k, v = (torch.rand(1, heads, n, d, device=device, dtype=dtype) for _ in range(3))
+    if spec["form"] == "causal":
+        def fn():
+            return causal_linear_attention(phi_q, phi_k, v, chunk_size=chunk)
+    else:
+        def fn():
+            return bidirectional_linear_attention(phi_q, phi_k, v)
+    with torch.no_grad():
+        seconds = median_seconds(fn, spec["repeats"], device)
+    gflops = linear_attention_flops(spec["form"], n, heads, d, chunk) / seconds / 1e9
+    peak = matmul_peak(dtype, device)
+    return {"seconds": seconds, "gflops": gflops, "matmul_peak_gflops": peak, "fraction_of_peak": gflops / peak}
+
+
+KINDS = {"encoder": _encoder, "decoder_train": _decoder_train, "generation": _generation, "kernel": _kernel}
+
+
+def run_one(spec: dict) -> dict:
+    """Measure one configuration in this process."""
+    torch.manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return KINDS[spec["kind"]](spec, device)
+
+
+def run_isolated(spec: dict, timeout: float) -> dict:
+    """run_one in a fresh process; an out-of-memory kill, an error or a timeout becomes {"failed": reason}."""
+    try:
+        proc = subprocess.run([sys.executable, "-m", "hf_linear_attn.experiments.benchmarks", "--one", json.dumps(spec)],
+                              capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"failed": f"over {timeout:.0f} s"}
+    if proc.returncode != 0:
+        killed = proc.returncode in (-9, 137)
+        reason = "out of memory (killed)" if killed else (proc.stderr.strip().splitlines() or ["error"])[-1]
+        return {"failed": reason[:200]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# --------------------------------------------------------------------------------------------------- suites
+
+
+def resolve_dtype(choice: str) -> str:
+    """'auto' -> bfloat16 where the hardware computes in bf16 natively (as the training scripts decide), else float32."""
+    if choice != "auto":
+        return choice
+    from .pretraining import resolve_mixed_precision
+
+    return "bfloat16" if resolve_mixed_precision("auto") == "bf16" else "float32"
+
+
+def configurations(preset: dict, dtype: str = "float32") -> list[dict]:
+    """Every configuration of a preset, in the order they run; model suites in `dtype` (kernels: both dtypes)."""
+    common = {"repeats": preset["repeats"], "vocab_size": preset["vocab_size"], "dtype": dtype,
+              "budget": preset.get("budget")}
+    specs = []
+    for n in preset["encoder_n"]:
+        enc = {**common, "kind": "encoder", "n": n, "dims": preset["encoder_dims"], "ffn_chunk": preset["ffn_chunk"]}
+        specs += [{**enc, "method": "roberta eager", "model": "roberta", "attn": "eager"},
+                  {**enc, "method": "roberta sdpa", "model": "roberta", "attn": "sdpa"},
+                  {**enc, "method": "linear attention", "model": "linear_roberta"}]
+        specs += [{**enc, "method": f"linformer k={k}", "model": "linformer", "k": k}
+                  for k in preset["encoder_k"] if k < n]
+    dec = {**common, "dims": preset["decoder_dims"]}
+    block, k = max(16, preset["decoder_n"][0] // 4), max(4, preset["decoder_n"][0] // 16)
+    for n in preset["decoder_n"]:
+        # Every model with its default dropout (0.1), as it trains; with attention dropout PyTorch's CPU SDPA takes
+        # its math path (an n x n matrix per head), so GPT-2 also runs without dropout, where SDPA uses its flash
+        # kernel: today's best softmax on the same hardware.
+        specs += [{**dec, "kind": "decoder_train", "n": n, "method": "gpt2 sdpa", "model": "gpt2"},
+                  {**dec, "kind": "decoder_train", "n": n, "method": "gpt2 sdpa, no dropout", "model": "gpt2",
+                   "dropout": False},
+                  {**dec, "kind": "decoder_train", "n": n, "method": "linear attention", "model": "linear_gpt2"},
+                  {**dec, "kind": "decoder_train", "n": n, "method": f"causal linformer k={k} b={block}",
+                   "model": "linformer_gpt2", "k": k, "block": block}]
+    for context in preset["generation_context"]:
+        gen = {**dec, "kind": "generation", "context": context, "new_tokens": preset["new_tokens"]}
+        specs += [{**gen, "method": "gpt2 (key/value cache)", "model": "gpt2"},
+                  {**gen, "method": "linear attention (state)", "model": "linear_gpt2"}]
+    heads = preset["encoder_dims"]["num_attention_heads"]
+    head_dim = preset["encoder_dims"]["hidden_size"] // heads
+    for n in preset["kernel_n"]:
+        for form in ("causal", "bidirectional"):
+            for dtype in ("float32", "bfloat16"):
+                specs.append({"kind": "kernel", "repeats": preset["repeats"], "n": n, "heads": heads,
+                              "head_dim": head_dim, "chunk": 64, "form": form, "dtype": dtype,
+                              "method": f"{form} {dtype}"})
+    return specs
+
+
+# Below this, a CPU memory figure is within the resident-set probe's noise (page-level reuse by the allocator):
+# the tables show it, but compute no ratio from it.
+MEMORY_FLOOR = 4 * 2**20
+
+
+def _mb(value) -> str:
+    return f"{value / 2**20:,.1f}"
+
+
+def tables(results: list[dict]) -> str:
+    """Markdown tables: the paper's Table 3 shape for encoders (time and memory saved), then the other suites."""
+    out = []
+    enc = [r for r in results if r["kind"] == "encoder"]
+    if enc:
+        methods = list(dict.fromkeys(r["method"] for r in enc))
+        sizes = sorted({r["n"] for r in enc})
+        cell = {(r["method"], r["n"]): r for r in enc}
+        for title, key, fmt in (("Encoder inference, batch 1: seconds per forward", "seconds", lambda v: f"{v:.3f}"),
+                                ("Encoder inference: activation memory (MB, peak minus weights)", "activation_bytes",
+                                 _mb)):
+            out += [f"### {title}", "", "| n | " + " | ".join(methods) + " |", "|---" * (len(methods) + 1) + "|"]
+            for n in sizes:
+                row = [fmt(cell[(m, n)][key]) if (m, n) in cell and key in cell[(m, n)] else
+                       cell.get((m, n), {}).get("failed", "-") for m in methods]
+                out.append(f"| {n} | " + " | ".join(row) + " |")
+            out.append("")
+        for base in ("roberta eager", "roberta sdpa"):
+            for title, key in (("time saved", "seconds"), ("memory saved", "activation_bytes")):
+                out += [f"### Encoder {title} against {base} (x = {base} / method)", "",
+                        "| n | " + " | ".join(methods) + " |", "|---" * (len(methods) + 1) + "|"]
+                for n in sizes:
+                    ref = cell.get((base, n), {}).get(key)
+                    floor = MEMORY_FLOOR if key == "activation_bytes" else 0
+                    row = [f"{ref / cell[(m, n)][key]:.2f}x" if ref and key in cell.get((m, n), {})
+                           and cell[(m, n)][key] > floor else "-" for m in methods]
+                    out.append(f"| {n} | " + " | ".join(row) + " |")
+                out.append("")
+    for kind, title, columns in (
+        ("decoder_train", "Decoder training step (forward + backward, batch 1; peak MB: above the weights)",
+         (("seconds", "s", lambda v: f"{v:.3f}"), ("peak_bytes", "peak MB", _mb))),
+        ("generation", "Generation, batch 1 (per token after a prompt of `context` tokens)",
+         (("seconds_per_token", "ms / token", lambda v: f"{1000 * v:.2f}"),
+          ("tokens_per_second", "tokens / s", lambda v: f"{v:.1f}"), ("cache_bytes", "cache MB", _mb))),
+        ("kernel", "Linear-attention kernels (forward; inputs in the dtype named, computed in float32 by design), "
+                   "against the measured matmul peak of that dtype",
+         (("seconds", "s", lambda v: f"{v:.4f}"), ("gflops", "GFLOP/s", lambda v: f"{v:.1f}"),
+          ("matmul_peak_gflops", "matmul peak GFLOP/s", lambda v: f"{v:.1f}"),
+          ("fraction_of_peak", "% of peak", lambda v: f"{100 * v:.1f}"))),
+    ):
+        rows = [r for r in results if r["kind"] == kind]
+        if not rows:
+            continue
+        size = "context" if kind == "generation" else "n"
+        out += [f"### {title}", "", f"| {size} | method | " + " | ".join(c[1] for c in columns) + " |",
+                "|---" * (len(columns) + 2) + "|"]
+        for r in rows:
+            cells = [c[2](r[c[0]]) if c[0] in r else r.get("failed", "-") for c in columns]
+            out.append(f"| {r[size]} | {r['method']} | " + " | ".join(cells) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
+def plots(results: list[dict], folder: Path) -> list[Path]:
+    """Log-log PNGs, one line per method: time and memory against n (encoders, decoder training), generation."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    for kind, size, panels in (("encoder", "n", (("seconds", "seconds / forward"), ("activation_bytes", "MB"))),
+                               ("decoder_train", "n", (("seconds", "seconds / step"), ("peak_bytes", "peak MB"))),
+                               ("generation", "context", (("seconds_per_token", "seconds / token"),
+                                                          ("cache_bytes", "cache MB")))):
+        rows = [r for r in results if r["kind"] == kind]
+        if not rows:
+            continue
+        figure, axes = plt.subplots(1, 2, figsize=(11, 4))
+        for axis, (key, label) in zip(axes, panels):
+            for method in dict.fromkeys(r["method"] for r in rows):
+                points = [(r[size], r[key] / (2**20 if "bytes" in key else 1)) for r in rows
+                          if r["method"] == method and key in r and r[key] > 0]
+                if points:
+                    axis.plot(*zip(*points), marker="o", label=method)
+            axis.set_xscale("log", base=2)
+            axis.set_yscale("log")
+            axis.set_xlabel(size)
+            axis.set_ylabel(label)
+            axis.grid(True, which="both", alpha=0.3)
+        axes[0].legend(fontsize=8)
+        figure.suptitle(kind.replace("_", " "))
+        figure.tight_layout()
+        path = folder / f"{kind}.png"
+        figure.savefig(path, dpi=120)
+        plt.close(figure)
+        written.append(path)
+    return written
+
+
+def run_suite(preset_name: str, output_dir: Path, only: list[str] | None = None, dtype: str = "auto") -> dict:
+    """Run every configuration of a preset; write results.json, results.md and the plots into output_dir."""
+    preset = PRESETS[preset_name]
+    dtype = resolve_dtype(dtype)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    results = []
+    for spec in configurations(preset, dtype):
+        if only and spec["kind"] not in only:
+            continue
+        measured = run_isolated(spec, preset["timeout"])
+        results.append({**{k: v for k, v in spec.items() if k not in ("dims",)}, **measured})
+        print(f"{spec['kind']:14s} {spec.get('n', spec.get('context')):>6} {spec['method']:34s} {measured}", flush=True)
+    report = {"preset": preset_name, "machine": describe_machine(), "command": " ".join(sys.argv),
+              "date": time.strftime("%Y-%m-%d"), "dtype": dtype, "ffn_chunk": preset["ffn_chunk"],
+              "results": results}
+    (output_dir / "results.json").write_text(json.dumps(report, indent=2))
+    markdown = (f"Preset `{preset_name}` on {report['machine']} ({report['date']}), `{report['command']}`.\n\n"
+                f"Models in {dtype} (inference: weights in {dtype}; training: float32 weights under autocast to "
+                f"{dtype}); every encoder, stock RoBERTa included, with `chunk_size_feed_forward={preset['ffn_chunk']}`; "
+                "decoders with their default dropout unless the method says otherwise. Times: median of "
+                f"{preset['repeats']} calls after a warm-up"
+                + (f" (fewer, at least 1, where they would exceed {preset['budget']} s)" if preset.get("budget") else "")
+                + "; memory: after the timed calls, on one more call (figures under 4 MB are within the probe's noise "
+                "and give no ratio).\n\n" + tables(results))
+    (output_dir / "results.md").write_text(markdown)
+    plots(results, output_dir)
+    return report
+
+
+def rewrite_report(output_dir: Path) -> None:
+    """results.md and the plots again from results.json (after a change to the tables), without measuring."""
+    report = json.loads((output_dir / "results.json").read_text())
+    text = (output_dir / "results.md").read_text()
+    (output_dir / "results.md").write_text(text[: text.index("### ")] + tables(report["results"]))
+    plots(report["results"], output_dir)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="quick")
+    parser.add_argument("--output_dir", default="outputs/benchmarks")
+    parser.add_argument("--only", nargs="*", choices=sorted(KINDS), help="run only these suites")
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                        help="model suites: inference in this dtype, training under autocast to it (auto: bfloat16 "
+                             "where the hardware computes in bf16 natively, as the training scripts decide)")
+    parser.add_argument("--rewrite_report", action="store_true",
+                        help="only rewrite results.md and the plots in --output_dir from its results.json")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: measure one configuration, print JSON
+    args = parser.parse_args(argv)
+    if args.one:
+        print(json.dumps(run_one(json.loads(args.one))))
+        return None
+    if args.rewrite_report:
+        rewrite_report(Path(args.output_dir))
+        return None
+    report = run_suite(args.preset, Path(args.output_dir), args.only, args.dtype)
+    print(f"\n{tables(report['results'])}\nwrote {args.output_dir}/results.json, results.md and PNG plots")
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""Command-line parsing shared by the scripts: HfArgumentParser dataclasses, a JSON config file, CLI overrides."""
+
+import json
+import sys
+from pathlib import Path
+
+from transformers import HfArgumentParser
+
+from .errors import UsageError
+
+
+def parse_arguments(dataclass_types, argv=None):
+    """Parse argv into the dataclasses; `--config FILE.json` supplies defaults that later flags override.
+
+    Keys of the config file that no dataclass knows are an error (a misspelt key would otherwise be ignored).
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = HfArgumentParser(dataclass_types)
+    config_path = None
+    if "--config" in argv:
+        where = argv.index("--config")
+        if where + 1 >= len(argv):
+            raise UsageError("--config needs a JSON file")
+        config_path = argv[where + 1]
+        del argv[where: where + 2]
+    if config_path is not None:
+        try:
+            defaults = json.loads(Path(config_path).read_text())
+        except (OSError, json.JSONDecodeError) as error:
+            raise UsageError(f"cannot read the config file {config_path}: {error}") from error
+        known = {action.dest for action in parser._actions}
+        unknown = sorted(set(defaults) - known)
+        if unknown:
+            raise UsageError(f"{config_path} has keys that are not arguments of this script: {unknown}")
+        # Parse the file as if its values were flags, so types and choices are checked as on the command line.
+        file_args = []
+        for key, value in defaults.items():
+            if isinstance(value, bool):
+                file_args += [f"--{key}", str(value)]
+            elif isinstance(value, list):
+                file_args += [f"--{key}", *map(str, value)]
+            elif value is not None:
+                file_args += [f"--{key}", str(value)]
+        argv = file_args + argv
+    *parsed, rest = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
+    if rest:
+        raise UsageError(f"unknown arguments: {rest}")
+    return (*parsed, config_path)

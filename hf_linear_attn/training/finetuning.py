@@ -1,0 +1,191 @@
+"""Fine-tuning on SST-2, QNLI, QQP (GLUE) and IMDB with the Transformers Trainer; results, model card, Hub push."""
+
+import json
+import platform
+import shlex
+import shutil
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    DataCollatorWithPadding,
+    Trainer,
+    TrainingArguments,
+    set_seed,
+)
+
+import hf_linear_attn  # noqa: F401  (registers the package's models with the Auto classes)
+
+from .errors import UsageError
+from .data import encode_task, get_task, load_task_data, refuse_sources_inside
+from .hub import DEFAULT_TEMPLATE, push_folder, write_model_card
+from .metrics import load_task_metric
+from .pretraining import max_model_length
+
+
+@dataclass
+class FinetuneArguments:
+    """Model and data arguments of scripts/finetune.py (Trainer's own arguments come from TrainingArguments)."""
+
+    model_name_or_path: str = field(metadata={"help": "pretrained checkpoint: a folder of this package or a Hub id"})
+    task_name: str = field(metadata={"help": "sst2, qnli, qqp or imdb"})
+    tokenizer_name_or_path: str | None = field(default=None, metadata={"help": "default: the model's folder"})
+    dataset_name: str | None = field(default=None, metadata={
+        "help": "Hub dataset: nyu-mll/glue (the task is its config) or stanfordnlp/imdb"})
+    dataset_config_name: str | None = field(default=None)
+    train_file: str | None = field(default=None, metadata={"help": "local GLUE TSV, JSON lines, CSV or parquet"})
+    validation_file: str | None = field(default=None, metadata={"help": "without it, a split of train is held out"})
+    validation_split_percentage: float = field(default=10.0)
+    max_seq_length: int = field(default=128)
+    head_fraction: float = field(default=0.25, metadata={
+        "help": "for single texts longer than max_seq_length: the share of tokens kept from the start (the rest "
+                "from the end)"})
+    max_train_samples: int | None = field(default=None, metadata={
+        "help": "train on N rows: the first N of a local file, a seeded random N of a Hub split (Hub splits can "
+                "be sorted by label, as IMDB's are)"})
+    max_eval_samples: int | None = field(default=None, metadata={
+        "help": "evaluate on N rows, chosen as for --max_train_samples"})
+    metric_source: str = field(default="auto", metadata={
+        "help": "evaluate modules from the Hub, the local offline copies, or auto (local when HF_HUB_OFFLINE=1)",
+        "choices": ["auto", "hub", "local"]})
+    model_card_template: str = field(default=str(DEFAULT_TEMPLATE))
+    overwrite_output_dir: bool = field(default=False, metadata={"help": "replace what output_dir holds"})
+    trust_remote_code: bool = field(default=False)
+
+
+def _occupied(output_dir: Path, args: FinetuneArguments, training: TrainingArguments) -> bool:
+    """Whether output_dir holds another run to replace (an error unless --overwrite_output_dir)."""
+    if not output_dir.exists() or not any(output_dir.iterdir()) or training.resume_from_checkpoint:
+        return False
+    if not args.overwrite_output_dir:
+        raise UsageError(f"{output_dir} is not empty (it holds another run): pass --overwrite_output_dir to "
+                            "replace it, --resume_from_checkpoint to continue it, or choose another --output_dir")
+    refuse_sources_inside(output_dir, {"--model_name_or_path": args.model_name_or_path,
+                                       "--tokenizer_name_or_path": args.tokenizer_name_or_path,
+                                       "--train_file": args.train_file, "--validation_file": args.validation_file,
+                                       "--model_card_template": args.model_card_template})
+    return True
+
+
+def _check_arguments(args: FinetuneArguments) -> None:
+    """What can be checked before any data is read or anything is written."""
+    if not 0.0 <= args.head_fraction <= 1.0:
+        raise UsageError(f"--head_fraction must be between 0 and 1 (got {args.head_fraction}): the share of a long "
+                            "text's tokens kept from its start")
+    for flag, value in (("--max_train_samples", args.max_train_samples), ("--max_eval_samples", args.max_eval_samples)):
+        if value is not None and value < 1:
+            raise UsageError(f"{flag} must be at least 1 (got {value})")
+    if not Path(args.model_card_template).is_file():
+        raise UsageError(f"model card template not found: {args.model_card_template} (--model_card_template)")
+
+
+def _subset(rows, count: int | None, hub: bool, seed: int):
+    """At most `count` rows: the first ones of a local file, a seeded random choice from a Hub split (whose order
+    is the publisher's: IMDB's train and test are sorted by label, so their first rows are all negative)."""
+    if count is None or count >= len(rows):
+        return rows
+    return (rows.shuffle(seed=seed) if hub else rows).select(range(count))
+
+
+def _load_tokenizer_and_config(args: FinetuneArguments, num_labels: int, label_names):
+    source = args.tokenizer_name_or_path or args.model_name_or_path
+    try:
+        config = AutoConfig.from_pretrained(args.model_name_or_path, num_labels=num_labels,
+                                            id2label=dict(enumerate(label_names)),
+                                            label2id={n: i for i, n in enumerate(label_names)},
+                                            trust_remote_code=args.trust_remote_code)
+    except Exception as error:
+        raise UsageError(f"cannot read a model config from {args.model_name_or_path}: {error}") from error
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=args.trust_remote_code)
+    except Exception as error:
+        raise UsageError(f"cannot load a tokenizer from {source}: {error} (pass --tokenizer_name_or_path)") from error
+    if len(tokenizer) > config.vocab_size:
+        raise UsageError(f"the tokenizer from {source} has {len(tokenizer)} tokens but the model's embedding has "
+                            f"{config.vocab_size} rows: it is not this model's tokenizer")
+    if tokenizer.pad_token_id is None:
+        if tokenizer.eos_token_id is None:
+            raise UsageError("the tokenizer has neither a pad nor an eos token to pad batches with")
+        tokenizer.pad_token = tokenizer.eos_token  # GPT-2's tokenizer has no pad token; pad with eos, masked out
+    if config.pad_token_id is None:
+        config.pad_token_id = tokenizer.pad_token_id
+    tokenizer.model_max_length = max_model_length(config)
+    if args.max_seq_length > max_model_length(config):
+        raise UsageError(f"--max_seq_length {args.max_seq_length} is longer than the model allows "
+                            f"({max_model_length(config)})")
+    return tokenizer, config
+
+
+def run_finetuning(args: FinetuneArguments, training: TrainingArguments, argv=None) -> dict:
+    """Fine-tune and evaluate; write eval_results.json and README.md; push when --push_to_hub. Returns metrics."""
+    task = get_task(args.task_name)
+    _check_arguments(args)
+    output_dir = Path(training.output_dir)
+    replace = _occupied(output_dir, args, training)
+    data, eval_split = load_task_data(task, args.dataset_name, args.dataset_config_name, args.train_file,
+                                      args.validation_file, args.validation_split_percentage, training.seed)
+    hub = args.dataset_name is not None
+    data["train"] = _subset(data["train"], args.max_train_samples, hub, training.seed)
+    data["validation"] = _subset(data["validation"], args.max_eval_samples, hub, training.seed)
+    if len(set(data["train"]["label"])) < 2:
+        raise UsageError(f"every training row of {task.name} has the same label: a classifier cannot learn from "
+                            "them (a local file sorted by label, cut by --max_train_samples? shuffle the file)")
+
+    tokenizer, config = _load_tokenizer_and_config(args, len(task.label_names), task.label_names)
+    # The classification head is new: seed before it is drawn (torch's own start seed is random), so a seed
+    # names one run, as in Trainer's model_init path
+    set_seed(training.seed)
+    try:
+        model = AutoModelForSequenceClassification.from_pretrained(
+            args.model_name_or_path, config=config, trust_remote_code=args.trust_remote_code)
+    except Exception as error:
+        raise UsageError(f"cannot load {args.model_name_or_path} for sequence classification: {error}") from error
+    encoded = encode_task(data, task, tokenizer, args.max_seq_length, args.head_fraction)
+    metric = load_task_metric(task, args.metric_source)
+
+    def compute_metrics(prediction):
+        logits = prediction.predictions[0] if isinstance(prediction.predictions, tuple) else prediction.predictions
+        return metric.compute(predictions=np.argmax(logits, axis=-1), references=prediction.label_ids)
+
+    if replace and training.process_index == 0:  # every input is valid: only now is the old run removed
+        shutil.rmtree(output_dir)
+    push, repo_id = training.push_to_hub, training.hub_model_id or output_dir.name
+    training.push_to_hub = False  # one upload at the end (model, code, card), not Trainer's per-save pushes
+    trainer = Trainer(model=model, args=training, train_dataset=encoded["train"], eval_dataset=encoded["validation"],
+                      processing_class=tokenizer, data_collator=DataCollatorWithPadding(tokenizer),
+                      compute_metrics=compute_metrics)
+    train_result = trainer.train(resume_from_checkpoint=training.resume_from_checkpoint)
+    metrics = trainer.evaluate()
+    metrics.update({"eval_samples": len(encoded["validation"]), "eval_split": eval_split, "task": task.name,
+                    "train_samples": len(encoded["train"]), "train_runtime": train_result.metrics["train_runtime"]})
+    trainer.save_model(str(output_dir))  # weights, config, model code (save_pretrained) and tokenizer
+
+    data_description = (f"{task.name} from the Hub ({args.dataset_name})" if args.dataset_name else
+                        f"{task.name} from {Path(args.train_file).name}") + f", {len(encoded['train'])} training rows"
+    single = len(task.text_columns) == 1
+    rule = (f"Longer texts keep their first {args.head_fraction:.0%} of tokens and their last tokens (head + tail)."
+            if single else "Longer pairs are truncated longest-first.")
+    command = "python scripts/finetune.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    hyper = {"learning rate": training.learning_rate, "epochs": training.num_train_epochs,
+             "batch size": training.per_device_train_batch_size * training.gradient_accumulation_steps,
+             "warmup (steps, or a share of all steps if < 1)": training.warmup_steps,
+             "weight decay": training.weight_decay, "seed": training.seed}
+    machine = f"{platform.machine()} {'CUDA' if torch.cuda.is_available() else 'CPU'}, torch {torch.__version__}"
+    if trainer.is_world_process_zero():
+        write_model_card(output_dir, repo_id=repo_id, config=model.config, base_model=args.model_name_or_path,
+                         task=task, metrics=metrics, eval_split=eval_split, dataset_id=task.hub_dataset,
+                         command=command, data_description=data_description, truncation_rule=rule,
+                         max_seq_length=args.max_seq_length, hyperparameters=hyper, machine=machine,
+                         template=Path(args.model_card_template))
+        (output_dir / "eval_results.json").write_text(json.dumps(metrics, indent=2))
+        if push:  # uploads the card and eval_results.json with the model
+            metrics["hub_commit"] = push_folder(output_dir, repo_id, token=training.hub_token,
+                                                private=training.hub_private_repo)
+            (output_dir / "eval_results.json").write_text(json.dumps(metrics, indent=2))
+    return metrics

@@ -1,0 +1,212 @@
+"""Conversion of RoBERTa / GPT-2 checkpoints, attention distillation and Linformer length extension."""
+
+import json
+import subprocess
+import sys
+
+import convert as convert_script  # scripts/convert.py
+import pytest
+import torch
+from helpers import ENV, GLUE, REPO_ROOT, TINY, TINY_DECODER, needs_data, pretrain_args, random_ids, run_pretrain, tiny_preset
+from safetensors.torch import load_file, save_file
+from transformers import (
+    AutoModelForMaskedLM,
+    BertConfig,
+    BertForMaskedLM,
+    GPT2Config,
+    GPT2LMHeadModel,
+    RobertaConfig,
+    RobertaForMaskedLM,
+    RobertaForSequenceClassification,
+)
+
+from hf_linear_attn.linformer_projection import project_sequence
+from hf_linear_attn.conversion.convert import convert, extend_max_length
+from hf_linear_attn.training.data import UsageError
+from hf_linear_attn.conversion.distill import distill
+
+STOCK_ROBERTA = dict(TINY, type_vocab_size=1, layer_norm_eps=1e-5)
+STOCK_GPT2 = {k: v for k, v in TINY_DECODER.items() if k != "initializer_range"}
+
+
+@pytest.fixture
+def roberta_folder(tmp_path, tokenizer):
+    torch.manual_seed(0)
+    model = RobertaForMaskedLM(RobertaConfig(**STOCK_ROBERTA)).eval()
+    model.save_pretrained(tmp_path / "roberta")
+    tokenizer.save_pretrained(tmp_path / "roberta")
+    return tmp_path / "roberta", model
+
+
+@pytest.fixture
+def gpt2_folder(tmp_path):
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(**STOCK_GPT2)).eval()
+    model.save_pretrained(tmp_path / "gpt2")
+    return tmp_path / "gpt2", model
+
+
+def test_roberta_to_linformer_copies_every_weight_and_identity_projection_gives_roberta(roberta_folder):
+    folder, roberta = roberta_folder
+    n = TINY["max_position_embeddings"] - 2
+    model, report = convert(folder, "linformer", linformer_k=n, linformer_sharing="layerwise")
+    source = roberta.state_dict()
+    assert report.head == "masked-lm" and type(model).__name__ == "LinformerForMaskedLM"
+    assert set(report.copied) == set(model.state_dict()) - {"roberta.encoder.shared_projection.weight"}
+    assert set(report.copied) >= {name for name, _ in roberta.named_parameters()}
+    assert list(report.new) == ["roberta.encoder.shared_projection.weight"] and "xavier" in report.new[
+        "roberta.encoder.shared_projection.weight"]
+    for name in report.copied:
+        assert torch.equal(model.state_dict()[name], source[name]), name
+    with torch.no_grad():  # k = n and E = F = I: Linformer attention is softmax attention
+        model.roberta.encoder.shared_projection.weight.copy_(torch.eye(n)[None])
+    ids = random_ids(2, n)
+    torch.testing.assert_close(model.eval()(ids).logits, roberta(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_gpt2_to_both_decoders_copies_weights_and_one_block_linformer_is_gpt2(gpt2_folder):
+    folder, gpt2 = gpt2_folder
+    model, report = convert(folder, "linformer_gpt2", linformer_k=4, linformer_block_size=TINY_DECODER["n_positions"])
+    assert sorted(report.new) == sorted(
+        f"transformer.h.{i}.attn.{name}_projection.weight" for i in range(2) for name in ("key", "value"))
+    assert not [n for n in report.dropped if not report.dropped[n].startswith("buffer")]
+    ids = random_ids(2, 40)
+    torch.testing.assert_close(model.eval()(ids).logits, gpt2(ids).logits, atol=1e-4, rtol=1e-4)
+    linear, report = convert(folder, "linear_gpt2", feature_map="hedgehog")
+    assert len(report.new) == 2 and all("hedgehog" in how for how in report.new.values())
+    source = gpt2.state_dict()
+    assert all(torch.equal(linear.state_dict()[name], source[name]) for name in report.copied)
+    assert report.copied_parameters == sum(p.numel() for p in gpt2.parameters())
+
+
+def test_a_new_head_is_reported_new_not_copied(roberta_folder):
+    folder, _ = roberta_folder
+    model, report = convert(folder, "linear_roberta", head="sequence-classification")
+    assert type(model).__name__ == "LinearRobertaForSequenceClassification"
+    assert {"classifier.dense.weight", "classifier.out_proj.weight"} <= set(report.new)
+    assert not [name for name in report.copied if name.startswith("classifier")]
+    # an already loaded model converts too, with the head of its class
+    loaded = RobertaForSequenceClassification(RobertaConfig(**STOCK_ROBERTA, num_labels=3))
+    model, report = convert(loaded, "linformer", linformer_k=8)
+    assert model.config.num_labels == 3 and "classifier.out_proj.weight" in report.copied
+
+
+def test_conversion_refuses_what_it_cannot_convert(roberta_folder, gpt2_folder, tmp_path):
+    folder, _ = roberta_folder
+    gfolder, _ = gpt2_folder
+    BertForMaskedLM(BertConfig(vocab_size=300, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                               intermediate_size=64)).save_pretrained(tmp_path / "bert")
+    cases = [
+        ((tmp_path / "bert", "linformer"), "BERT-family models number positions differently"),
+        ((gfolder, "linformer"), "converted from roberta / xlm-roberta / camembert"),
+        ((folder, "linear_gpt2"), "converted from gpt2"),
+        ((folder, "performer"), "Unknown target 'performer'"),
+        ((tmp_path / "nowhere", "linformer"), "Cannot read a model config"),
+    ]
+    for (source, target), message in cases:
+        with pytest.raises(UsageError, match=message):
+            convert(source, target)
+    with pytest.raises(UsageError, match="gpt2.* has no masked-lm head in transformers"):
+        convert(gfolder, "linear_gpt2", head="masked-lm")
+    with pytest.raises(UsageError, match="linformer has no causal-lm head"):  # RoBERTa has one, Linformer not
+        convert(folder, "linformer", head="causal-lm", linformer_k=8)
+    with pytest.raises(UsageError, match="Invalid options for linformer"):
+        convert(folder, "linformer", linformer_k=10_000)
+    # a checkpoint missing a body weight is refused, naming it (not re-drawn at random)
+    weights = load_file(str(folder / "model.safetensors"))
+    del weights["roberta.encoder.layer.1.attention.self.key.weight"]
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(UsageError, match="lacks weights .*layer.1.attention.self.key.weight"):
+        convert(folder, "linformer", linformer_k=8)
+
+
+def test_distilling_a_map_without_parameters_is_refused(roberta_folder):
+    folder, roberta = roberta_folder
+    model, report = convert(folder, "linear_roberta", feature_map="elu")
+    with pytest.raises(UsageError, match="Nothing to distill.*'elu'.*hedgehog"):
+        distill(model, roberta, report.new, random_ids(4, 16), steps=1)
+
+
+def test_length_extension_stretches_projections_and_tiles_positions(roberta_folder):
+    folder, _ = roberta_folder
+    model, _ = convert(folder, "linformer", linformer_k=8, linformer_sharing="headwise")
+    old = model.config.max_sequence_length  # 64
+    longer = extend_max_length(model, 4 * old)
+    assert longer.config.max_sequence_length == 4 * old
+    e, e4 = (m.roberta.encoder.layer[0].attention.self.key_projection.weight for m in (model, longer))
+    assert e4.shape == (1, 8, 4 * old)
+    # each token repeated 4 times projects exactly as the original sequence
+    x = torch.randn(2, 4, old, 8)
+    torch.testing.assert_close(project_sequence(x.repeat_interleave(4, dim=2), e4), project_sequence(x, e))
+    table, table4 = (m.roberta.embeddings.position_embeddings.weight for m in (model, longer))
+    assert torch.equal(table4[: table.shape[0]], table)  # old positions unchanged
+    assert torch.equal(table4[2 + old: 2 + 2 * old], table[2:])  # new positions tiled from the learned ones
+    out = longer.eval()(random_ids(1, 4 * old)).logits
+    assert out.shape == (1, 4 * old, TINY["vocab_size"]) and torch.isfinite(out).all()
+    with pytest.raises(UsageError, match="must exceed the current maximum"):
+        extend_max_length(model, old)
+
+
+def test_convert_script_writes_a_checkpoint_a_fresh_process_loads(roberta_folder, tmp_path):
+    folder, _ = roberta_folder
+    out = tmp_path / "converted"
+    convert_script.main(["--model_name_or_path", str(folder), "--target", "linformer", "--linformer_k", "16",
+                         "--extend_max_length", "128", "--output_dir", str(out)])
+    report = json.loads((out / "conversion_report.json").read_text())
+    assert report["extended_to"] == 128 and report["new"] and report["copied_parameters"] > 0
+    code = ("import sys, torch; from transformers import AutoModelForMaskedLM, AutoTokenizer;"
+            "m = AutoModelForMaskedLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval();"
+            "t = AutoTokenizer.from_pretrained(sys.argv[1], trust_remote_code=True);"
+            "ids = torch.arange(5, 105)[None];"
+            "print(t.model_max_length, type(m).__name__, m(ids).logits.sum().item())")
+    proc = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True, text=True, cwd=tmp_path,
+                          env={**ENV, "PYTHONPATH": ""}, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    max_length, name, total = proc.stdout.strip().splitlines()[-1].split()
+    assert max_length == "128" and name == "LinformerForMaskedLM"
+    here = AutoModelForMaskedLM.from_pretrained(out).eval()
+    assert float(total) == pytest.approx(here(torch.arange(5, 105)[None]).logits.sum().item(), rel=1e-5)
+    with pytest.raises(SystemExit, match="exceeds the teacher's longest input"):
+        convert_script.main(["--model_name_or_path", str(folder), "--target", "linformer", "--linformer_k", "8",
+                             "--output_dir", str(tmp_path / "other"), "--distill_steps", "1",
+                             "--distill_max_length", "999"])
+    with pytest.raises(SystemExit, match="is not empty"):
+        convert_script.main(["--model_name_or_path", str(folder), "--target", "linformer", "--output_dir", str(out)])
+
+
+@pytest.mark.slow
+@needs_data
+def test_distillation_brings_converted_students_closer_to_a_trained_teacher(corpus, tmp_path):  # noqa: F811
+    """A small RoBERTa and GPT-2 pretrained on WikiText-2 here; their converted students after distillation are
+    closer to them (attention KL, layer outputs, masked-LM loss) than after conversion alone."""
+    for preset, targets in (("roberta-softmax", (("linear_roberta", {"feature_map": "hedgehog"}),
+                                                 ("linformer", {"linformer_k": 8}))),
+                            ("gpt2-softmax", (("linear_gpt2", {"feature_map": "hedgehog"}),))):
+        teacher_dir = tmp_path / preset
+        run_pretrain(pretrain_args(corpus, tiny_preset(tmp_path, preset), teacher_dir, "--max_steps", 600,
+                                   "--learning_rate", "2e-3", "--eval_steps", 600, "--save_steps", 600))
+        for target, options in targets:
+            out = tmp_path / f"{preset}-{target}"
+            flags = [f"--{k}={v}" for k, v in options.items()]
+            report = convert_script.main(
+                ["--model_name_or_path", str(teacher_dir), "--target", target, *flags, "--output_dir", str(out),
+                 "--train_file", str(corpus / "train.txt"), "--validation_file", str(corpus / "valid.txt"),
+                 "--distill_steps", "60", "--distill_max_length", "32", "--eval_rows", "32"])
+            result = report["distillation"]
+            assert result["distance_after"] < 0.8 * result["distance_before"], (preset, target, result)
+            if "converted" in result:  # the LM head came from the checkpoint: the loss gap to the teacher shrinks
+                gap_before = abs(result["converted"]["loss"] - result["teacher"]["loss"])
+                gap_after = abs(result["distilled"]["loss"] - result["teacher"]["loss"])
+                assert gap_after < gap_before, (preset, target, result)
+            saved = json.loads((out / "conversion_report.json").read_text())
+            assert saved["distillation"] == result
+    # the distilled student is an ordinary checkpoint: the fine-tuning script takes it as it is
+    from finetune import main as finetune_main
+
+    metrics = finetune_main([
+        "--config", str(REPO_ROOT / "configs" / "finetune" / "cpu-sst2.json"),
+        "--model_name_or_path", str(tmp_path / "roberta-softmax-linear_roberta"), "--output_dir", str(tmp_path / "ft"),
+        "--train_file", str(GLUE / "sst2" / "train.tsv"), "--validation_file", str(GLUE / "sst2" / "dev.tsv"),
+        "--max_train_samples", "32", "--max_eval_samples", "32", "--max_seq_length", "32", "--num_train_epochs", "1",
+        "--per_device_train_batch_size", "16", "--save_strategy", "no"])
+    assert 0 <= metrics["eval_accuracy"] <= 1 and (tmp_path / "ft" / "eval_results.json").is_file()

@@ -1,0 +1,63 @@
+"""The benchmark script at its smallest ("smoke" preset: tiny dimensions, the suites' real code paths). No test
+asserts a speed: they check the measurements' bookkeeping and the tables' shape."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import REPO_ROOT
+
+from hf_linear_attn.experiments.benchmarks import PRESETS, PeakMemory, configurations, linear_attention_flops
+
+
+def test_peak_memory_sees_a_known_allocation():
+    with PeakMemory("cpu") as memory:
+        block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+        del block
+    assert 60 * 2**20 <= memory.extra <= 200 * 2**20
+
+
+def test_flop_counts_match_a_hand_count():
+    # bidirectional: phi(K)^T V and phi(Q) S, each n d d multiply-adds per head
+    assert linear_attention_flops("bidirectional", n=10, heads=2, d=4, chunk=8) == 2 * 2 * (2 * 10 * 4 * 4)
+    # causal, 2 chunks of 8: per chunk QK^T and AV (C C d each) + Q S and the K^T V update (C d d each)
+    assert linear_attention_flops("causal", n=16, heads=1, d=4, chunk=8) == 2 * (2 * (8 * 8 * 4 * 2) + 2 * (8 * 4 * 4 * 2))
+
+
+@pytest.mark.slow
+def test_smoke_preset_writes_complete_tables_json_and_plots(tmp_path):
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "benchmark.py"), "--preset", "smoke",
+                           "--output_dir", str(tmp_path)], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "results.json").read_text())
+    results = report["results"]
+    assert len(results) == len(configurations(PRESETS["smoke"]))
+    assert not [r for r in results if "failed" in r], [r for r in results if "failed" in r]
+    assert "cores" in report["machine"] and report["preset"] == "smoke"
+    markdown = (tmp_path / "results.md").read_text()
+    for title in ("seconds per forward", "activation memory", "time saved against roberta eager",
+                  "memory saved against roberta sdpa", "Decoder training step", "Generation", "matmul peak"):
+        assert title in markdown, title
+    for result in results:  # every configuration has its row
+        assert f"| {result.get('n', result.get('context'))} |" in markdown
+    for name in ("encoder.png", "decoder_train.png", "generation.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    generation = {(r["method"], r["context"]): r for r in results if r["kind"] == "generation"}
+    new = PRESETS["smoke"]["new_tokens"]
+    dims = PRESETS["smoke"]["decoder_dims"]
+    # the linear decoder's state does not grow with the context; GPT-2's cache holds every position's k and v in
+    # the model's dtype (auto: bfloat16 on CPUs with native bf16, else float32)
+    assert report["dtype"] in ("float32", "bfloat16") and f"Models in {report['dtype']}" in markdown
+    assert {r["dtype"] for r in results if r["kind"] != "kernel"} == {report["dtype"]}
+    element = torch.finfo(getattr(torch, report["dtype"])).bits // 8
+    assert generation[("linear attention (state)", 32)]["cache_bytes"] == generation[
+        ("linear attention (state)", 96)]["cache_bytes"]
+    for context in (32, 96):
+        assert generation[("gpt2 (key/value cache)", context)]["cache_bytes"] == (
+            dims["n_layer"] * 2 * (context + new) * dims["n_embd"] * element)
+    for result in results:
+        if result["kind"] == "kernel":
+            assert 0 < result["fraction_of_peak"] and result["matmul_peak_gflops"] > 0

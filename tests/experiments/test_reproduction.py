@@ -1,0 +1,352 @@
+"""scripts/reproduce.py: presets, the stage plan, reuse of finished stages, and the table against each stage's files."""
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from transformers import AutoConfig
+
+import hf_linear_attn  # noqa: F401  (registers the model types read below)
+from hf_linear_attn.experiments.reproduction import (
+    REPO,
+    TASKS,
+    ReproductionError,
+    Stage,
+    _merged_config,
+    collect,
+    describe_seeds,
+    finetune_seeds,
+    load_preset,
+    plan,
+    reproduce,
+    select_models,
+    with_outcome,
+)
+
+DATA = REPO.parent / "shared" / "data"
+PRESETS = sorted((REPO / "configs" / "reproduce").glob("*.json"))
+DIMENSIONS = {"encoders": ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                           "vocab_size", "max_position_embeddings"),
+              "decoders": ("n_embd", "n_layer", "n_head", "n_inner", "vocab_size")}
+
+
+def test_presets_exist_and_compare_like_with_like():
+    assert {p.stem for p in PRESETS} >= {"demo", "cpu", "paper"}
+    for path in PRESETS:
+        preset = load_preset(path)
+        for group, keys in DIMENSIONS.items():
+            configs = [AutoConfig.from_pretrained(REPO / file) for file in preset[group].values()]
+            for key in keys:  # identical dimensions inside a comparison: only the attention differs
+                assert len({getattr(c, key) for c in configs}) == 1, (path.name, group, key)
+    cpu = load_preset(REPO / "configs" / "reproduce" / "cpu.json")
+    types = [AutoConfig.from_pretrained(REPO / file) for file in cpu["encoders"].values()]
+    assert set(cpu["finetune"]) == set(TASKS)
+    assert {c.model_type for c in types} == {"roberta", "linformer", "linear_roberta"}
+    sharing = {c.linformer_sharing for c in types if c.model_type == "linformer"}
+    assert sharing == {"headwise", "key-value", "layerwise"} and len({c.linformer_k for c in types
+                                                                      if c.model_type == "linformer"}) == 2
+    assert {AutoConfig.from_pretrained(REPO / f).model_type for f in cpu["decoders"].values()} == {
+        "gpt2", "linear_gpt2", "linformer_gpt2"}
+    paper = load_preset(REPO / "configs" / "reproduce" / "paper.json")
+    assert paper["launcher"].startswith("accelerate launch")
+    assert AutoConfig.from_pretrained(REPO / paper["encoders"][paper["baseline"]]).hidden_size == 768
+
+
+def test_plan_orders_stages_and_dry_run_prints_them(tmp_path, capsys):
+    preset = load_preset(REPO / "configs" / "reproduce" / "cpu.json")
+    stages = plan(preset, tmp_path, [1, 2], {"mlm": "TOK"})
+    kinds = [s.info["kind"] for s in stages]
+    encoders = len(preset["encoders"])  # six of the paper's kind, and four of them again with rows summing to 1
+    assert encoders == 10
+    assert kinds.count("pretrain") == encoders and kinds.count("finetune") == encoders * 4 * 2
+    assert kinds.count("decoder") == 3
+    for i, stage in enumerate(stages):  # each fine-tune comes after the pretraining it starts from
+        if stage.info["kind"] == "finetune":
+            source = stage.argv[stage.argv.index("--model_name_or_path") + 1]
+            assert any(s.info["kind"] == "pretrain" and str(s.folder) == source for s in stages[:i])
+    assert len({s.folder for s in stages}) == len(stages)
+    # without --seeds each task keeps the preset's seeds: more of them where one fine-tune is too noisy to read
+    own = [s.info for s in plan(preset, tmp_path) if s.info["kind"] == "finetune"]
+    for task, entry in preset["finetune"].items():
+        seeds = entry.get("seeds", preset["seeds"])
+        assert [i["seed"] for i in own if i["task"] == task] == seeds * encoders
+    assert {task for task, entry in preset["finetune"].items() if len(entry.get("seeds", [])) > 1} == {"imdb", "qqp"}
+    pre = stages[0].argv
+    assert pre[pre.index("--tokenizer_name_or_path") + 1] == "TOK" and "--max_steps" in pre
+    reproduce(REPO / "configs" / "reproduce" / "paper.json", output_dir=tmp_path, dry_run=True)
+    printed = capsys.readouterr().out.splitlines()
+    assert len(printed) == 6 * 5 + 3 and all(line.startswith("accelerate launch scripts/") for line in printed)
+    assert not any(tmp_path.iterdir())  # a dry run writes nothing
+
+
+def test_models_option_runs_a_subset_with_its_baseline_in_the_full_runs_folders(tmp_path, capsys):
+    """--models keeps the named models plus their group's baseline, drops a group with none named, and plans the
+    very stages (folders, arguments) of the full run, so a later full run reuses them."""
+    preset = load_preset(REPO / "configs" / "reproduce" / "cpu.json")
+    subset = select_models(preset, ["Linformer k = 64"])
+    assert list(subset["encoders"]) == ["RoBERTa (softmax)", "Linformer k = 64"] and "decoders" not in subset
+    full = {s.folder: s.argv for s in plan(preset, tmp_path)}
+    for stage in plan(subset, tmp_path):
+        assert full[stage.folder] == stage.argv
+    assert list(select_models(preset, ["GPT-2 (softmax)"])["decoders"]) == ["GPT-2 (softmax)"]
+    assert "encoders" not in select_models(preset, ["GPT-2 (softmax)"])
+    with pytest.raises(ReproductionError, match=r"\['Linformer k = 999'\] are not models of this preset"):
+        select_models(preset, ["Linformer k = 999"])
+    from reproduce import main
+
+    main(["--preset", "cpu", "--output_dir", str(tmp_path), "--dry_run", "--models", "Linear attention (elu + 1)"])
+    printed = capsys.readouterr().out.splitlines()
+    # the name is an encoder's and a decoder's: both run, each with its baseline (1 pretraining + 8 fine-tunes
+    # per encoder: seeds 42 on SST-2 / QNLI, 42, 1, 2 on IMDB / QQP)
+    folders = sorted({line.split("--output_dir ")[1].split()[0].split(str(tmp_path))[1].split("/")[2]
+                      for line in printed})
+    assert len(printed) == 2 * (1 + 8) + 2 and folders == ["gpt-2-softmax", "linear-attention-elu-1", "roberta-softmax"]
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"unknown_key": 1}, "unknown keys"),
+    ({"baseline": "nobody"}, "'baseline' must name one of the encoders"),
+    ({"finetune": {"mnli": {"config": "configs/finetune/cpu-sst2.json"}}}, "'finetune' needs tasks"),
+    ({"encoders": {"a": "configs/models/cpu/missing.json"}, "baseline": "a"}, "does not exist"),
+    ({"seeds": []}, "'seeds' of the preset must be a non-empty list"),
+    ({"finetune": {"sst2": {"config": "configs/finetune/cpu-sst2.json", "seeds": [1, 1]}}},
+     "'seeds' of finetune 'sst2' must be a non-empty list of distinct integers"),
+])
+def test_bad_presets_are_refused(tmp_path, change, message):
+    preset = {**json.loads((REPO / "configs" / "reproduce" / "demo.json").read_text()), **change}
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(preset))
+    with pytest.raises(ReproductionError, match=message):
+        load_preset(path)
+
+
+def test_a_task_averages_its_seeds_once_all_have_finished(tmp_path):
+    preset = {"baseline": "A", "encoders": {"A": "a.json", "B": "b.json"}, "pretrain": {"config": "p.json"},
+              "finetune": {"sst2": {"config": "s.json"}, "imdb": {"config": "i.json", "seeds": [42, 1, 2]}}}
+    stages = plan(preset, tmp_path, tokenizers={})
+    scores = {("A", "sst2", 42): 80.0, ("A", "imdb", 42): 72.0, ("A", "imdb", 1): 75.0, ("A", "imdb", 2): 78.0,
+              ("B", "sst2", 42): 81.0, ("B", "imdb", 42): 60.0, ("B", "imdb", 1): 75.0}  # B's IMDB seed 2: pending
+    records = {}
+    for stage in stages:
+        info = stage.info
+        stage.folder.mkdir(parents=True)
+        if info["kind"] == "pretrain":
+            (stage.folder / "train_results.json").write_text(json.dumps({"perplexity": 9.0}))
+        elif (info["model"], info["task"], info["seed"]) in scores:
+            split = "dev.tsv" if info["task"] == "sst2" else f"10% of train.jsonl held out (seed {info['seed']})"
+            (stage.folder / "eval_results.json").write_text(json.dumps(
+                {"eval_accuracy": scores[info["model"], info["task"], info["seed"]] / 100, "eval_split": split}))
+        else:
+            continue
+        records[stage.name] = with_outcome(stage, {"seconds": 10.0})  # the result files' metrics, as a run reads them
+    results = collect(preset, stages, records)
+    a, b = results["encoders"]["A"], results["encoders"]["B"]
+    assert a["tasks"]["imdb"]["accuracy"] == pytest.approx(75.0)  # (72 + 75 + 78) / 3
+    assert a["tasks"]["imdb"]["std"] == pytest.approx(3.0)  # sample std: sqrt((9 + 0 + 9) / (3 - 1))
+    assert a["average"] == pytest.approx((80.0 + 75.0) / 2) and a["vs_baseline"] == 0.0
+    assert set(b["tasks"]["imdb"]["per_seed"]) == {"42", "1"}
+    assert b["tasks"]["imdb"]["accuracy"] is None and b["average"] is None and b["vs_baseline"] is None
+    assert results["tasks"]["imdb"]["split"] == "10% of train.jsonl held out (a split per fine-tuning seed: 42, 1, 2)"
+    assert results["tasks"]["sst2"]["split"] == "dev.tsv"
+    assert describe_seeds({"sst2": [42], "imdb": [42, 1, 2]}) == "42 (SST-2); 42, 1, 2 (IMDB)"
+    assert describe_seeds({"sst2": [7], "imdb": [7]}) == "7"
+
+
+def test_a_result_the_run_did_not_record_is_adopted_from_its_launch_record_or_refused(tmp_path):
+    """A stage's script can write its result and the run stop before writing stage.json (stopped in between, or
+    the script failed after its result): the launch record kept beside the logs says what made it."""
+    folder = tmp_path / "finetune" / "a" / "sst2-seed42"
+    argv = ["--config", "configs/finetune/cpu-sst2.json", "--output_dir", str(folder), "--seed", "42"]
+    stage = Stage("fine-tune A on SST-2 (seed 42)", "scripts/finetune.py", folder, argv, "eval_results.json", tmp_path)
+    assert stage.finished() is None  # nothing there yet
+    folder.mkdir(parents=True)
+    (folder / "eval_results.json").write_text(json.dumps({"eval_accuracy": 0.75}))
+    with pytest.raises(ReproductionError, match="no record of the stage that wrote it"):
+        stage.finished()
+    stage.pending_path.parent.mkdir()
+    stage.pending_path.write_text(json.dumps({"argv": [*argv[:-1], "43"], "inputs": {}, "output_dir": str(tmp_path)}))
+    with pytest.raises(ReproductionError, match="no launch record of stage .* with these arguments"):
+        stage.finished()  # the launch record of another run of the folder does not vouch for this result
+    stage.pending_path.write_text(json.dumps({"argv": argv, "inputs": stage.inputs(), "output_dir": str(tmp_path)}))
+    stage.pending_path.with_name("fine-tune-a-on-sst-2-seed-42.seconds").write_text("12.5")
+    record = stage.finished()
+    assert record["result"] == {"eval_accuracy": 0.75} and record["seconds"] == 12.5
+    assert json.loads(stage.record_path.read_text()) == record and not stage.pending_path.exists()
+    assert stage.finished() == record  # from stage.json now
+
+
+def test_seeds_must_be_distinct_and_data_paths_resolve_from_any_directory(tmp_path, monkeypatch):
+    preset = load_preset(REPO / "configs" / "reproduce" / "cpu.json")
+    with pytest.raises(ReproductionError, match="--seeds must be distinct"):
+        finetune_seeds(preset, [42, 42])
+    monkeypatch.chdir(tmp_path)  # the preset's data paths are relative to the repository, like its configs
+    merged = _merged_config(preset["finetune"]["sst2"])
+    assert Path(merged["train_file"]).is_absolute()
+    assert Path(merged["train_file"]).resolve() == (REPO / "../shared/data/glue/sst2/train.tsv").resolve()
+
+
+def _smoke_preset(tmp_path) -> Path:
+    linformer_config = tmp_path / "linformer-k32.json"  # a copy, edited in place by the test below
+    linformer_config.write_text((REPO / "configs" / "models" / "cpu" / "linformer-k32.json").read_text())
+    preset = {
+        "description": "test", "seeds": [3],
+        "pretrain": {"config": "configs/pretrain/cpu-mlm.json",
+                     "args": {"max_steps": 2, "max_seq_length": 32, "eval_steps": 2, "save_steps": 100,
+                              "max_eval_samples": 8, "per_device_train_batch_size": 4}},
+        "encoders": {"RoBERTa (softmax)": "configs/models/cpu/roberta-softmax.json",
+                     "Linformer k = 32": str(linformer_config)},
+        "baseline": "RoBERTa (softmax)",
+        "finetune": {"sst2": {"config": "configs/finetune/cpu-sst2.json",
+                              "args": {"max_train_samples": 32, "max_eval_samples": 40, "num_train_epochs": 1,
+                                       "train_sampling_strategy": "group_by_length"}},
+                     "qqp": {"config": "configs/finetune/cpu-qqp.json",
+                             "args": {"max_train_samples": 32, "max_eval_samples": 24, "num_train_epochs": 1,
+                                      "max_seq_length": 48}}},
+        "decoder_pretrain": {"config": "configs/pretrain/cpu-clm.json",
+                             "args": {"max_steps": 2, "max_seq_length": 32, "eval_steps": 2, "max_eval_samples": 8,
+                                      "per_device_train_batch_size": 4}},
+        "decoders": {"GPT-2 (softmax)": "configs/models/cpu/gpt2-softmax.json",
+                     "Linear attention (elu + 1)": "configs/models/cpu/linear-gpt2-elu.json"},
+        "decoder_baseline": "GPT-2 (softmax)",
+    }
+    path = tmp_path / "smoke.json"
+    path.write_text(json.dumps(preset))
+    return path
+
+
+def _run(preset, out, *extra):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, str(REPO / "scripts" / "reproduce.py"), "--preset", str(preset),
+                           "--output_dir", str(out), *extra], capture_output=True, text=True, cwd=REPO, env=env)
+
+
+def _tsv_labels(path, column, rows):
+    with open(path, newline="") as handle:
+        reader = csv.DictReader(handle, delimiter="\t", quoting=csv.QUOTE_NONE)
+        return [row[column] for _, row in zip(range(rows), reader)]
+
+
+@pytest.mark.skipif(not (DATA / "glue").is_dir() or not (DATA / "wikitext-2").is_dir(),
+                    reason="needs ../shared/data (GLUE and WikiText-2 files)")
+def test_reproduction_runs_reuses_and_reports_what_the_stages_wrote(tmp_path):
+    preset, out = _smoke_preset(tmp_path), tmp_path / "run"
+    first = _run(preset, out)
+    assert first.returncode == 0, first.stderr[-3000:]
+    report = json.loads((out / "results.json").read_text())
+    assert report["meta"]["stages_done"] == report["meta"]["stages"] == 2 * 3 + 2
+    for model, folder in (("RoBERTa (softmax)", "roberta-softmax"), ("Linformer k = 32", "linformer-k-32")):
+        entry = report["encoders"][model]
+        scores = []
+        for task, rows in (("sst2", 40), ("qqp", 24)):
+            written = json.loads((out / "finetune" / folder / f"{task}-seed3" / "eval_results.json").read_text())
+            assert written["eval_samples"] == rows
+            assert entry["tasks"][task]["accuracy"] == pytest.approx(100 * written["eval_accuracy"])
+            scores.append(100 * written["eval_accuracy"])
+        assert entry["average"] == pytest.approx(sum(scores) / 2)
+        trained = json.loads((out / "pretrain" / folder / "train_results.json").read_text())
+        assert entry["pretrain"]["perplexity"] == trained["perplexity"] and trained["steps"] == 2
+    base = report["encoders"]["RoBERTa (softmax)"]["average"]
+    assert report["encoders"]["Linformer k = 32"]["vs_baseline"] == pytest.approx(
+        report["encoders"]["Linformer k = 32"]["average"] - base)
+    # majority class, counted here from the TSV files (quoting disabled) independently of the pipeline
+    sst2 = _tsv_labels(DATA / "glue" / "sst2" / "dev.tsv", "label", 40)
+    qqp = _tsv_labels(DATA / "glue" / "qqp" / "dev_subset.tsv", "is_duplicate", 24)
+    for task, labels in (("sst2", sst2), ("qqp", qqp)):
+        share = max(labels.count(v) for v in set(labels)) / len(labels)
+        assert report["meta"]["majority"][task]["share"] == pytest.approx(share)
+    ratio = report["decoders"]["Linear attention (elu + 1)"]["vs_baseline"]
+    perplexities = [report["decoders"][m]["pretrain"]["perplexity"] for m in report["decoders"]]
+    assert ratio == pytest.approx(perplexities[1] / perplexities[0])
+    # every model of a comparison used the one shared tokenizer
+    for folder in ("roberta-softmax", "linformer-k-32"):
+        args = json.loads((out / "pretrain" / folder / "run_args.json").read_text())
+        assert args["tokenizer_name_or_path"] == str(out / "tokenizer-mlm")
+    table = (out / "results.md").read_text()
+    assert "| Linformer k = 32 |" in table and "92.25" in table and "QQP (train subset)" in table
+    delta = report["encoders"]["Linformer k = 32"]["vs_baseline"]
+    assert f"| {delta:+.2f} pt |" in table  # signed, so a gain never reads as a loss
+    assert (out / "results.png").stat().st_size > 10_000
+
+    # a rerun reuses every finished stage; a stage whose result is gone (an interrupted run) is redone alone
+    (out / "finetune" / "linformer-k-32" / "qqp-seed3" / "eval_results.json").unlink()
+    record = out / "pretrain" / "roberta-softmax" / "stage.json"
+    before = record.read_text()
+    second = _run(preset, out)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert second.stdout.count("reused") == 7 and second.stdout.count("done (") == 1
+    assert record.read_text() == before
+    assert (out / "finetune" / "linformer-k-32" / "qqp-seed3" / "eval_results.json").is_file()
+
+    # the results folder can move: its stages are still recognised as finished
+    moved = tmp_path / "moved"
+    out.rename(moved)
+    out = moved
+    fourth = _run(preset, out)
+    assert fourth.returncode == 0, fourth.stderr[-3000:]
+    assert fourth.stdout.count("reused") == 8
+
+    # records.json stands for the finished stages where their folders are not (a later session, another machine)
+    records = json.loads((out / "records.json").read_text())
+    assert len(records["stages"]) == 8
+    assert all("result" in r and r["inputs"] for r in records["stages"].values())
+    # a --models run writes the records of the preset's other stages too (here they come from --records)
+    reproduce(preset, tmp_path / "subset", records_file=out / "records.json", models=["GPT-2 (softmax)"],
+              report_only=True)
+    assert json.loads((tmp_path / "subset" / "records.json").read_text()) == records
+    elsewhere = tmp_path / "elsewhere"
+    taken = _run(preset, elsewhere, "--records", str(out / "records.json"))
+    assert taken.returncode == 0, taken.stderr[-3000:]
+    assert taken.stdout.count("from records") == 8 and "done (" not in taken.stdout
+    assert not (elsewhere / "pretrain").exists() and not (elsewhere / "finetune").exists()
+    here, there = (json.loads((folder / "results.json").read_text()) for folder in (out, elsewhere))
+    for model, entry in here["encoders"].items():
+        assert there["encoders"][model]["tasks"] == entry["tasks"] and there["encoders"][model]["average"] == \
+            entry["average"]
+        assert there["encoders"][model]["pretrain"]["parameters"] == entry["pretrain"]["parameters"]
+    assert there["decoders"]["GPT-2 (softmax)"]["pretrain"]["perplexity"] == \
+        here["decoders"]["GPT-2 (softmax)"]["pretrain"]["perplexity"]
+    # a stage missing from the records runs, after its pretraining runs again (same weights: reproducible)
+    partial = json.loads(json.dumps(records))
+    del partial["stages"]["$OUTPUT_DIR/finetune/linformer-k-32/qqp-seed3"]
+    (tmp_path / "partial.json").write_text(json.dumps(partial))
+    completed = _run(preset, tmp_path / "completed", "--records", str(tmp_path / "partial.json"))
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert completed.stdout.count("from records") == 7 and completed.stdout.count("done (") == 1
+    assert "first pretrain Linformer k = 32, known here only from the records" in completed.stdout
+    redone = json.loads((tmp_path / "completed" / "results.json").read_text())["encoders"]["Linformer k = 32"]
+    assert redone["tasks"]["qqp"]["accuracy"] == here["encoders"]["Linformer k = 32"]["tasks"]["qqp"]["accuracy"]
+    # records whose pretraining does not rerun to the recorded weights are not mixed with new fine-tunes
+    forged = json.loads(json.dumps(records))
+    model_key = "$OUTPUT_DIR/pretrain/roberta-softmax"
+    forged["stages"][model_key]["output_digest"] = "0" * 16
+    for record in forged["stages"].values():
+        if model_key in record["inputs"]:
+            record["inputs"][model_key] = "0" * 16
+    del forged["stages"]["$OUTPUT_DIR/finetune/roberta-softmax/qqp-seed3"]  # SST-2 is taken, then QQP must run
+    (tmp_path / "forged.json").write_text(json.dumps(forged))
+    refused = _run(preset, tmp_path / "refused", "--records", str(tmp_path / "forged.json"))
+    assert refused.returncode != 0 and "wrote other weights than in the records" in refused.stderr
+    (tmp_path / "not-records.json").write_text("[1, 2]")
+    for bad, message in (("missing.json", "cannot read the records file"), ("not-records.json", "not a records file")):
+        with pytest.raises(ReproductionError, match=message):
+            reproduce(preset, tmp_path / "bad", records_file=tmp_path / bad)
+        assert not (tmp_path / "bad").exists()  # refused before anything is written
+
+    # nor with a config edited in place since: the error names the changed file
+    config = tmp_path / "linformer-k32.json"
+    config.write_text(config.read_text().replace('"pooling"', '"xavier_uniform"'))
+    edited = _run(preset, out)
+    assert edited.returncode != 0 and edited.stdout.count("reused") == 3
+    assert "inputs have changed since: linformer-k32.json" in edited.stderr.replace(str(tmp_path) + "/", "")
+
+    # a finished stage is never mixed with a changed preset: the error names the folder
+    changed = json.loads(preset.read_text())
+    changed["pretrain"]["args"]["max_steps"] = 3
+    preset.write_text(json.dumps(changed))
+    third = _run(preset, out)
+    assert third.returncode != 0
+    assert "holds a finished run with other arguments" in third.stderr and "roberta-softmax" in third.stderr

@@ -1,0 +1,174 @@
+"""What several test files share: tiny configs of every family and variant, small inputs, the real data paths
+and the training scripts' command lines. Fixtures live in conftest.py."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import (
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForMaskedLM,
+    AutoModelForMultipleChoice,
+    AutoModelForQuestionAnswering,
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+)
+
+from hf_linear_attn import LinearGPT2Config, LinearRobertaConfig, LinformerConfig, LinformerGPT2Config
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
+
+TINY = dict(
+    vocab_size=300, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+    max_position_embeddings=66, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+)
+
+# (name, config factory): every sharing mode and feature map of the two families
+FAMILY_VARIANTS = {
+    "linformer-none": lambda **kw: LinformerConfig(**{**TINY, "linformer_k": 8, "linformer_sharing": "none", **kw}),
+    "linformer-headwise": lambda **kw: LinformerConfig(**{**TINY, "linformer_k": [8, 12], **kw}),
+    "linformer-key-value": lambda **kw: LinformerConfig(**{**TINY, "linformer_k": 8, "linformer_sharing": "key-value", **kw}),
+    "linformer-layerwise": lambda **kw: LinformerConfig(**{**TINY, "linformer_k": 8, "linformer_sharing": "layerwise", **kw}),
+    "linformer-rows": lambda **kw: LinformerConfig(**{**TINY, "linformer_k": 8, "linformer_normalize_rows": True, **kw}),
+    "linear-elu": lambda **kw: LinearRobertaConfig(**{**TINY, **kw}),
+    "linear-relu": lambda **kw: LinearRobertaConfig(**{**TINY, "feature_map": "relu", **kw}),
+    "linear-favor": lambda **kw: LinearRobertaConfig(**{**TINY, "feature_map": "favor", "num_random_features": 32, **kw}),
+    "linear-hedgehog": lambda **kw: LinearRobertaConfig(**{**TINY, "feature_map": "hedgehog", **kw}),
+}
+
+# GPT-2-shaped decoders; token ids follow the test tokenizer (<s>=0, <pad>=1, </s>=2). A wider init than GPT-2's
+# makes random models produce varied tokens, so generation comparisons are not trivially equal.
+TINY_DECODER = dict(
+    vocab_size=300, n_positions=128, n_embd=32, n_layer=2, n_head=4, n_inner=64, resid_pdrop=0.0, embd_pdrop=0.0,
+    attn_pdrop=0.0, bos_token_id=0, eos_token_id=2, pad_token_id=1, initializer_range=0.3,
+)
+
+# (name, config factory): every feature map and every sharing mode of the two decoder families. The causal
+# Linformer uses blocks of 8 and k = 4, so short sequences already span several blocks.
+DECODER_VARIANTS = {
+    "linear-elu": lambda **kw: LinearGPT2Config(**{**TINY_DECODER, "linear_attention_chunk_size": 8, **kw}),
+    "linear-relu": lambda **kw: LinearGPT2Config(**{**TINY_DECODER, "feature_map": "relu", **kw}),
+    "linear-favor": lambda **kw: LinearGPT2Config(
+        **{**TINY_DECODER, "feature_map": "favor", "num_random_features": 32, "linear_attention_chunk_size": 4, **kw}
+    ),
+    "linear-hedgehog": lambda **kw: LinearGPT2Config(**{**TINY_DECODER, "feature_map": "hedgehog", **kw}),
+    "linformer-none": lambda **kw: LinformerGPT2Config(
+        **{**TINY_DECODER, "linformer_k": 4, "linformer_block_size": 8, "linformer_sharing": "none", **kw}
+    ),
+    "linformer-headwise": lambda **kw: LinformerGPT2Config(
+        **{**TINY_DECODER, "linformer_k": 4, "linformer_block_size": 8, **kw}
+    ),
+    "linformer-key-value": lambda **kw: LinformerGPT2Config(
+        **{**TINY_DECODER, "linformer_k": 3, "linformer_block_size": 5, "linformer_sharing": "key-value", **kw}
+    ),
+    "linformer-layerwise": lambda **kw: LinformerGPT2Config(
+        **{**TINY_DECODER, "linformer_k": 4, "linformer_block_size": 8, "linformer_sharing": "layerwise", **kw}
+    ),
+}
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Linear attention replaces the softmax by a feature map, so its cost grows linearly with the length.",
+    "Linformer projects keys and values along the sequence to a fixed number of rows.",
+    "This movie was wonderful, the acting was great and the story moved me.",
+    "A terrible film: boring, too long and badly written.",
+    "Transformers are RNNs: a causal linear attention model generates with a state of constant size.",
+] * 20
+
+
+def random_ids(batch, n, vocab=TINY["vocab_size"], seed=0):
+    """Random non-special token ids (batch, n)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(5, vocab, (batch, n), generator=g)
+
+
+def qkv(b=2, h=3, n=10, d=8, seed=0, dtype=torch.float32):
+    """Random queries, keys and values (b, h, n, d)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(b, h, n, d, generator=g, dtype=dtype) for _ in range(3)]
+
+
+# Every Auto class an encoder checkpoint must open with.
+AUTO_HEADS = [
+    AutoModel, AutoModelForMaskedLM, AutoModelForSequenceClassification, AutoModelForTokenClassification,
+    AutoModelForQuestionAnswering, AutoModelForMultipleChoice,
+]
+
+
+def causal_lm(variant, seed=0, **overrides):
+    """A tiny causal LM of ``variant``; learned maps are perturbed from their identity start so they matter."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(DECODER_VARIANTS[variant](**overrides)).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "feature_map" in name:
+                param.add_(0.1 * torch.randn_like(param))
+    return model
+
+
+def left_padded_batch(prompts, pad_id=TINY_DECODER["pad_token_id"]):
+    """Prompts of different lengths, left-padded into (ids, attention_mask)."""
+    width = max(p.shape[-1] for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - prompt.shape[-1]:] = prompt
+        mask[row, width - prompt.shape[-1]:] = 1
+    return ids, mask
+
+
+# ------------------------------------------------------------------------------------- the training scripts
+
+WIKITEXT = SHARED_DATA / "wikitext-2"
+GLUE = SHARED_DATA / "glue"
+needs_data = pytest.mark.skipif(not (WIKITEXT / "wiki.train.tokens").is_file() or not (GLUE / "sst2").is_dir(),
+                                reason=f"real data not found at {SHARED_DATA} (see ../shared/data/README.md)")
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+PRESET_ENCODER_SIZE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128)
+PRESET_DECODER_SIZE = dict(n_embd=64, n_layer=2, n_head=2, n_inner=128)
+
+
+def tiny_preset(tmp_path, preset: str, **overrides):
+    """A configs/models/cpu preset shrunk for tests (same model type and attention settings)."""
+    config = json.loads((REPO_ROOT / "configs" / "models" / "cpu" / f"{preset}.json").read_text())
+    config.update(PRESET_DECODER_SIZE if "gpt2" in preset else PRESET_ENCODER_SIZE, **overrides)
+    path = tmp_path / f"{preset}.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+def pretrain_args(corpus, config, output_dir, *extra):
+    """scripts/pretrain.py arguments for a tiny run on the ``corpus`` fixture."""
+    return ["--model_config", str(config), "--output_dir", str(output_dir), "--train_file", str(corpus / "train.txt"),
+            "--validation_file", str(corpus / "valid.txt"), "--tokenizer_vocab_size", "400", "--max_seq_length", "32",
+            "--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "16", "--max_eval_samples", "32",
+            "--logging_steps", "2", "--mixed_precision", "no", *map(str, extra)]
+
+
+def replaced(args, **flags):
+    """A copy of an argument list with the values of some flags replaced."""
+    args = list(args)
+    for flag, value in flags.items():
+        args[args.index(f"--{flag}") + 1] = str(value)
+    return args
+
+
+def run_pretrain(args, launcher=(sys.executable,), check=True):
+    """scripts/pretrain.py in a fresh process, as users run it."""
+    proc = subprocess.run([*launcher, str(REPO_ROOT / "scripts" / "pretrain.py"), *args], capture_output=True,
+                          text=True, timeout=600, env=ENV)
+    if check:
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
+def weights(folder):
+    """The state dict of a saved model folder."""
+    return load_file(str(folder / "model.safetensors"))

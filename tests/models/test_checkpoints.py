@@ -1,0 +1,168 @@
+"""Checkpoints travel: save_pretrained -> a fresh Python process that never imports hf_linear_attn -> same outputs."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import AUTO_HEADS, FAMILY_VARIANTS, random_ids
+from transformers import AutoModel, AutoModelForSequenceClassification
+
+FRESH_PROCESS_LOADER = r"""
+import json, sys, torch
+import transformers
+cases = json.load(open(sys.argv[1]))
+results = {}
+for case in cases:
+    auto = getattr(transformers, case["auto"])
+    model = auto.from_pretrained(case["path"], trust_remote_code=True).eval()
+    inputs = torch.load(case["inputs"])
+    with torch.no_grad():
+        out = model(**inputs)
+    first = out[0]
+    results[case["path"]] = {
+        "class": type(model).__module__ + "." + type(model).__name__,
+        "max_diff": (first - torch.load(case["expected"])).abs().max().item(),
+    }
+assert "hf_linear_attn" not in sys.modules, "the fresh process imported the package"
+print(json.dumps(results))
+"""
+
+
+@pytest.mark.slow
+def test_every_head_of_both_families_loads_in_a_fresh_process(tmp_path):
+    cases = []
+    for variant in ("linformer-layerwise", "linformer-none", "linear-favor", "linear-hedgehog"):
+        for auto in AUTO_HEADS:
+            torch.manual_seed(0)
+            model = auto.from_config(FAMILY_VARIANTS[variant]()).eval()
+            with torch.no_grad():  # make the learned maps non-trivial so a wrong load would show
+                for name, param in model.named_parameters():
+                    if "feature_map" in name:
+                        param.add_(0.1 * torch.randn_like(param))
+            ids = random_ids(2, 12)
+            if auto.__name__ == "AutoModelForMultipleChoice":
+                ids = ids[None].expand(2, 2, 12)
+            inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+            path = tmp_path / f"{variant}-{auto.__name__}"
+            model.save_pretrained(path)
+            with torch.no_grad():
+                torch.save(model(**inputs)[0], path / "expected.pt")
+            torch.save(inputs, path / "inputs.pt")
+            cases.append({"auto": auto.__name__, "path": str(path), "inputs": str(path / "inputs.pt"),
+                          "expected": str(path / "expected.pt")})
+            saved = set(os.listdir(path))
+            assert {"config.json", "model.safetensors", "modeling_roberta_style.py"} <= saved, saved
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    (tmp_path / "loader.py").write_text(FRESH_PROCESS_LOADER)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": "", "HF_MODULES_CACHE": str(tmp_path / "modules")}
+    proc = subprocess.run([sys.executable, str(tmp_path / "loader.py"), str(tmp_path / "cases.json")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(results) == len(cases) == 24
+    for path, result in results.items():
+        assert result["class"].startswith("transformers_modules."), result  # the copied code, not the package
+        assert result["max_diff"] == 0.0, (path, result)
+
+
+def test_saved_config_opens_every_head_and_weights_reload_exactly(tmp_path):
+    model = AutoModelForSequenceClassification.from_config(FAMILY_VARIANTS["linear-favor"]()).eval()
+    model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert set(config["auto_map"]) == {
+        "AutoConfig", "AutoModel", "AutoModelForMaskedLM", "AutoModelForSequenceClassification",
+        "AutoModelForTokenClassification", "AutoModelForQuestionAnswering", "AutoModelForMultipleChoice",
+    }
+    reloaded = AutoModelForSequenceClassification.from_pretrained(tmp_path).eval()
+    for name, tensor in model.state_dict().items():  # the FAVOR+ random matrix included
+        assert torch.equal(reloaded.state_dict()[name], tensor), name
+    base = AutoModel.from_pretrained(tmp_path, device_map="auto")  # accelerate's big-model loading path
+    ids = random_ids(1, 10)
+    with torch.no_grad():
+        torch.testing.assert_close(base(ids).last_hidden_state, model.roberta(ids).last_hidden_state)
+
+
+def test_a_checkpoint_with_misshaped_weights_is_refused(tmp_path, caplog):
+    from safetensors.torch import load_file, save_file
+
+    model = AutoModel.from_config(FAMILY_VARIANTS["linformer-headwise"]())
+    model.save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    name = "encoder.layer.0.attention.self.key_projection.weight"
+    weights[name] = weights[name][:, :, :10].contiguous()  # wrong length: a checkpoint of another max length
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(RuntimeError, match="ignore_mismatched_sizes"):
+        AutoModel.from_pretrained(tmp_path)
+    assert "key_projection" in caplog.text and "MISMATCH" in caplog.text  # the report names the bad weight
+
+
+FRESH_PROCESS_GENERATE = r"""
+import json, sys, torch
+import transformers
+cases = json.load(open(sys.argv[1]))
+results = {}
+for case in cases:
+    auto = getattr(transformers, case["auto"])
+    model = auto.from_pretrained(case["path"], trust_remote_code=True).eval()
+    inputs = torch.load(case["inputs"])
+    with torch.no_grad():
+        if case["auto"] == "AutoModelForCausalLM":
+            got = model.generate(**inputs, max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=1)
+        else:
+            got = model(**inputs)[0]
+    results[case["path"]] = {
+        "class": type(model).__module__ + "." + type(model).__name__,
+        "equal": bool(torch.equal(got, torch.load(case["expected"]))),
+    }
+assert "hf_linear_attn" not in sys.modules, "the fresh process imported the package"
+print(json.dumps(results))
+"""
+
+
+@pytest.mark.slow
+def test_decoders_load_in_a_fresh_process_and_generate_the_same_tokens(tmp_path):
+    from helpers import DECODER_VARIANTS, causal_lm, left_padded_batch
+    from transformers import AutoModelForCausalLM
+
+    cases = []
+    prompts = [random_ids(1, 9)[0], random_ids(1, 5, seed=1)[0]]
+    ids, mask = left_padded_batch(prompts)
+    inputs = {"input_ids": ids, "attention_mask": mask}
+    for variant in ("linear-favor", "linear-hedgehog", "linformer-layerwise", "linformer-none"):
+        for auto in (AutoModelForCausalLM, AutoModel, AutoModelForSequenceClassification):
+            if auto is AutoModelForCausalLM:
+                model = causal_lm(variant)
+                with torch.no_grad():
+                    expected = model.generate(**inputs, max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                                              pad_token_id=1)
+            else:
+                torch.manual_seed(0)
+                model = auto.from_config(DECODER_VARIANTS[variant]()).eval()
+                with torch.no_grad():
+                    expected = model(**inputs)[0]
+            path = tmp_path / f"{variant}-{auto.__name__}"
+            model.save_pretrained(path)
+            torch.save(expected, path / "expected.pt")
+            torch.save(inputs, path / "inputs.pt")
+            cases.append({"auto": auto.__name__, "path": str(path), "inputs": str(path / "inputs.pt"),
+                          "expected": str(path / "expected.pt")})
+            saved = set(os.listdir(path))
+            assert {"modeling_gpt2_style.py", "recurrent_cache.py", "block_linformer.py"} <= saved, saved
+            config = json.loads((path / "config.json").read_text())
+            assert set(config["auto_map"]) == {
+                "AutoConfig", "AutoModel", "AutoModelForCausalLM", "AutoModelForSequenceClassification"
+            }
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    (tmp_path / "generate.py").write_text(FRESH_PROCESS_GENERATE)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": "", "HF_MODULES_CACHE": str(tmp_path / "modules")}
+    proc = subprocess.run([sys.executable, str(tmp_path / "generate.py"), str(tmp_path / "cases.json")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(results) == len(cases) == 12
+    for path, result in results.items():
+        assert result["class"].startswith("transformers_modules."), result
+        assert result["equal"], (path, result)
