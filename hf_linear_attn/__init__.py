@@ -20,14 +20,21 @@ from .configuration_linear_gpt2 import LinearGPT2Config
 from .configuration_linear_roberta import LinearRobertaConfig
 from .configuration_linformer import LinformerConfig
 from .configuration_linformer_gpt2 import LinformerGPT2Config
-from .feature_maps import FEATURE_MAPS, build_feature_map
+from .families import MODEL_FAMILIES, ModelFamily, family_of
+from .feature_maps import FEATURE_MAPS, FavorFeatureMap, HedgehogFeatureMap, build_feature_map
 from .linear_attention import (
     bidirectional_linear_attention,
     causal_linear_attention,
     linear_attention_weights,
     recurrent_linear_attention_step,
 )
-from .linformer_projection import LINFORMER_SHARING, linformer_attention, project_sequence
+from .linformer_projection import (
+    LINFORMER_SHARING,
+    LinformerProjection,
+    linformer_attention,
+    pooling_matrix,
+    project_sequence,
+)
 from .modeling_linear_gpt2 import (
     LinearGPT2ForCausalLM,
     LinearGPT2ForSequenceClassification,
@@ -72,43 +79,13 @@ _AUTO_CLASSES = {
     "AutoModelForCausalLM": AutoModelForCausalLM,
 }
 
-# family config -> {Auto class name: model class}
-MODEL_FAMILIES = {
-    LinformerConfig: {
-        "AutoModel": LinformerModel,
-        "AutoModelForMaskedLM": LinformerForMaskedLM,
-        "AutoModelForSequenceClassification": LinformerForSequenceClassification,
-        "AutoModelForTokenClassification": LinformerForTokenClassification,
-        "AutoModelForQuestionAnswering": LinformerForQuestionAnswering,
-        "AutoModelForMultipleChoice": LinformerForMultipleChoice,
-    },
-    LinearRobertaConfig: {
-        "AutoModel": LinearRobertaModel,
-        "AutoModelForMaskedLM": LinearRobertaForMaskedLM,
-        "AutoModelForSequenceClassification": LinearRobertaForSequenceClassification,
-        "AutoModelForTokenClassification": LinearRobertaForTokenClassification,
-        "AutoModelForQuestionAnswering": LinearRobertaForQuestionAnswering,
-        "AutoModelForMultipleChoice": LinearRobertaForMultipleChoice,
-    },
-    LinearGPT2Config: {
-        "AutoModel": LinearGPT2Model,
-        "AutoModelForCausalLM": LinearGPT2ForCausalLM,
-        "AutoModelForSequenceClassification": LinearGPT2ForSequenceClassification,
-    },
-    LinformerGPT2Config: {
-        "AutoModel": LinformerGPT2Model,
-        "AutoModelForCausalLM": LinformerGPT2ForCausalLM,
-        "AutoModelForSequenceClassification": LinformerGPT2ForSequenceClassification,
-    },
-}
-
 
 def _register() -> None:
-    for config_class, models in MODEL_FAMILIES.items():
-        AutoConfig.register(config_class.model_type, config_class, exist_ok=True)
-        config_class.register_for_auto_class()
-        for auto_name, model_class in models.items():
-            _AUTO_CLASSES[auto_name].register(config_class, model_class, exist_ok=True)
+    for family in MODEL_FAMILIES.values():
+        AutoConfig.register(family.model_type, family.config_class, exist_ok=True)
+        family.config_class.register_for_auto_class()
+        for auto_name, model_class in family.models.items():
+            _AUTO_CLASSES[auto_name].register(family.config_class, model_class, exist_ok=True)
             model_class.register_for_auto_class(auto_name)
 
 
@@ -118,6 +95,10 @@ __all__ = [
     "FEATURE_MAPS",
     "LINFORMER_SHARING",
     "MODEL_FAMILIES",
+    "FavorFeatureMap",
+    "HedgehogFeatureMap",
+    "LinformerProjection",
+    "ModelFamily",
     "BlockLinformerCacheLayer",
     "BlockLinformerState",
     "LinearAttentionStateLayer",
@@ -127,6 +108,8 @@ __all__ = [
     "LinformerGPT2Config",
     "RecurrentStateCache",
     "bidirectional_linear_attention",
+    "family_of",
+    "pooling_matrix",
     "block_linformer_step",
     "causal_block_linformer_attention",
     "build_feature_map",
@@ -135,7 +118,7 @@ __all__ = [
     "linear_attention_weights",
     "linformer_attention",
     "project_sequence",
-] + [model.__name__ for models in MODEL_FAMILIES.values() for model in models.values()] + [
+] + [model.__name__ for family in MODEL_FAMILIES.values() for model in family.models.values()] + [
     "LinformerPreTrainedModel",
     "LinearRobertaPreTrainedModel",
     "LinearGPT2PreTrainedModel",

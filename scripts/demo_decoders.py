@@ -10,36 +10,28 @@ Uses only the public API (``import hf_linear_attn`` + transformers Auto classes)
     python scripts/demo_decoders.py --dataset hub        # Salesforce/wikitext from the Hub
 """
 
-import argparse
 import json
 import math
 import platform
+import sys
 import time
 from pathlib import Path
 
 import torch
-from demo_encoders import DEFAULT_DATA, prepare_data, train
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import hf_linear_attn  # noqa: F401  (registers linear_gpt2 / linformer_gpt2 with the Auto classes)
+from hf_linear_attn.experiments.demo import demo_arguments, prepare_data, train
+from hf_linear_attn.training.errors import UsageError
+
+DEFAULT_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "wikitext-2"  # ../shared/data beside the checkout
 
 
 def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dataset", default=str(DEFAULT_DATA),
-                        help="WikiText-2 folder with wiki.{train,valid}.tokens, or 'hub' for Salesforce/wikitext")
-    parser.add_argument("--output-dir", default="outputs/demo-decoders")
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--block-size", type=int, default=32, help="causal Linformer block length b")
-    parser.add_argument("--linformer-k", type=int, default=8, help="causal Linformer summary rows k per block")
-    parser.add_argument("--vocab-size", type=int, default=8000)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--eval-batches", type=int, default=20)
-    parser.add_argument("--new-tokens", type=int, default=64, help="tokens generated per model")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--no-bf16", action="store_true", help="train in float32 instead of bf16 autocast")
+    parser = demo_arguments(__doc__, DEFAULT_DATA, "outputs/demo-decoders", steps=300)
+    parser.add_argument("--block_size", type=int, default=32, help="causal Linformer block length b")
+    parser.add_argument("--linformer_k", type=int, default=8, help="causal Linformer summary rows k per block")
+    parser.add_argument("--new_tokens", type=int, default=64, help="tokens generated per model")
     return parser.parse_args()
 
 
@@ -99,7 +91,10 @@ def main():
     args = parse_args()
     out_dir = Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer, train_rows, valid_rows = prepare_data(args, out_dir)
+    try:
+        tokenizer, train_rows, valid_rows = prepare_data(args, out_dir)
+    except UsageError as error:
+        sys.exit(f"error: {error}")
     prompt = valid_rows[-1:, : args.seq_len - 1]  # <s> + a validation passage the models never trained on
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=not args.no_bf16)
 

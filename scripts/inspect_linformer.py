@@ -6,7 +6,7 @@
 
 The report gives, per projection, the row sums (1 for the pooling init), the mean weight inside and outside each
 row's pooling window and the relative distance to pooling. --renormalise writes a copy whose chosen projections
-(key, value, shared) have row sums 1 again, to fine-tune and compare (README, "Status of the cpu preset"). The
+(key, value, shared) have row sums 1 again, to fine-tune and compare (docs/reproduction.md). The
 figures are of the stored E / F: a model with linformer_normalize_rows=True projects with their rows shifted to sum
 1 over each example's tokens.
 """

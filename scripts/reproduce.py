@@ -18,8 +18,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from hf_linear_attn.training.data import UsageError
-from hf_linear_attn.experiments.reproduction import REPO, reproduce
+from hf_linear_attn.experiments.reproduction import reproduce
+from hf_linear_attn.training.errors import UsageError
+
+ROOT = Path(__file__).resolve().parents[1]  # the checkout: presets' paths are relative to it
 
 
 def main(argv=None):
@@ -43,14 +45,14 @@ def main(argv=None):
     args = parser.parse_args(argv)
     preset = Path(args.preset)
     if not preset.suffix:
-        preset = REPO / "configs" / "reproduce" / f"{args.preset}.json"
+        preset = ROOT / "configs" / "reproduce" / f"{args.preset}.json"
     if not preset.is_file():
-        known = sorted(p.stem for p in (REPO / "configs" / "reproduce").glob("*.json"))
+        known = sorted(p.stem for p in (ROOT / "configs" / "reproduce").glob("*.json"))
         sys.exit(f"error: no preset {args.preset!r}: use one of {known} or a JSON file")
     try:
         reproduce(preset, args.output_dir, args.seeds, args.launcher, args.dry_run, args.report_only,
                   argv=sys.argv[1:] if argv is None else argv, models=args.models,
-                  records_file=args.records)
+                  records_file=args.records, root=ROOT)
     except UsageError as error:
         sys.exit(f"error: {error}")
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from .convert import check_target, convert, extend_max_length, load_source, load_source_tokenizer, save_converted
+from hf_linear_attn import family_of
 from hf_linear_attn.training.data import load_text_corpus, pack_corpus
 from hf_linear_attn.training.errors import UsageError
 from .distill import distill, distillation_distance, distillation_mode, language_model_quality
@@ -83,7 +84,7 @@ def run_conversion(args: ConvertArguments) -> dict:
         if args.distill_max_length > longest:
             raise UsageError(f"--distill_max_length {args.distill_max_length} exceeds the teacher's longest input "
                                 f"({longest} tokens); lower it.")
-        objective = "mlm" if model.base_model_prefix == "roberta" else "clm"
+        objective = family_of(model).objective
         train_rows, eval_rows = _rows(args, tokenizer, objective)
         mode = distillation_mode(model)
         lr = args.distill_lr or (1e-3 if mode == "layer_output" else 1e-2)

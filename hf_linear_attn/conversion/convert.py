@@ -24,19 +24,12 @@ from transformers import (
     AutoTokenizer,
 )
 
-import hf_linear_attn  # noqa: F401  (registers the target families with the Auto classes)
-from hf_linear_attn.feature_maps import FavorFeatureMap, HedgehogFeatureMap
-from hf_linear_attn.linformer_projection import LinformerProjection
+from hf_linear_attn import MODEL_FAMILIES, FavorFeatureMap, HedgehogFeatureMap, LinformerProjection, family_of
 
 from hf_linear_attn.training.errors import UsageError
 
-# target model_type -> the family of checkpoints it is converted from
-TARGETS = {
-    "linformer": "encoder",
-    "linear_roberta": "encoder",
-    "linear_gpt2": "decoder",
-    "linformer_gpt2": "decoder",
-}
+# target model_type -> the kind of checkpoints it is converted from (RoBERTa-family encoders, GPT-2 decoders)
+TARGETS = {model_type: family.kind for model_type, family in MODEL_FAMILIES.items()}
 SOURCE_TYPES = {"encoder": ("roberta", "xlm-roberta", "camembert"), "decoder": ("gpt2",)}
 ENCODER_FIELDS = (
     "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "hidden_act",
@@ -110,6 +103,10 @@ def _source_head(architecture: str, head: str) -> str:
     raise UsageError(f"Cannot tell the head of architecture {architecture!r}; pass head= (e.g. 'base').")
 
 
+def _targets(kind: str) -> str:
+    return ", ".join(target for target, target_kind in TARGETS.items() if target_kind == kind)
+
+
 def _check_source(config, family: str, target: str) -> None:
     """Refuse sources whose architecture the target cannot reproduce, naming the difference."""
     if config.model_type not in SOURCE_TYPES[family]:
@@ -119,8 +116,8 @@ def _check_source(config, family: str, target: str) -> None:
             f"{expected} checkpoints (same layer layout and parameter names). "
             + ("BERT-family models number positions differently and name their weights 'bert.*'. "
                if config.model_type in ("bert", "distilbert", "albert") else "")
-            + f"Targets by source: encoders ({', '.join(SOURCE_TYPES['encoder'])}) -> linformer, linear_roberta; "
-            f"gpt2 -> linear_gpt2, linformer_gpt2."
+            + f"Targets by source: encoders ({', '.join(SOURCE_TYPES['encoder'])}) -> {_targets('encoder')}; "
+            f"gpt2 -> {_targets('decoder')}."
         )
     unsupported = {
         "position_embedding_type": ("absolute", getattr(config, "position_embedding_type", "absolute")),
@@ -292,9 +289,9 @@ def extend_max_length(model, new_max_length: int):
     at the new length before relying on it.
     """
     config = model.config
-    if getattr(config, "model_type", None) not in ("linformer", "linear_roberta"):
+    if getattr(family_of(model), "kind", None) != "encoder":
         raise UsageError(
-            f"extend_max_length handles this package's encoders (linformer, linear_roberta), not "
+            f"extend_max_length handles this package's encoders ({_targets('encoder')}), not "
             f"{getattr(config, 'model_type', type(model).__name__)!r}."
         )
     old = config.max_sequence_length

@@ -15,11 +15,12 @@ import math
 import torch
 from tqdm.auto import tqdm
 
+from hf_linear_attn import family_of
 from hf_linear_attn.training.errors import UsageError
 
 
 def _is_encoder(model) -> bool:
-    return model.base_model_prefix == "roberta"
+    return family_of(model).kind == "encoder"
 
 
 def _layers(model):
@@ -28,8 +29,8 @@ def _layers(model):
 
 
 def distillation_mode(model) -> str:
-    """'attention' for linear-attention students, 'layer_output' for Linformer students."""
-    return "layer_output" if model.config.model_type in ("linformer", "linformer_gpt2") else "attention"
+    """'attention' for linear-attention students, 'layer_output' for Linformer students (see ModelFamily)."""
+    return family_of(model).distillation_mode
 
 
 def trainable_parameters(model, new_names) -> list[torch.nn.Parameter]:

@@ -292,7 +292,7 @@ def resolve_dtype(choice: str) -> str:
     """'auto' -> bfloat16 where the hardware computes in bf16 natively (as the training scripts decide), else float32."""
     if choice != "auto":
         return choice
-    from .pretraining import resolve_mixed_precision
+    from hf_linear_attn.training.pretraining import resolve_mixed_precision
 
     return "bfloat16" if resolve_mixed_precision("auto") == "bf16" else "float32"
 

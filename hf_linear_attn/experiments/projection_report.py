@@ -5,7 +5,7 @@ query receives the mean of its values; if training drives F's row sums to 0, eve
 (window mean minus sequence mean) and the sequence mean — what a document classifier reads at the <s> token — is
 gone from every layer. The report shows row sums and the distance to pooling; ``renormalise_rows`` writes a copy whose
 chosen projections have row sums 1 again (each row shifted by a constant), the diagnostic that measured this effect
-(README, "Status of the cpu preset").
+(docs/reproduction.md).
 """
 
 import json
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from ..linformer_projection import pooling_matrix
+from hf_linear_attn import pooling_matrix
 from hf_linear_attn.training.errors import UsageError
 
 PROJECTION_KINDS = ("key", "value", "shared")

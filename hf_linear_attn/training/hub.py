@@ -5,21 +5,17 @@ from pathlib import Path
 
 from huggingface_hub import EvalResult, HfApi, ModelCard, ModelCardData
 
+from hf_linear_attn import MODEL_FAMILIES, family_of
+
 from .errors import UsageError
 
 DEFAULT_TEMPLATE = Path(__file__).resolve().parent / "model_card_template.md"  # package data
 # never uploaded: Trainer checkpoints, TensorBoard runs, optimizer state, pickled training arguments
 PUSH_IGNORE = ["checkpoint-*", "checkpoint-*/**", "runs/**", "*.pt", "*.bin", "*.pkl", ".partial-*"]
 
+# a sentence on the attention of each model type a card can describe: this package's families, and the baselines
 ATTENTION = {
-    "linformer": "Self-attention is Linformer's (Wang et al. 2020): keys and values are projected along the sequence "
-                 "from n to k rows by learned matrices, so attention costs O(n k) instead of O(n^2).",
-    "linear_roberta": "Self-attention is kernelized linear attention (Katharopoulos et al. 2020): softmax is replaced "
-                      "by a feature map phi, and attention costs O(n) in the sequence length.",
-    "linear_gpt2": "Causal linear attention (Katharopoulos et al. 2020): a constant-size recurrent state replaces the "
-                   "key/value cache.",
-    "linformer_gpt2": "Causal block Linformer: each token attends to its own block and to k-row summaries of earlier "
-                      "blocks.",
+    **{model_type: family.description for model_type, family in MODEL_FAMILIES.items()},
     "roberta": "Standard softmax self-attention (the baseline the efficient variants are compared with).",
     "gpt2": "Standard causal softmax self-attention (the baseline the efficient variants are compared with).",
 }
@@ -33,7 +29,8 @@ def describe_architecture(config) -> tuple[str, str]:
     for name in ("linformer_k", "linformer_sharing", "feature_map", "linformer_block_size"):
         if hasattr(config, name):
             extras.append(f"{name.replace('linformer_', '')} = {getattr(config, name)}")
-    kind = "decoder" if "gpt2" in config.model_type else "encoder"
+    family = family_of(config)
+    kind = family.kind if family else ("decoder" if "gpt2" in config.model_type else "encoder")
     label = f"{config.model_type} {kind} ({', '.join([size, *extras])})"
     return label, ATTENTION.get(config.model_type, "")
 
@@ -41,7 +38,7 @@ def describe_architecture(config) -> tuple[str, str]:
 def write_model_card(output_dir: Path, *, repo_id: str, config, base_model: str, task, metrics: dict,
                      eval_split: str, dataset_id: str, command: str, data_description: str, truncation_rule: str,
                      max_seq_length: int, hyperparameters: dict, machine: str, template: Path = DEFAULT_TEMPLATE):
-    """README.md with `model-index` results (one EvalResult per metric) from the template in model_cards/."""
+    """README.md with `model-index` results (one EvalResult per metric) from the template (default: model_card_template.md in this package)."""
     if not Path(template).is_file():
         raise UsageError(f"model card template not found: {template}")
     names = [k for k in ("accuracy", "f1") if f"eval_{k}" in metrics]

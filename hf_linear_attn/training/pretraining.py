@@ -401,21 +401,18 @@ def evaluate_perplexity(model, accelerator: Accelerator, rows: dict, batch_size:
     return {"eval_loss": loss, "perplexity": math.exp(min(loss, 700.0)), "eval_tokens": int(count.item())}
 
 
-def run_pretraining(args: PretrainArguments) -> dict:
-    """Pretrain as `args` say; returns the final metrics (also written to output_dir/train_results.json)."""
-    if args.gradient_accumulation_steps < 1 or args.max_steps < 1:
-        raise UsageError("--gradient_accumulation_steps and --max_steps must be at least 1")
+def make_accelerator(args: PretrainArguments) -> Accelerator:
+    """The run's Accelerator: mixed precision and trackers as `args` say."""
     # Without cpu=True accelerate treats several launched processes on a CPU-only machine as independent runs.
     on_cpu = not (torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available()))
-    accelerator = Accelerator(cpu=on_cpu, mixed_precision=resolve_mixed_precision(args.mixed_precision),
-                              log_with=None if args.report_to == "none" else args.report_to,
-                              project_dir=args.output_dir)
-    config = load_model_config(args)
-    objective = objective_for(config, args.objective)
-    resume_from = check_output_dir(args, accelerator.num_processes)
-    output_dir = Path(args.output_dir)
-    set_seed(args.seed)
+    return Accelerator(cpu=on_cpu, mixed_precision=resolve_mixed_precision(args.mixed_precision),
+                       log_with=None if args.report_to == "none" else args.report_to, project_dir=args.output_dir)
 
+
+def prepare_model_and_data(args: PretrainArguments, accelerator: Accelerator, config, objective: str,
+                           resume_from: Path | None):
+    """(tokenizer, model, packed corpus, validation source): the inputs read first, and only then output_dir
+    claimed; a run refused on the way leaves no folder behind that a rerun would take for another run."""
     with accelerator.main_process_first():
         corpus, validation_source = load_text_corpus(
             args.dataset_name, args.dataset_config_name, args.train_file, args.validation_file, args.text_column,
@@ -430,29 +427,75 @@ def run_pretraining(args: PretrainArguments) -> dict:
         with accelerator.main_process_first():
             packed = pack_corpus(corpus, tokenizer, args.max_seq_length, objective)
     except UsageError:
-        # a run that never started leaves no folder behind that a rerun would take for another run
         if resume_from is None and accelerator.is_main_process:
-            shutil.rmtree(output_dir, ignore_errors=True)
+            shutil.rmtree(args.output_dir, ignore_errors=True)
         raise
-    valid = packed["validation"]
-    if args.max_eval_samples is not None:
-        valid = valid.select(range(min(args.max_eval_samples, len(valid))))
-    valid_ids = valid[:]["input_ids"]  # one (rows, seq_len) tensor
-    if objective == "mlm":  # one fixed masking of the validation set, the same for every evaluation and model
-        eval_rows = _mask({"input_ids": valid_ids}, tokenizer, args, seed=args.seed + 1)
-    else:
-        eval_rows = {"input_ids": valid_ids, "labels": valid_ids.clone()}
+    return tokenizer, model, packed, validation_source
 
+
+def evaluation_rows(validation, tokenizer, args: PretrainArguments, objective: str) -> dict:
+    """The validation batch every evaluation scores: for masked LM one fixed masking, the same for every
+    evaluation and every model."""
+    if args.max_eval_samples is not None:
+        validation = validation.select(range(min(args.max_eval_samples, len(validation))))
+    ids = validation[:]["input_ids"]  # one (rows, seq_len) tensor
+    if objective == "mlm":
+        return _mask({"input_ids": ids}, tokenizer, args, seed=args.seed + 1)
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def prepare_training(args: PretrainArguments, accelerator: Accelerator, model, objective: str):
+    """(trained module, optimizer, scheduler), prepared by accelerate. The trained module is the masked LM with its
+    head on masked tokens only where the model allows it, else the model itself."""
     optimizer = _optimizer(model, args)
     world = accelerator.num_processes
     # accelerate steps a prepared scheduler once per process per optimizer step: scale its lengths to match
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer,
                               num_warmup_steps=math.ceil(args.warmup_ratio * args.max_steps) * world,
                               num_training_steps=args.max_steps * world)
-    # the module that is trained: the masked LM with its head on masked tokens only where the model allows it
     trained = MaskedTokensLoss(model) if objective == "mlm" and MaskedTokensLoss.supports(model) else model
-    trained, optimizer, scheduler = accelerator.prepare(trained, optimizer, scheduler)
+    return accelerator.prepare(trained, optimizer, scheduler)
+
+
+def optimizer_step(accelerator: Accelerator, trained, optimizer, scheduler, micro: list[dict], objective: str,
+                   max_grad_norm: float) -> tuple[torch.Tensor, int]:
+    """One optimizer step over the micro-batches of every process; returns (this process's loss x tokens, the
+    tokens of every process). The step's loss is the mean over every predicted token of every process."""
+    world = accelerator.num_processes
+    counts = [_items(b, objective) for b in micro]
+    total = accelerator.reduce(torch.tensor(sum(counts), device=accelerator.device), "sum").item()
+    loss_sum = torch.zeros((), device=accelerator.device)
+    for i, batch in enumerate(micro):
+        sync = i == len(micro) - 1
+        with nullcontext() if sync else accelerator.no_sync(trained):
+            loss = trained(**batch).loss
+            # DDP averages gradients over processes, hence * world
+            accelerator.backward(loss * (counts[i] * world / max(total, 1)))
+        loss_sum += loss.detach().float() * counts[i]
+    if max_grad_norm > 0:
+        accelerator.clip_grad_norm_(trained.parameters(), max_grad_norm)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad()
+    return loss_sum, total
+
+
+def run_pretraining(args: PretrainArguments) -> dict:
+    """Pretrain as `args` say; returns the final metrics (also written to output_dir/train_results.json)."""
+    if args.gradient_accumulation_steps < 1 or args.max_steps < 1:
+        raise UsageError("--gradient_accumulation_steps and --max_steps must be at least 1")
+    accelerator = make_accelerator(args)
+    config = load_model_config(args)
+    objective = objective_for(config, args.objective)
+    resume_from = check_output_dir(args, accelerator.num_processes)
+    output_dir = Path(args.output_dir)
+    set_seed(args.seed)
+    tokenizer, model, packed, validation_source = prepare_model_and_data(args, accelerator, config, objective,
+                                                                         resume_from)
+    eval_rows = evaluation_rows(packed["validation"], tokenizer, args, objective)
+    trained, optimizer, scheduler = prepare_training(args, accelerator, model, objective)
     stream_source = BatchStream(accelerator, packed["train"], args.per_device_train_batch_size, args.seed)
+    world = accelerator.num_processes
 
     start_step = 0
     if resume_from is not None:
@@ -481,22 +524,10 @@ def run_pretraining(args: PretrainArguments) -> dict:
                            + accelerator.process_index) for i, b in enumerate(micro)]
         else:
             micro = [{"input_ids": b["input_ids"], "labels": b["input_ids"]} for b in micro]
-        # the loss of the whole optimizer step is the mean over every predicted token of every process
-        counts = [_items(b, objective) for b in micro]
-        total = accelerator.reduce(torch.tensor(sum(counts), device=accelerator.device), "sum").item()
-        for i, batch in enumerate(micro):
-            sync = i == len(micro) - 1
-            with nullcontext() if sync else accelerator.no_sync(trained):
-                loss = trained(**batch).loss
-                # DDP averages gradients over processes, hence * world
-                accelerator.backward(loss * (counts[i] * world / max(total, 1)))
-            running_loss += loss.detach().float() * counts[i]
-        if args.max_grad_norm > 0:
-            accelerator.clip_grad_norm_(trained.parameters(), args.max_grad_norm)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad()
-        running_items += total
+        loss_sum, items = optimizer_step(accelerator, trained, optimizer, scheduler, micro, objective,
+                                         args.max_grad_norm)
+        running_loss += loss_sum
+        running_items += items
         progress.update(1)
         done = step + 1
         if done % args.logging_steps == 0 or done == args.max_steps:

@@ -15,8 +15,8 @@ WIKITEXT = SHARED_DATA / "wikitext-2"
 @pytest.mark.skipif(not (WIKITEXT / "wiki.train.tokens").is_file(), reason=f"WikiText-2 not found at {WIKITEXT}")
 def test_demo_trains_saves_and_reloads_every_encoder(tmp_path):
     cmd = [sys.executable, str(REPO_ROOT / "scripts" / "demo_encoders.py"), "--dataset", str(WIKITEXT),
-           "--output-dir", str(tmp_path), "--steps", "3", "--batch-size", "4", "--seq-len", "64",
-           "--eval-batches", "2", "--vocab-size", "2000", "--linformer-k", "16"]
+           "--output_dir", str(tmp_path), "--steps", "3", "--batch_size", "4", "--seq_len", "64",
+           "--eval_batches", "2", "--vocab_size", "2000", "--linformer_k", "16"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((tmp_path / "results.json").read_text())["results"]
@@ -29,7 +29,7 @@ def test_demo_trains_saves_and_reloads_every_encoder(tmp_path):
 
 def test_demo_names_a_missing_data_folder(tmp_path):
     proc = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "demo_encoders.py"), "--dataset",
-                           str(tmp_path / "nowhere"), "--output-dir", str(tmp_path / "out")],
+                           str(tmp_path / "nowhere"), "--output_dir", str(tmp_path / "out")],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "WikiText-2 files not found" in proc.stderr and "--dataset hub" in proc.stderr
 
@@ -38,8 +38,8 @@ def test_demo_names_a_missing_data_folder(tmp_path):
 @pytest.mark.skipif(not (WIKITEXT / "wiki.train.tokens").is_file(), reason=f"WikiText-2 not found at {WIKITEXT}")
 def test_decoder_demo_trains_generates_and_reloads_every_decoder(tmp_path):
     cmd = [sys.executable, str(REPO_ROOT / "scripts" / "demo_decoders.py"), "--dataset", str(WIKITEXT),
-           "--output-dir", str(tmp_path), "--steps", "3", "--batch-size", "4", "--seq-len", "64",
-           "--eval-batches", "2", "--vocab-size", "2000", "--new-tokens", "40", "--block-size", "16"]
+           "--output_dir", str(tmp_path), "--steps", "3", "--batch_size", "4", "--seq_len", "64",
+           "--eval_batches", "2", "--vocab_size", "2000", "--new_tokens", "40", "--block_size", "16"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((tmp_path / "results.json").read_text())["results"]

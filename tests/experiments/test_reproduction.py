@@ -11,21 +11,11 @@ import pytest
 from transformers import AutoConfig
 
 import hf_linear_attn  # noqa: F401  (registers the model types read below)
-from hf_linear_attn.experiments.reproduction import (
-    REPO,
-    TASKS,
-    ReproductionError,
-    Stage,
-    _merged_config,
-    collect,
-    describe_seeds,
-    finetune_seeds,
-    load_preset,
-    plan,
-    reproduce,
-    select_models,
-    with_outcome,
-)
+from helpers import REPO_ROOT as REPO
+from hf_linear_attn.experiments.reproduction import TASKS, ReproductionError, Stage, load_preset, plan, reproduce
+from hf_linear_attn.experiments.reproduction.preset import _merged_config, finetune_seeds, select_models
+from hf_linear_attn.experiments.reproduction.report import collect, describe_seeds, render_markdown
+from hf_linear_attn.experiments.reproduction.stages import with_outcome
 
 DATA = REPO.parent / "shared" / "data"
 PRESETS = sorted((REPO / "configs" / "reproduce").glob("*.json"))
@@ -39,9 +29,14 @@ def test_presets_exist_and_compare_like_with_like():
     for path in PRESETS:
         preset = load_preset(path)
         for group, keys in DIMENSIONS.items():
+            if group not in preset:  # a preset may compare encoders only (the demo)
+                continue
             configs = [AutoConfig.from_pretrained(REPO / file) for file in preset[group].values()]
             for key in keys:  # identical dimensions inside a comparison: only the attention differs
                 assert len({getattr(c, key) for c in configs}) == 1, (path.name, group, key)
+    # the main command's preset compares with seeds, so the table can call a difference noise
+    demo = load_preset(REPO / "configs" / "reproduce" / "demo.json")
+    assert len(demo["encoders"]) == 2 and len(demo["finetune"]) >= 2 and len(finetune_seeds(demo)["sst2"]) >= 3
     cpu = load_preset(REPO / "configs" / "reproduce" / "cpu.json")
     types = [AutoConfig.from_pretrained(REPO / file) for file in cpu["encoders"].values()]
     assert set(cpu["finetune"]) == set(TASKS)
@@ -156,12 +151,45 @@ def test_a_task_averages_its_seeds_once_all_have_finished(tmp_path):
     assert describe_seeds({"sst2": [7], "imdb": [7]}) == "7"
 
 
+def test_the_table_calls_a_difference_inside_the_seeds_noise_noise_and_flags_unlearned_tasks(tmp_path):
+    preset = {"baseline": "A", "encoders": {"A": "a.json", "B": "b.json", "C": "c.json"},
+              "pretrain": {"config": "p.json"}, "seeds": [1, 2],
+              "finetune": {"sst2": {"config": "s.json"}, "imdb": {"config": "i.json"}}}
+    stages = plan(preset, tmp_path, tokenizers={})
+    scores = {"A": {"sst2": (80.0, 82.0), "imdb": (70.0, 74.0)},   # average 76.5
+              "B": {"sst2": (81.0, 83.0), "imdb": (71.0, 73.0)},   # 77.0: +0.5
+              "C": {"sst2": (90.0, 90.0), "imdb": (51.0, 51.0)}}   # 70.5: -6.0; IMDB at the majority class
+    records = {}
+    for stage in stages:
+        info = stage.info
+        stage.folder.mkdir(parents=True)
+        if info["kind"] == "pretrain":
+            (stage.folder / "train_results.json").write_text(json.dumps({"perplexity": 9.0}))
+        else:
+            value = scores[info["model"]][info["task"]][info["seed"] - 1]
+            (stage.folder / "eval_results.json").write_text(json.dumps({"eval_accuracy": value / 100}))
+        records[stage.name] = with_outcome(stage, {"seconds": 10.0})
+    results = collect(preset, stages, records)
+    # by hand: sample variances A (2, 8), B (2, 2), C (0, 0); two seeds each; four task terms over two tasks
+    noise_b = 2 * ((2 / 2 + 8 / 2 + 2 / 2 + 2 / 2) ** 0.5) / 2
+    assert results["encoders"]["B"]["noise"] == pytest.approx(noise_b)  # sqrt(7) = 2.65 > 0.5: within
+    assert results["encoders"]["C"]["noise"] == pytest.approx(2 * ((2 / 2 + 8 / 2) ** 0.5) / 2)
+    meta = {"command": "x", "machine": "m", "seeds": {"sst2": [1, 2], "imdb": [1, 2]}, "pretrain_seed": 42,
+            "seconds": 60, "stages_done": len(records), "stages": len(stages),
+            "majority": {"sst2": {"share": 0.509}, "imdb": {"share": 0.505}}}
+    table = render_markdown("t", preset, results, meta)
+    assert f"| +0.50 pt (within seed noise ±{noise_b:.2f}) |" in table
+    assert "| -6.00 pt (beyond seed noise ±2.24) |" in table
+    assert "| 51.0 ± 0.0 † |" in table and "† less than 2 points above the majority class" in table
+    assert "| 90.0 ± 0.0 |" in table  # far above the majority: no mark
+
+
 def test_a_result_the_run_did_not_record_is_adopted_from_its_launch_record_or_refused(tmp_path):
     """A stage's script can write its result and the run stop before writing stage.json (stopped in between, or
     the script failed after its result): the launch record kept beside the logs says what made it."""
     folder = tmp_path / "finetune" / "a" / "sst2-seed42"
     argv = ["--config", "configs/finetune/cpu-sst2.json", "--output_dir", str(folder), "--seed", "42"]
-    stage = Stage("fine-tune A on SST-2 (seed 42)", "scripts/finetune.py", folder, argv, "eval_results.json", tmp_path)
+    stage = Stage("fine-tune A on SST-2 (seed 42)", "scripts/finetune.py", folder, argv, "eval_results.json", tmp_path, REPO)
     assert stage.finished() is None  # nothing there yet
     folder.mkdir(parents=True)
     (folder / "eval_results.json").write_text(json.dumps({"eval_accuracy": 0.75}))
@@ -184,7 +212,7 @@ def test_seeds_must_be_distinct_and_data_paths_resolve_from_any_directory(tmp_pa
     with pytest.raises(ReproductionError, match="--seeds must be distinct"):
         finetune_seeds(preset, [42, 42])
     monkeypatch.chdir(tmp_path)  # the preset's data paths are relative to the repository, like its configs
-    merged = _merged_config(preset["finetune"]["sst2"])
+    merged = _merged_config(preset["finetune"]["sst2"], preset["root"])
     assert Path(merged["train_file"]).is_absolute()
     assert Path(merged["train_file"]).resolve() == (REPO / "../shared/data/glue/sst2/train.tsv").resolve()
 

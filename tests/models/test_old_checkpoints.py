@@ -1,9 +1,10 @@
-"""Checkpoints saved by an earlier version of the package (tests/fixtures/checkpoints, written before the package
-was restructured) still load and give the logits they gave then: with the code saved beside them
+"""Checkpoints saved by an earlier version of the package (tests/fixtures/old_checkpoints.tar.gz, written before the
+package was restructured) still load and give the logits they gave then: with the code saved beside them
 (trust_remote_code, in a fresh process that never imports the package) and with the installed package."""
 
 import subprocess
 import sys
+import tarfile
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
 
 import hf_linear_attn  # noqa: F401  (registers the families, so the installed code is used without remote code)
 
-FIXTURES = REPO_ROOT / "tests" / "fixtures" / "checkpoints"
+ARCHIVE = REPO_ROOT / "tests" / "fixtures" / "old_checkpoints.tar.gz"
 AUTO = {"linformer": AutoModelForMaskedLM, "linear_roberta": AutoModelForMaskedLM,
         "linear_gpt2": AutoModelForCausalLM, "linformer_gpt2": AutoModelForCausalLM}
 
@@ -31,9 +32,18 @@ print(float((logits - expected["logits"]).abs().max()))
 """
 
 
+@pytest.fixture(scope="module")
+def old_checkpoints(tmp_path_factory):
+    """The archive unpacked: one folder per family."""
+    folder = tmp_path_factory.mktemp("old_checkpoints")
+    with tarfile.open(ARCHIVE) as archive:
+        archive.extractall(folder, filter="data")
+    return folder
+
+
 @pytest.mark.parametrize("family", list(AUTO))
-def test_an_old_checkpoint_gives_its_old_logits_with_the_installed_package(family):
-    folder = FIXTURES / family
+def test_an_old_checkpoint_gives_its_old_logits_with_the_installed_package(family, old_checkpoints):
+    folder = old_checkpoints / family
     expected = load_file(str(folder / "expected.safetensors"))
     model = AUTO[family].from_pretrained(folder).eval()
     assert type(model).__module__.startswith("hf_linear_attn."), type(model).__module__
@@ -43,10 +53,8 @@ def test_an_old_checkpoint_gives_its_old_logits_with_the_installed_package(famil
 
 
 @pytest.mark.parametrize("family", list(AUTO))
-def test_an_old_checkpoint_gives_its_old_logits_with_its_own_code_in_a_fresh_process(family, tmp_path):
-    # A copy, so the fresh process cannot find the package through the fixture's path either.
-    folder = tmp_path / family
-    subprocess.run(["cp", "-r", str(FIXTURES / family), str(folder)], check=True)
+def test_an_old_checkpoint_gives_its_old_logits_with_its_own_code_in_a_fresh_process(family, old_checkpoints, tmp_path):
+    folder = old_checkpoints / family
     code = FRESH_PROCESS.format(auto=AUTO[family].__name__)
     proc = subprocess.run([sys.executable, "-c", code, str(folder)], capture_output=True, text=True, timeout=300,
                           env=ENV, cwd=tmp_path)

@@ -1,0 +1,102 @@
+"""The model families of the package, and what the code around the models needs to know about each.
+
+Adding a family means its configuration / modeling pair in this folder and one entry here: registration with the
+Auto classes (`hf_linear_attn/__init__.py`), conversion, distillation, length extension and model cards read it.
+This module is not imported by any model file, so it never travels inside a checkpoint.
+"""
+
+from dataclasses import dataclass
+
+from .configuration_linear_gpt2 import LinearGPT2Config
+from .configuration_linear_roberta import LinearRobertaConfig
+from .configuration_linformer import LinformerConfig
+from .configuration_linformer_gpt2 import LinformerGPT2Config
+from .modeling_linear_gpt2 import LinearGPT2ForCausalLM, LinearGPT2ForSequenceClassification, LinearGPT2Model
+from .modeling_linear_roberta import (
+    LinearRobertaForMaskedLM,
+    LinearRobertaForMultipleChoice,
+    LinearRobertaForQuestionAnswering,
+    LinearRobertaForSequenceClassification,
+    LinearRobertaForTokenClassification,
+    LinearRobertaModel,
+)
+from .modeling_linformer import (
+    LinformerForMaskedLM,
+    LinformerForMultipleChoice,
+    LinformerForQuestionAnswering,
+    LinformerForSequenceClassification,
+    LinformerForTokenClassification,
+    LinformerModel,
+)
+from .modeling_linformer_gpt2 import (
+    LinformerGPT2ForCausalLM,
+    LinformerGPT2ForSequenceClassification,
+    LinformerGPT2Model,
+)
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """One model family: its config class, its model class for each Auto class, and its facts."""
+
+    config_class: type
+    models: dict  # Auto class name ("AutoModel", "AutoModelForMaskedLM", ...) -> model class
+    kind: str  # "encoder" (RoBERTa-style, pretrained as a masked LM) or "decoder" (GPT-2-style, causal LM)
+    attention: str  # "linformer" or "linear"
+    description: str  # one sentence on its attention, for model cards
+
+    @property
+    def model_type(self) -> str:
+        return self.config_class.model_type
+
+    @property
+    def objective(self) -> str:
+        """The pretraining objective: "mlm" or "clm"."""
+        return "mlm" if self.kind == "encoder" else "clm"
+
+    @property
+    def distillation_mode(self) -> str:
+        """What a converted student matches of its softmax teacher: the attention output of each layer where the
+        attention is a drop-in kernel ("attention", linear attention), the layer output where the attention has
+        new projections that see the whole layer input ("layer_output", Linformer)."""
+        return "layer_output" if self.attention == "linformer" else "attention"
+
+
+_ENCODER_HEADS = ("AutoModel", "AutoModelForMaskedLM", "AutoModelForSequenceClassification",
+                  "AutoModelForTokenClassification", "AutoModelForQuestionAnswering", "AutoModelForMultipleChoice")
+_DECODER_HEADS = ("AutoModel", "AutoModelForCausalLM", "AutoModelForSequenceClassification")
+
+
+def _family(config_class, classes, kind, attention, description) -> ModelFamily:
+    heads = _ENCODER_HEADS if kind == "encoder" else _DECODER_HEADS
+    return ModelFamily(config_class, dict(zip(heads, classes, strict=True)), kind, attention, description)
+
+
+MODEL_FAMILIES = {family.model_type: family for family in (
+    _family(LinformerConfig, (LinformerModel, LinformerForMaskedLM, LinformerForSequenceClassification,
+                              LinformerForTokenClassification, LinformerForQuestionAnswering,
+                              LinformerForMultipleChoice),
+            "encoder", "linformer",
+            "Self-attention is Linformer's (Wang et al. 2020): keys and values are projected along the sequence from "
+            "n to k rows by learned matrices, so attention costs O(n k) instead of O(n^2)."),
+    _family(LinearRobertaConfig, (LinearRobertaModel, LinearRobertaForMaskedLM,
+                                  LinearRobertaForSequenceClassification, LinearRobertaForTokenClassification,
+                                  LinearRobertaForQuestionAnswering, LinearRobertaForMultipleChoice),
+            "encoder", "linear",
+            "Self-attention is kernelized linear attention (Katharopoulos et al. 2020): softmax is replaced by a "
+            "feature map phi, and attention costs O(n) in the sequence length."),
+    _family(LinearGPT2Config, (LinearGPT2Model, LinearGPT2ForCausalLM, LinearGPT2ForSequenceClassification),
+            "decoder", "linear",
+            "Causal linear attention (Katharopoulos et al. 2020): a constant-size recurrent state replaces the "
+            "key/value cache."),
+    _family(LinformerGPT2Config, (LinformerGPT2Model, LinformerGPT2ForCausalLM,
+                                  LinformerGPT2ForSequenceClassification),
+            "decoder", "linformer",
+            "Causal block Linformer: each token attends to its own block and to k-row summaries of earlier blocks."),
+)}
+
+
+def family_of(model_or_config) -> ModelFamily | None:
+    """The family of a model or config of this package (None for any other, e.g. stock RoBERTa)."""
+    config = getattr(model_or_config, "config", model_or_config)
+    return MODEL_FAMILIES.get(getattr(config, "model_type", None))
