@@ -91,7 +91,8 @@ def collect(preset: dict, stages: list, records: dict) -> dict:
     for entry in results["encoders"].values():
         entry["vs_baseline"] = (entry["average"] - baseline
                                 if entry.get("average") is not None and baseline is not None else None)
-        entry["noise"] = seed_noise(entry, base_entry, list(preset["finetune"])) if entry is not base_entry else None
+        if entry is not base_entry:
+            entry["noise"], entry["one_seed"] = seed_noise(entry, base_entry, list(preset["finetune"]))
     base_ppl = ((results["decoders"].get(preset.get("decoder_baseline")) or {}).get("pretrain") or {}).get("perplexity")
     for entry in results["decoders"].values():
         ppl = (entry.get("pretrain") or {}).get("perplexity")
@@ -99,25 +100,26 @@ def collect(preset: dict, stages: list, records: dict) -> dict:
     return results
 
 
-def seed_noise(entry: dict, baseline: dict, tasks: list[str]) -> float | None:
-    """Twice the standard error of (this model's average - the baseline's), from the spread of each task's seeds:
-    a difference inside it is within seed noise. None where a task has fewer than two seeds on either side (its
-    spread, and so the noise, is unknown)."""
-    variance = 0.0
+def seed_noise(entry: dict, baseline: dict, tasks: list[str]) -> tuple[float | None, list[str]]:
+    """(noise, tasks with one seed): twice the standard error of (this model's average - the baseline's), from the
+    spread of each task's seeds, so that a difference inside it is within seed noise; None, with the tasks that have
+    fewer than two seeds on either side, where some spread and so the noise is unknown."""
+    variance, single = 0.0, []
     for task in tasks:
         for runs in (entry["tasks"].get(task, {}), baseline.get("tasks", {}).get(task, {})):
             if runs.get("std") is None:
-                return None
+                single.append(task)
+                break
             variance += runs["std"] ** 2 / len(runs["per_seed"])
-    return 2 * math.sqrt(variance) / len(tasks)
+    return (None if single else 2 * math.sqrt(variance) / len(tasks)), single
 
 
-def _versus(delta, noise) -> str:
+def _versus(delta, noise, single: list[str]) -> str:
     """The 'vs baseline' cell: the difference, and whether it lies within the seeds' noise."""
     if delta is None:
         return "pending"
     if noise is None:
-        return f"{delta:+.2f} pt (noise unknown: one seed)"
+        return f"{delta:+.2f} pt (noise unknown: one seed on {', '.join(TASK_TITLES[t] for t in single)})"
     return f"{delta:+.2f} pt ({'within' if abs(delta) <= noise else 'beyond'} seed noise ±{noise:.2f})"
 
 
@@ -187,7 +189,7 @@ def render_markdown(preset_name: str, preset: dict, results: dict, meta: dict) -
                          f"{_cell(pre.get('perplexity'))} | "
                          + " | ".join(cells) + f" | {_cell(entry.get('average'), 2)} | "
                          + ("baseline" if model == preset["baseline"]
-                            else _versus(entry.get("vs_baseline"), entry.get("noise")))
+                            else _versus(entry.get("vs_baseline"), entry.get("noise"), entry.get("one_seed", [])))
                          + f" | {_minutes(entry.get('seconds'))} |")
         lines += ["", "± is the standard deviation over fine-tuning seeds; seed noise is twice the standard error of the "
                   "difference of averages, from those spreads: a difference inside it is not a finding."]
