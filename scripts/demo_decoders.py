@@ -89,12 +89,7 @@ def generate_and_time(model, prompt, new_tokens):
 
 def main():
     args = parse_args()
-    out_dir = Path(args.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    try:
-        tokenizer, train_rows, valid_rows = prepare_data(args, out_dir)
-    except UsageError as error:
-        sys.exit(f"error: {error}")
+    out_dir, tokenizer, train_rows, valid_rows = prepare_data(args)
     prompt = valid_rows[-1:, : args.seq_len - 1]  # <s> + a validation passage the models never trained on
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=not args.no_bf16)
 
@@ -134,4 +129,7 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except UsageError as error:
+        sys.exit(f"error: {error}")

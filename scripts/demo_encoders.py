@@ -56,12 +56,7 @@ def evaluate_mlm(model, batches):
 
 def main():
     args = parse_args()
-    out_dir = Path(args.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    try:
-        tokenizer, train_rows, valid_rows = prepare_data(args, out_dir)
-    except UsageError as error:
-        sys.exit(f"error: {error}")
+    out_dir, tokenizer, train_rows, valid_rows = prepare_data(args)
 
     collator = DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.15, return_tensors="pt")
     torch.manual_seed(1234)  # the same masked validation batches for every model
@@ -99,4 +94,7 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except UsageError as error:
+        sys.exit(f"error: {error}")

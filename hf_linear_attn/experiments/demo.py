@@ -53,15 +53,19 @@ def pack(raw_split, tokenizer, seq_len):
     return torch.tensor([[tokenizer.bos_token_id, *r, tokenizer.eos_token_id] for r in rows])
 
 
-def prepare_data(args, out_dir):
-    """Byte-level BPE trained on WikiText-2 train (saved under out_dir), and packed train / validation rows."""
+def prepare_data(args):
+    """(output folder, tokenizer, train rows, validation rows): WikiText-2 read first (a missing folder is a
+    UsageError and creates nothing), then a byte-level BPE trained on its train split and saved in the output
+    folder, and the packed rows."""
     torch.manual_seed(args.seed)
     raw = load_text(args.dataset)
+    out_dir = Path(args.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = train_bpe_tokenizer(list(raw["train"]["text"]), args.vocab_size, "roberta", args.seq_len)
     tokenizer.save_pretrained(out_dir / "tokenizer")
     train_rows, valid_rows = pack(raw["train"], tokenizer, args.seq_len), pack(raw["validation"], tokenizer, args.seq_len)
     print(f"WikiText-2: {len(train_rows)} train rows, {len(valid_rows)} validation rows of {args.seq_len} tokens")
-    return tokenizer, train_rows, valid_rows
+    return out_dir, tokenizer, train_rows, valid_rows
 
 
 def train(model, args, name, train_rows, make_batch, autocast) -> float:
