@@ -56,6 +56,7 @@ from .modeling_linformer_gpt2 import (
     LinformerGPT2Model,
     LinformerGPT2PreTrainedModel,
 )
+from .modeling_gpt2_style import DecoderStateStep
 from .modeling_linformer import (
     LinformerForMaskedLM,
     LinformerForMultipleChoice,
@@ -101,6 +102,7 @@ __all__ = [
     "ModelFamily",
     "BlockLinformerCacheLayer",
     "BlockLinformerState",
+    "DecoderStateStep",
     "LinearAttentionStateLayer",
     "LinearGPT2Config",
     "LinearRobertaConfig",

@@ -2,6 +2,7 @@
 
 from huggingface_hub.dataclasses import strict
 
+from .configuration_common import DECODER_HEADS, build_auto_map
 from .configuration_gpt2_style import GPT2StyleConfig
 from .feature_maps import check_feature_map_options
 
@@ -35,12 +36,7 @@ class LinearGPT2Config(GPT2StyleConfig):
     linear_attention_eps: float | int = 1e-6
     linear_attention_chunk_size: int = 64
 
-    default_auto_map = {
-        "AutoConfig": "configuration_linear_gpt2.LinearGPT2Config",
-        "AutoModel": "modeling_linear_gpt2.LinearGPT2Model",
-        "AutoModelForCausalLM": "modeling_linear_gpt2.LinearGPT2ForCausalLM",
-        "AutoModelForSequenceClassification": "modeling_linear_gpt2.LinearGPT2ForSequenceClassification",
-    }
+    default_auto_map = build_auto_map("linear_gpt2", "LinearGPT2", DECODER_HEADS)
 
     def validate_linear_attention(self):
         check_feature_map_options(

@@ -2,6 +2,7 @@
 
 from huggingface_hub.dataclasses import strict
 
+from .configuration_common import ENCODER_HEADS, build_auto_map
 from .configuration_roberta_style import RobertaStyleConfig
 from .feature_maps import check_feature_map_options
 
@@ -30,15 +31,7 @@ class LinearRobertaConfig(RobertaStyleConfig):
     learned_feature_dim: int | None = None
     linear_attention_eps: float | int = 1e-6
 
-    default_auto_map = {
-        "AutoConfig": "configuration_linear_roberta.LinearRobertaConfig",
-        "AutoModel": "modeling_linear_roberta.LinearRobertaModel",
-        "AutoModelForMaskedLM": "modeling_linear_roberta.LinearRobertaForMaskedLM",
-        "AutoModelForSequenceClassification": "modeling_linear_roberta.LinearRobertaForSequenceClassification",
-        "AutoModelForTokenClassification": "modeling_linear_roberta.LinearRobertaForTokenClassification",
-        "AutoModelForQuestionAnswering": "modeling_linear_roberta.LinearRobertaForQuestionAnswering",
-        "AutoModelForMultipleChoice": "modeling_linear_roberta.LinearRobertaForMultipleChoice",
-    }
+    default_auto_map = build_auto_map("linear_roberta", "LinearRoberta", ENCODER_HEADS)
 
     def validate_linear_attention(self):
         check_feature_map_options(

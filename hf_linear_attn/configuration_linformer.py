@@ -2,6 +2,7 @@
 
 from huggingface_hub.dataclasses import strict
 
+from .configuration_common import ENCODER_HEADS, build_auto_map
 from .configuration_roberta_style import RobertaStyleConfig
 from .linformer_projection import check_linformer_options
 
@@ -39,15 +40,7 @@ class LinformerConfig(RobertaStyleConfig):
     linformer_init: str = "xavier_uniform"
     linformer_normalize_rows: bool = False
 
-    default_auto_map = {
-        "AutoConfig": "configuration_linformer.LinformerConfig",
-        "AutoModel": "modeling_linformer.LinformerModel",
-        "AutoModelForMaskedLM": "modeling_linformer.LinformerForMaskedLM",
-        "AutoModelForSequenceClassification": "modeling_linformer.LinformerForSequenceClassification",
-        "AutoModelForTokenClassification": "modeling_linformer.LinformerForTokenClassification",
-        "AutoModelForQuestionAnswering": "modeling_linformer.LinformerForQuestionAnswering",
-        "AutoModelForMultipleChoice": "modeling_linformer.LinformerForMultipleChoice",
-    }
+    default_auto_map = build_auto_map("linformer", "Linformer", ENCODER_HEADS)
 
     def k_for_layer(self, layer_idx: int) -> int:
         """The projected length k of layer ``layer_idx``."""

@@ -2,6 +2,7 @@
 
 from huggingface_hub.dataclasses import strict
 
+from .configuration_common import DECODER_HEADS, build_auto_map
 from .configuration_gpt2_style import GPT2StyleConfig
 from .linformer_projection import check_linformer_options
 
@@ -32,12 +33,7 @@ class LinformerGPT2Config(GPT2StyleConfig):
     linformer_sharing: str = "headwise"
     linformer_init: str = "xavier_uniform"
 
-    default_auto_map = {
-        "AutoConfig": "configuration_linformer_gpt2.LinformerGPT2Config",
-        "AutoModel": "modeling_linformer_gpt2.LinformerGPT2Model",
-        "AutoModelForCausalLM": "modeling_linformer_gpt2.LinformerGPT2ForCausalLM",
-        "AutoModelForSequenceClassification": "modeling_linformer_gpt2.LinformerGPT2ForSequenceClassification",
-    }
+    default_auto_map = build_auto_map("linformer_gpt2", "LinformerGPT2", DECODER_HEADS)
 
     def validate_block_linformer(self):
         check_linformer_options(self.linformer_sharing, self.linformer_init)

@@ -3,13 +3,7 @@
 from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 
-
-def check_dropouts(config, names) -> None:
-    """Raise a ValueError naming a dropout probability outside [0, 1)."""
-    for name in names:
-        value = getattr(config, name)
-        if value is not None and not 0 <= value < 1:
-            raise ValueError(f"{name} must be a probability in [0, 1), got {value}.")
+from .configuration_common import check_dropouts
 
 
 @strict

@@ -24,11 +24,35 @@ class LinformerProjection(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_matrices, k, max_length))
         nn.init.uniform_(self.weight, -xavier_bound(k, max_length), xavier_bound(k, max_length))
 
-    def forward(
-        self, x: torch.Tensor, key_mask: torch.Tensor | None = None, normalize_rows: bool = False
-    ) -> torch.Tensor:
-        """(B, H, n, d) -> (B, H, k, d), pad rows (``key_mask`` False) removed first."""
-        return project_sequence(x, self.weight, key_mask, normalize_rows)
+
+def add_linformer_projections(attention: nn.Module, sharing: str, num_heads: int, k: int, max_length: int) -> None:
+    """Give an attention module the E / F its sharing mode owns, as ``key_projection`` / ``value_projection``.
+
+    "none": one matrix per head for each; "headwise": one each, shared by the heads; "key-value": ``key_projection``
+    only, used for keys and values; "layerwise": none, the model's single shared matrix is used (see
+    :func:`shared_linformer_projection`).
+    """
+    num_matrices = num_heads if sharing == "none" else 1
+    if sharing in ("none", "headwise", "key-value"):
+        attention.key_projection = LinformerProjection(num_matrices, k, max_length)
+    if sharing in ("none", "headwise"):
+        attention.value_projection = LinformerProjection(num_matrices, k, max_length)
+
+
+def shared_linformer_projection(sharing: str, k: int, max_length: int) -> LinformerProjection | None:
+    """The single matrix of layerwise sharing, owned by the model and used by every layer; None for other modes."""
+    return LinformerProjection(1, k, max_length) if sharing == "layerwise" else None
+
+
+def linformer_projection_weights(
+    attention: nn.Module, sharing: str, shared_projection: nn.Module | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (E, F) weights an attention module projects keys and values with, under its sharing mode."""
+    if sharing == "layerwise":
+        return shared_projection.weight, shared_projection.weight
+    key_projection = attention.key_projection.weight
+    value_projection = key_projection if sharing == "key-value" else attention.value_projection.weight
+    return key_projection, value_projection
 
 
 def check_linformer_options(sharing: str, init: str) -> None:

@@ -4,11 +4,18 @@ The families (linear attention, causal block Linformer) supply their attention (
 their init. Everything else has GPT-2's layout and parameter names (``transformer.wte``, ``transformer.h.N.attn.c_attn``,
 ``transformer.h.N.mlp.c_fc``, ``lm_head``...), so a GPT-2 state dict maps one to one; the feed-forward is GPT-2's own.
 
-Generation: the model creates a :class:`~.recurrent_cache.RecurrentStateCache` in ``forward`` (``use_cache``) and
-``generate`` passes it back; the cache holds a state per layer, never one key / value row per token. Positions are
-padding-aware: without ``position_ids``, they are counted over the real tokens of ``attention_mask``, so a
-left-padded prompt gets the positions it has alone.
+Generation: the cache (:class:`~.recurrent_cache.RecurrentStateCache`) holds a state per layer, never one key / value
+row per token. The base model is the one place that reads and writes it: each attention layer takes its previous
+state in and hands the new state out. ``generate`` gets the cache from ``_prepare_cache_for_generation``; a direct
+forward with ``use_cache`` creates one. Positions are padding-aware: without ``position_ids``, they are counted over
+the real tokens of ``attention_mask``, so a left-padded prompt gets the positions it has alone.
+
+Under ``torch.compile`` / ``torch.export`` the forward has no data-dependent Python branch: the checks that read
+tensor values (position table bound, padding layout) run in eager mode only, and only where the shapes cannot
+already prove them (:class:`DecoderStateStep` exposes the state as plain tensors for export).
 """
+
+import inspect
 
 import torch
 from torch import nn
@@ -22,6 +29,7 @@ from transformers.modeling_outputs import (
 )
 from transformers.models.gpt2.modeling_gpt2 import GPT2MLP
 from transformers.pytorch_utils import Conv1D
+from transformers.utils.generic import can_return_tuple
 
 from .recurrent_cache import RecurrentStateCache
 from .sequence_classification import sequence_classification_loss
@@ -30,8 +38,9 @@ from .sequence_classification import sequence_classification_loss
 class GPT2StyleAttention(nn.Module):
     """GPT-2's fused q/k/v projection (`c_attn`) and output projection (`c_proj`) around a family's causal attention.
 
-    Subclasses set ``cache_layer_class`` and implement ``attend(q, k, v, key_mask, cache_layer, output_attentions,
-    shared_projection) -> (output, weights)`` on heads (B, H, n, d).
+    Subclasses set ``cache_layer_class`` and implement ``attend`` on heads (B, H, n, d): it continues from the
+    previous ``state`` (None: the first tokens) and returns the new state, plus, when asked, the per-token inputs of
+    the state update (the tail a cache layer needs to roll back).
     """
 
     cache_layer_class = None
@@ -52,19 +61,40 @@ class GPT2StyleAttention(nn.Module):
         """Parameters shared by every layer, owned by the base model; none by default."""
         return None
 
+    @staticmethod
+    def state_shapes(attention: "GPT2StyleAttention", batch_size: int) -> tuple[tuple[int, ...], ...]:
+        """Shapes of one layer's state tensors, for families whose state has a fixed shape."""
+        raise NotImplementedError(
+            f"{type(attention).__name__} keeps a state that changes shape as it grows: it has no fixed-shape state to "
+            "export or compile."
+        )
+
     def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
         return x.reshape(*x.shape[:2], self.num_heads, self.head_dim).transpose(1, 2)
 
-    def attend(self, q, k, v, key_mask, cache_layer, output_attentions, shared_projection):
-        """The family's causal attention on heads (B, H, n, d), continuing from / updating ``cache_layer``."""
+    def attend(self, q, k, v, key_mask, state, use_cache, need_tail, output_attentions, shared_projection):
+        """The family's causal attention on heads (B, H, n, d), continuing from ``state`` (None: no earlier token).
+
+        Returns (output (B, H, n, d), weights or None, new state or None (without ``use_cache``), tail or None
+        (without ``need_tail``)).
+        """
         raise NotImplementedError(f"{type(self).__name__} must implement attend()")
 
-    def forward(self, hidden_states, key_mask=None, past_key_values=None, output_attentions=False, shared_projection=None):
+    def forward(
+        self, hidden_states, key_mask=None, state=None, use_cache=False, need_tail=False, output_attentions=False,
+        shared_projection=None,
+    ):
         q, k, v = (self._split_heads(t) for t in self.c_attn(hidden_states).split(self.embed_dim, dim=-1))
-        cache_layer = None if past_key_values is None else past_key_values.layers[self.layer_idx]
-        output, weights = self.attend(q, k, v, key_mask, cache_layer, output_attentions, shared_projection)
+        if state is not None and output_attentions:
+            raise ValueError(
+                "output_attentions needs the whole sequence in one forward (no past_key_values): the recurrent state "
+                "keeps no past keys. Call the model without past_key_values to inspect attention."
+            )
+        output, weights, state, tail = self.attend(
+            q, k, v, key_mask, state, use_cache, need_tail, output_attentions, shared_projection
+        )
         output = output.transpose(1, 2).reshape(hidden_states.shape)
-        return self.resid_dropout(self.c_proj(output)), weights
+        return self.resid_dropout(self.c_proj(output)), weights, state, tail
 
 
 class GPT2StyleBlock(GradientCheckpointingLayer):
@@ -79,13 +109,16 @@ class GPT2StyleBlock(GradientCheckpointingLayer):
         self.mlp = GPT2MLP(inner_dim, config)
         self.mlp.c_proj.is_residual_projection = True
 
-    def forward(self, hidden_states, key_mask=None, past_key_values=None, output_attentions=False, shared_projection=None):
-        attn_output, weights = self.attn(
-            self.ln_1(hidden_states), key_mask, past_key_values, output_attentions, shared_projection
+    def forward(
+        self, hidden_states, key_mask=None, state=None, use_cache=False, need_tail=False, output_attentions=False,
+        shared_projection=None,
+    ):
+        attn_output, weights, state, tail = self.attn(
+            self.ln_1(hidden_states), key_mask, state, use_cache, need_tail, output_attentions, shared_projection
         )
         hidden_states = hidden_states + attn_output
         hidden_states = hidden_states + self.mlp(self.ln_2(hidden_states))
-        return hidden_states, weights
+        return hidden_states, weights, state, tail
 
 
 class GPT2StylePreTrainedModel(PreTrainedModel):
@@ -97,15 +130,13 @@ class GPT2StylePreTrainedModel(PreTrainedModel):
     _skip_keys_device_placement = ["past_key_values"]
     # Old GPT-2 checkpoints carry the causal-mask buffers of their attention: not weights, nothing to load.
     _keys_to_ignore_on_load_unexpected = [r"\.attn\.bias$", r"\.attn\.masked_bias$"]
-    # The cache is a running state: generate() then refuses strategies that would roll it back (assisted decoding).
-    _is_stateful = True
     # Set by each family: its attention class and its base model class.
     attention_class = None
     base_model_class = None
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
-        """generate() must not build a key/value DynamicCache: the model creates its own state cache."""
+        """generate() must not build a key/value DynamicCache: the model brings its own state cache."""
         return False
 
     @torch.no_grad()
@@ -124,10 +155,6 @@ class GPT2StylePreTrainedModel(PreTrainedModel):
     def check_key_mask(self, key_mask: torch.Tensor, has_past: bool) -> None:
         """Raise if this family cannot honour ``key_mask`` (batch, n) of the new tokens; every mask is fine by default."""
 
-    def _finish(self, output, return_dict):
-        """The output, or its tuple when return_dict (else config.return_dict) is False, as in Transformers."""
-        return_dict = return_dict if return_dict is not None else getattr(self.config, "return_dict", True)
-        return output if return_dict else output.to_tuple()
 
 
 class GPT2StyleModel(GPT2StylePreTrainedModel):
@@ -165,7 +192,11 @@ class GPT2StyleModel(GPT2StylePreTrainedModel):
             )
 
     def _positions_and_mask(self, attention_mask, position_ids, batch, n, past_length, device):
-        """Position ids (B, n) and the key mask (B, n) of the new tokens (None: all real)."""
+        """Position ids (B, n) and the key mask (B, n) of the new tokens (None: all real).
+
+        Only shapes are checked here (they are static in a graph); position values are checked by
+        :meth:`_check_positions`, in eager mode.
+        """
         key_mask = None
         if attention_mask is not None:
             if attention_mask.dim() != 2 or attention_mask.shape[0] != batch or attention_mask.shape[1] not in (
@@ -182,20 +213,68 @@ class GPT2StyleModel(GPT2StylePreTrainedModel):
                     "each row's real tokens and left padding in the cached part would shift them; or pass position_ids."
                 )
             key_mask = attention_mask[:, -n:].bool()
-        if position_ids is None:
+        given = position_ids is not None
+        if not given:
             if attention_mask is not None and attention_mask.shape[1] == past_length + n:
                 # Count real tokens only, so left padding does not shift the positions of a prompt.
                 position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -n:]
             else:
                 position_ids = torch.arange(past_length, past_length + n, device=device).expand(batch, n)
+        # Derived positions are below past_length + n: the shapes prove the bound, no tensor value is read.
+        self._check_positions(position_ids, None if given else past_length + n)
+        return position_ids, key_mask
+
+    def _check_positions(self, position_ids: torch.Tensor, bound: int | None) -> None:
+        """Raise if a position is beyond the position table. ``bound``: a known upper bound of the positions + 1.
+
+        Eager mode only, and it reads a tensor value (a host sync on an accelerator) only when the bound does not
+        settle it: a compiled or exported graph keeps no data-dependent branch.
+        """
+        if torch.compiler.is_compiling() or (bound is not None and bound <= self.config.n_positions):
+            return
         if position_ids.numel() and int(position_ids.max()) >= self.config.n_positions:
             raise ValueError(
                 f"Position {int(position_ids.max())} is beyond this model's position table (n_positions = "
                 f"{self.config.n_positions}): prompt plus generated tokens must stay within {self.config.n_positions}. "
                 "Truncate the input (tokenizer(..., truncation=True)) or generate fewer tokens."
             )
-        return position_ids, key_mask
 
+    def embed(self, input_ids, inputs_embeds, position_ids, token_type_ids=None) -> torch.Tensor:
+        """Token + position (+ token type) embeddings, dropout applied: (B, n, n_embd)."""
+        if inputs_embeds is None:
+            inputs_embeds = self.wte(input_ids)
+        hidden_states = inputs_embeds + self.wpe(position_ids).to(inputs_embeds.dtype)
+        if token_type_ids is not None:
+            hidden_states = hidden_states + self.wte(token_type_ids)
+        return self.drop(hidden_states)
+
+    def run_blocks(
+        self, hidden_states, key_mask, states, use_cache=False, need_tails=False, output_attentions=False,
+        output_hidden_states=False,
+    ):
+        """The blocks and the final LayerNorm on (B, n, n_embd), each block continuing from its entry of ``states``.
+
+        Returns (hidden_states, new states (one per block, None without ``use_cache``), tails (per block, for
+        rollback, None without ``need_tails``), all hidden states or None, all attentions or None).
+        """
+        all_hidden_states = (hidden_states,) if output_hidden_states else None
+        all_attentions = () if output_attentions else None
+        new_states, tails = [], []
+        last = len(self.h) - 1
+        for i, (block, state) in enumerate(zip(self.h, states)):
+            hidden_states, weights, state, tail = block(
+                hidden_states, key_mask=key_mask, state=state, use_cache=use_cache, need_tail=need_tails,
+                output_attentions=output_attentions, shared_projection=self.shared_projection,
+            )
+            new_states.append(state)
+            tails.append(tail)
+            if output_hidden_states:
+                all_hidden_states += (self.ln_f(hidden_states) if i == last else hidden_states,)
+            if output_attentions:
+                all_attentions += (weights,)
+        return self.ln_f(hidden_states), new_states, tails, all_hidden_states, all_attentions
+
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -207,14 +286,15 @@ class GPT2StyleModel(GPT2StylePreTrainedModel):
         use_cache: bool | None = None,
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
-        return_dict: bool | None = None,
     ) -> BaseModelOutputWithPast | tuple:
-        """input_ids (batch, n) -> last_hidden_state (batch, n, n_embd) and, with use_cache, the updated state."""
+        """input_ids (batch, n) -> last_hidden_state (batch, n, n_embd) and, with use_cache, the updated state.
+
+        ``return_dict=False`` (or ``config.return_dict = False``) returns the output's tuple instead.
+        """
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
-        if inputs_embeds is None:
-            inputs_embeds = self.wte(input_ids)
-        batch, n = inputs_embeds.shape[:2]
+        batch, n = input_ids.shape if inputs_embeds is None else inputs_embeds.shape[:2]
+        device = input_ids.device if inputs_embeds is None else inputs_embeds.device
         output_attentions = self.config.output_attentions if output_attentions is None else output_attentions
         if output_hidden_states is None:
             output_hidden_states = self.config.output_hidden_states
@@ -228,37 +308,29 @@ class GPT2StyleModel(GPT2StylePreTrainedModel):
             past_key_values = self.new_cache()
         past_length = 0 if past_key_values is None else past_key_values.get_seq_length()
 
-        position_ids, key_mask = self._positions_and_mask(
-            attention_mask, position_ids, batch, n, past_length, inputs_embeds.device
-        )
+        position_ids, key_mask = self._positions_and_mask(attention_mask, position_ids, batch, n, past_length, device)
         if key_mask is not None and not torch.compiler.is_compiling():
             self.check_key_mask(key_mask, has_past=past_length > 0)
-        hidden_states = inputs_embeds + self.wpe(position_ids).to(inputs_embeds.dtype)
-        if token_type_ids is not None:
-            hidden_states = hidden_states + self.wte(token_type_ids)
-        hidden_states = self.drop(hidden_states)
+        hidden_states = self.embed(input_ids, inputs_embeds, position_ids, token_type_ids)
 
-        all_hidden_states = (hidden_states,) if output_hidden_states else None
-        all_attentions = () if output_attentions else None
-        last = len(self.h) - 1
-        for i, block in enumerate(self.h):
-            hidden_states, weights = block(
-                hidden_states, key_mask=key_mask, past_key_values=past_key_values,
-                output_attentions=output_attentions, shared_projection=self.shared_projection,
-            )
-            if output_hidden_states:
-                all_hidden_states += (self.ln_f(hidden_states) if i == last else hidden_states,)
-            if output_attentions:
-                all_attentions += (weights,)
-        hidden_states = self.ln_f(hidden_states)
+        # The one place the cache is read and written: states in, new states (and rollback tails) out.
+        layers = past_key_values.layers if past_key_values is not None else None
+        states = [layer.state for layer in layers] if layers is not None else [None] * len(self.h)
+        need_tails = layers is not None and any(layer.record_past for layer in layers)
+        hidden_states, new_states, tails, all_hidden_states, all_attentions = self.run_blocks(
+            hidden_states, key_mask, states, use_cache=layers is not None, need_tails=need_tails,
+            output_attentions=output_attentions, output_hidden_states=output_hidden_states,
+        )
+        if layers is not None:
+            for layer, state, tail in zip(layers, new_states, tails):
+                layer.update(state, n, tail)
 
-        output = BaseModelOutputWithPast(
+        return BaseModelOutputWithPast(
             last_hidden_state=hidden_states,
             past_key_values=past_key_values if use_cache else None,
             hidden_states=all_hidden_states,
             attentions=all_attentions,
         )
-        return self._finish(output, return_dict)
 
 
 class GPT2StyleForCausalLM(GPT2StylePreTrainedModel, GenerationMixin):
@@ -278,9 +350,47 @@ class GPT2StyleForCausalLM(GPT2StylePreTrainedModel, GenerationMixin):
     def get_output_embeddings(self):
         return self.lm_head
 
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length):
+        """generate() runs with this model's state cache, created here so that generate can prepare it: record its
+        past for rollback (assisted decoding, a draft model's own cache) and compile a forward that uses it."""
+        if model_kwargs.get("past_key_values") is not None or generation_config.use_cache is False:
+            return super()._prepare_cache_for_generation(
+                generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
+            )
+        model_kwargs["past_key_values"] = self.transformer.new_cache()
+        if generation_config.is_assistant:
+            model_kwargs["past_key_values"].activate_past_recording()
+
+    def prepare_inputs_for_generation(self, input_ids, *args, **kwargs):
+        """generate()'s inputs for the next forward, keeping only what ``forward`` takes.
+
+        generate() hands generation-only arguments on to the forward (``tokenizer`` for stop strings and token
+        healing); a model whose forward takes ``**kwargs`` swallows them, but this forward names its arguments (so
+        Trainer keeps scaling the loss under gradient accumulation), so they are dropped here. Positions are left to
+        the forward, which counts them over the attention mask (or the cache length) as generate() does: they then
+        follow the input ids when token healing re-tokenizes the prompt, and are known to stay below the mask's length
+        without reading a tensor value at every step.
+        """
+        inputs = super().prepare_inputs_for_generation(input_ids, *args, **kwargs)
+        inputs.pop("position_ids", None)
+        accepted = self._forward_parameters()
+        return {name: value for name, value in inputs.items() if name in accepted}
+
+    def create_masks_for_generate(self, attention_mask=None, **kwargs):
+        """The 2-D padding mask as it is: these decoders are causal by construction and take no 4-D mask (generate()
+        would build one for a compileable cache)."""
+        return attention_mask
+
+    @classmethod
+    def _forward_parameters(cls) -> frozenset:
+        if "_forward_parameter_names" not in cls.__dict__:
+            cls._forward_parameter_names = frozenset(inspect.signature(cls.forward).parameters) - {"self"}
+        return cls._forward_parameter_names
+
     def set_output_embeddings(self, new_embeddings):
         self.lm_head = new_embeddings
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -293,7 +403,6 @@ class GPT2StyleForCausalLM(GPT2StylePreTrainedModel, GenerationMixin):
         use_cache: bool | None = None,
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
-        return_dict: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         num_items_in_batch: int | torch.Tensor | None = None,
     ) -> CausalLMOutputWithPast | tuple:
@@ -302,7 +411,7 @@ class GPT2StyleForCausalLM(GPT2StylePreTrainedModel, GenerationMixin):
         outputs = self.transformer(
             input_ids, past_key_values=past_key_values, attention_mask=attention_mask, token_type_ids=token_type_ids,
             position_ids=position_ids, inputs_embeds=inputs_embeds, use_cache=use_cache,
-            output_attentions=output_attentions, output_hidden_states=output_hidden_states, return_dict=True,
+            output_attentions=output_attentions, output_hidden_states=output_hidden_states,
         )
         hidden_states = outputs.last_hidden_state
         if isinstance(logits_to_keep, int):
@@ -319,7 +428,7 @@ class GPT2StyleForCausalLM(GPT2StylePreTrainedModel, GenerationMixin):
             loss=loss, logits=logits, past_key_values=outputs.past_key_values,
             hidden_states=outputs.hidden_states, attentions=outputs.attentions,
         )
-        return self._finish(output, return_dict)
+        return output
 
 
 class GPT2StyleForSequenceClassification(GPT2StylePreTrainedModel):
@@ -345,6 +454,7 @@ class GPT2StyleForSequenceClassification(GPT2StylePreTrainedModel):
             )
         return torch.full((batch,), n - 1, device=device)
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -357,13 +467,12 @@ class GPT2StyleForSequenceClassification(GPT2StylePreTrainedModel):
         use_cache: bool | None = None,
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
-        return_dict: bool | None = None,
     ) -> SequenceClassifierOutputWithPast | tuple:
         """logits (batch, num_labels) at the last real token; loss chosen by config.problem_type, as in GPT-2."""
         outputs = self.transformer(
             input_ids, past_key_values=past_key_values, attention_mask=attention_mask, token_type_ids=token_type_ids,
             position_ids=position_ids, inputs_embeds=inputs_embeds, use_cache=use_cache,
-            output_attentions=output_attentions, output_hidden_states=output_hidden_states, return_dict=True,
+            output_attentions=output_attentions, output_hidden_states=output_hidden_states,
         )
         logits = self.score(outputs.last_hidden_state)
         batch, n = logits.shape[:2]
@@ -374,4 +483,35 @@ class GPT2StyleForSequenceClassification(GPT2StylePreTrainedModel):
             loss=loss, logits=pooled_logits, past_key_values=outputs.past_key_values,
             hidden_states=outputs.hidden_states, attentions=outputs.attentions,
         )
-        return self._finish(output, return_dict)
+        return output
+
+
+class DecoderStateStep(nn.Module):
+    """A causal LM's forward on explicit state tensors, for ``torch.export``, ONNX and ``torch.compile(fullgraph=True)``.
+
+    ``forward(input_ids (B, n), position_ids (B, n), *state) -> (logits (B, n, vocab), *new_state)``, the state being
+    every layer's state tensors in layer order (:meth:`initial_state` gives the zeros a sequence starts from). One
+    token continues from the state by the recurrent step; several run the prefill form from it. Every token is
+    real: a padded batch passes each row's own positions and left pads are not masked here. Families whose state
+    changes shape as it grows (the causal block Linformer's list of block summaries) have no fixed-shape state.
+    """
+
+    def __init__(self, model: GPT2StyleForCausalLM):
+        super().__init__()
+        self.model = model
+        self.num_layers = len(model.transformer.h)
+
+    @torch.no_grad()
+    def initial_state(self, batch_size: int) -> tuple[torch.Tensor, ...]:
+        """The state before any token: zeros of each layer's fixed state shapes."""
+        shapes = self.model.transformer.attention_class.state_shapes(self.model.transformer.h[0].attn, batch_size)
+        device = self.model.lm_head.weight.device
+        return tuple(torch.zeros(shape, dtype=torch.float32, device=device) for _ in range(self.num_layers) for shape in shapes)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, *state: torch.Tensor):
+        transformer = self.model.transformer
+        per_layer = len(state) // self.num_layers
+        states = [tuple(state[i * per_layer : (i + 1) * per_layer]) for i in range(self.num_layers)]
+        hidden_states = transformer.embed(input_ids, None, position_ids)
+        hidden_states, new_states, _, _, _ = transformer.run_blocks(hidden_states, None, states, use_cache=True)
+        return (self.model.lm_head(hidden_states), *(t for layer_state in new_states for t in layer_state))

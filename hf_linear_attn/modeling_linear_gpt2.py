@@ -9,7 +9,12 @@ import torch
 
 from .configuration_linear_gpt2 import LinearGPT2Config
 from .feature_maps import build_feature_map
-from .linear_attention import causal_linear_attention, linear_attention_weights, recurrent_linear_attention_step
+from .linear_attention import (
+    causal_linear_attention,
+    linear_attention_weights,
+    mask_keys,
+    recurrent_linear_attention_step,
+)
 from .modeling_gpt2_style import (
     GPT2StyleAttention,
     GPT2StyleForCausalLM,
@@ -22,7 +27,7 @@ from .weight_init import init_feature_map, redraw_random_features
 
 
 class LinearGPT2Attention(GPT2StyleAttention):
-    """Multi-head causal linear attention; with a cache layer it continues from, and stores, the (S, z) state.
+    """Multi-head causal linear attention; it continues from a (S, z) state and returns the new one.
 
     With ``output_attentions`` (whole sequence, no past state) it also returns the causal n x n matrix it applies
     implicitly (quadratic: for inspection and distillation only).
@@ -39,15 +44,17 @@ class LinearGPT2Attention(GPT2StyleAttention):
             learned_feature_dim=config.learned_feature_dim, causal=True,
         )
 
-    def attend(self, q, k, v, key_mask, cache_layer, output_attentions, shared_projection):
+    @staticmethod
+    def state_shapes(attention: "LinearGPT2Attention", batch_size: int) -> tuple[tuple[int, ...], ...]:
+        """(S (B, H, m, d), z (B, H, m)), m the feature map's output width."""
+        probe = torch.zeros(1, attention.num_heads, 1, attention.head_dim, device=attention.c_attn.weight.device)
+        features = attention.feature_map(probe, is_query=False).shape[-1]
+        heads, head_dim = attention.num_heads, attention.head_dim
+        return (batch_size, heads, features, head_dim), (batch_size, heads, features)
+
+    def attend(self, q, k, v, key_mask, state, use_cache, need_tail, output_attentions, shared_projection):
         phi_q, phi_k = self.feature_map.pair(q, k, key_mask)
-        state = None if cache_layer is None else cache_layer.state
         if state is not None:
-            if output_attentions:
-                raise ValueError(
-                    "output_attentions needs the whole sequence in one forward: the recurrent state keeps no past keys. "
-                    "Call the model without past_key_values to inspect attention."
-                )
             state = tuple(t.to(q.device) for t in state)
         if state is not None and q.shape[2] == 1:
             output, state = recurrent_linear_attention_step(phi_q, phi_k, v, state, key_mask, eps=self.eps)
@@ -55,12 +62,12 @@ class LinearGPT2Attention(GPT2StyleAttention):
             output, state = causal_linear_attention(
                 phi_q, phi_k, v, key_mask, eps=self.eps, chunk_size=self.chunk_size, state=state
             )
-        if cache_layer is not None:
-            cache_layer.update(state, q.shape[2])
+        # Rollback tail: what each token added to the state, phi(k) and v with pads zeroed.
+        tail = mask_keys(phi_k, v, key_mask) if need_tail else None
         weights = None
         if output_attentions:
             weights = linear_attention_weights(phi_q, phi_k, key_mask, causal=True, eps=self.eps)
-        return output, weights
+        return output, weights, state if use_cache else None, tail
 
 
 class LinearGPT2PreTrainedModel(GPT2StylePreTrainedModel):

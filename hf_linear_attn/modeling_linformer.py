@@ -10,7 +10,14 @@ import torch
 from torch import nn
 
 from .configuration_linformer import LinformerConfig
-from .linformer_projection import LinformerProjection, project_sequence, projected_attention
+from .linformer_projection import (
+    LinformerProjection,
+    add_linformer_projections,
+    linformer_projection_weights,
+    project_sequence,
+    projected_attention,
+    shared_linformer_projection,
+)
 from .modeling_roberta_style import (
     RobertaStyleForMaskedLM,
     RobertaStyleForMultipleChoice,
@@ -41,29 +48,20 @@ class LinformerSelfAttention(nn.Module):
         self.dropout = config.attention_probs_dropout_prob
         self.sharing = config.linformer_sharing
         self.normalize_rows = config.linformer_normalize_rows
-        k, max_length = config.k_for_layer(layer_idx), config.max_sequence_length
-        num_matrices = self.num_heads if self.sharing == "none" else 1
-        if self.sharing in ("none", "headwise", "key-value"):
-            self.key_projection = LinformerProjection(num_matrices, k, max_length)
-        if self.sharing in ("none", "headwise"):
-            self.value_projection = LinformerProjection(num_matrices, k, max_length)
+        add_linformer_projections(
+            self, self.sharing, self.num_heads, config.k_for_layer(layer_idx), config.max_sequence_length
+        )
 
     @staticmethod
     def build_shared_projection(config: LinformerConfig) -> LinformerProjection | None:
         """The single matrix of layerwise sharing, owned by the encoder; None for the other modes."""
-        if config.linformer_sharing != "layerwise":
-            return None
-        return LinformerProjection(1, config.k_for_layer(0), config.max_sequence_length)
+        return shared_linformer_projection(config.linformer_sharing, config.k_for_layer(0), config.max_sequence_length)
 
     def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
         return x.reshape(*x.shape[:2], self.num_heads, self.head_dim).transpose(1, 2)
 
     def forward(self, hidden_states, key_mask=None, output_attentions=False, shared_projection=None):
-        if self.sharing == "layerwise":
-            key_projection = value_projection = shared_projection.weight
-        else:
-            key_projection = self.key_projection.weight
-            value_projection = key_projection if self.sharing == "key-value" else self.value_projection.weight
+        key_projection, value_projection = linformer_projection_weights(self, self.sharing, shared_projection)
         # K and V are projected to k rows as soon as each is computed: the n-row K and V are never alive together
         # with Q, which lowers the peak activation memory at long n.
         rows = self.normalize_rows

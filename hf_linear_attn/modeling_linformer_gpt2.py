@@ -9,7 +9,12 @@ import torch
 
 from .block_linformer import block_linformer_step, causal_block_linformer_attention
 from .configuration_linformer_gpt2 import LinformerGPT2Config
-from .linformer_projection import LinformerProjection
+from .linformer_projection import (
+    LinformerProjection,
+    add_linformer_projections,
+    linformer_projection_weights,
+    shared_linformer_projection,
+)
 from .modeling_gpt2_style import (
     GPT2StyleAttention,
     GPT2StyleForCausalLM,
@@ -35,38 +40,22 @@ class LinformerGPT2Attention(GPT2StyleAttention):
         self.block_size = config.linformer_block_size
         self.sharing = config.linformer_sharing
         self.dropout = config.attn_pdrop
-        num_matrices = self.num_heads if self.sharing == "none" else 1
-        if self.sharing in ("none", "headwise", "key-value"):
-            self.key_projection = LinformerProjection(num_matrices, config.linformer_k, self.block_size)
-        if self.sharing in ("none", "headwise"):
-            self.value_projection = LinformerProjection(num_matrices, config.linformer_k, self.block_size)
+        add_linformer_projections(self, self.sharing, self.num_heads, config.linformer_k, self.block_size)
 
     @staticmethod
     def build_shared_projection(config: LinformerGPT2Config) -> LinformerProjection | None:
         """The single matrix of layerwise sharing, owned by the base model; None for the other modes."""
-        if config.linformer_sharing != "layerwise":
-            return None
-        return LinformerProjection(1, config.linformer_k, config.linformer_block_size)
+        return shared_linformer_projection(config.linformer_sharing, config.linformer_k, config.linformer_block_size)
 
-    def attend(self, q, k, v, key_mask, cache_layer, output_attentions, shared_projection):
-        if self.sharing == "layerwise":
-            key_projection = value_projection = shared_projection.weight
-        else:
-            key_projection = self.key_projection.weight
-            value_projection = key_projection if self.sharing == "key-value" else self.value_projection.weight
-        state = None if cache_layer is None else cache_layer.state
+    def attend(self, q, k, v, key_mask, state, use_cache, need_tail, output_attentions, shared_projection):
+        key_projection, value_projection = linformer_projection_weights(self, self.sharing, shared_projection)
         if state is None:
             output, weights, state = causal_block_linformer_attention(
                 q, k, v, key_projection, value_projection, self.block_size, key_mask,
                 dropout=self.dropout if self.training else 0.0, need_weights=output_attentions,
-                return_state=cache_layer is not None,
+                return_state=use_cache,
             )
         else:
-            if output_attentions:
-                raise ValueError(
-                    "output_attentions needs the whole sequence in one forward (no past_key_values): the cache keeps "
-                    "block summaries, not every key."
-                )
             state = state.to(q.device)
             outputs = []
             for t in range(q.shape[2]):  # new tokens after a cached prefix: one decoding step each
@@ -76,9 +65,11 @@ class LinformerGPT2Attention(GPT2StyleAttention):
                 )
                 outputs.append(step_output)
             output, weights = torch.cat(outputs, dim=2).to(v.dtype), None
-        if cache_layer is not None:
-            cache_layer.update(state, q.shape[2])
-        return output, weights
+        tail = None
+        if need_tail:  # rollback tail: the tokens' keys, values and realness, and the E / F that summarise blocks
+            real = torch.ones(k.shape[0], k.shape[2], dtype=torch.bool, device=k.device) if key_mask is None else key_mask
+            tail = (k, v, real, key_projection, value_projection)
+        return output, weights, state if use_cache else None, tail
 
 
 class LinformerGPT2PreTrainedModel(GPT2StylePreTrainedModel):

@@ -31,6 +31,7 @@ from transformers.models.roberta.modeling_roberta import (
     RobertaPooler,
     RobertaSelfOutput,
 )
+from transformers.utils.generic import can_return_tuple
 
 from .sequence_classification import sequence_classification_loss
 
@@ -126,10 +127,6 @@ class RobertaStylePreTrainedModel(PreTrainedModel):
     def _run_base_model(self, **inputs):
         return self.roberta(**inputs, return_dict=True)
 
-    def _finish(self, output, return_dict):
-        """The output, or its tuple when return_dict (else config.return_dict) is False, as in Transformers."""
-        return_dict = return_dict if return_dict is not None else getattr(self.config, "return_dict", True)
-        return output if return_dict else output.to_tuple()
 
 
 class RobertaStyleModel(RobertaStylePreTrainedModel):
@@ -161,6 +158,7 @@ class RobertaStyleModel(RobertaStylePreTrainedModel):
             self.check_key_mask(key_mask)
         return key_mask
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -170,7 +168,6 @@ class RobertaStyleModel(RobertaStylePreTrainedModel):
         inputs_embeds: torch.Tensor | None = None,
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
-        return_dict: bool | None = None,
     ) -> BaseModelOutputWithPooling | tuple:
         """input_ids (batch, n) -> last_hidden_state (batch, n, hidden), pooler_output (batch, hidden)."""
         if (input_ids is None) == (inputs_embeds is None):
@@ -200,7 +197,7 @@ class RobertaStyleModel(RobertaStylePreTrainedModel):
             hidden_states=hidden_states,
             attentions=attentions,
         )
-        return self._finish(output, return_dict)
+        return output
 
 
 class RobertaStyleForMaskedLM(RobertaStylePreTrainedModel):
@@ -223,6 +220,7 @@ class RobertaStyleForMaskedLM(RobertaStylePreTrainedModel):
     def set_output_embeddings(self, new_embeddings):
         self.lm_head.decoder = new_embeddings
 
+    @can_return_tuple
     def forward(
         self,
         input_ids=None,
@@ -233,7 +231,6 @@ class RobertaStyleForMaskedLM(RobertaStylePreTrainedModel):
         labels: torch.LongTensor | None = None,
         output_attentions=None,
         output_hidden_states=None,
-        return_dict=None,
     ) -> MaskedLMOutput | tuple:
         """logits (batch, n, vocab); loss: mean cross-entropy over labels != -100."""
         outputs = self._run_base_model(
@@ -248,7 +245,7 @@ class RobertaStyleForMaskedLM(RobertaStylePreTrainedModel):
         output = MaskedLMOutput(
             loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
         )
-        return self._finish(output, return_dict)
+        return output
 
 
 class RobertaStyleForSequenceClassification(RobertaStylePreTrainedModel):
@@ -261,6 +258,7 @@ class RobertaStyleForSequenceClassification(RobertaStylePreTrainedModel):
         self.classifier = RobertaClassificationHead(config)
         self.post_init()
 
+    @can_return_tuple
     def forward(
         self,
         input_ids=None,
@@ -271,7 +269,6 @@ class RobertaStyleForSequenceClassification(RobertaStylePreTrainedModel):
         labels: torch.Tensor | None = None,
         output_attentions=None,
         output_hidden_states=None,
-        return_dict=None,
     ) -> SequenceClassifierOutput | tuple:
         """logits (batch, num_labels); loss chosen by config.problem_type, as in RoBERTa."""
         outputs = self._run_base_model(
@@ -284,7 +281,7 @@ class RobertaStyleForSequenceClassification(RobertaStylePreTrainedModel):
         output = SequenceClassifierOutput(
             loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
         )
-        return self._finish(output, return_dict)
+        return output
 
 
 class RobertaStyleForTokenClassification(RobertaStylePreTrainedModel):
@@ -299,6 +296,7 @@ class RobertaStyleForTokenClassification(RobertaStylePreTrainedModel):
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
         self.post_init()
 
+    @can_return_tuple
     def forward(
         self,
         input_ids=None,
@@ -309,7 +307,6 @@ class RobertaStyleForTokenClassification(RobertaStylePreTrainedModel):
         labels: torch.LongTensor | None = None,
         output_attentions=None,
         output_hidden_states=None,
-        return_dict=None,
     ) -> TokenClassifierOutput | tuple:
         """logits (batch, n, num_labels); loss: cross-entropy over labels != -100."""
         outputs = self._run_base_model(
@@ -324,7 +321,7 @@ class RobertaStyleForTokenClassification(RobertaStylePreTrainedModel):
         output = TokenClassifierOutput(
             loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
         )
-        return self._finish(output, return_dict)
+        return output
 
 
 class RobertaStyleForQuestionAnswering(RobertaStylePreTrainedModel):
@@ -337,6 +334,7 @@ class RobertaStyleForQuestionAnswering(RobertaStylePreTrainedModel):
         self.qa_outputs = nn.Linear(config.hidden_size, config.num_labels)
         self.post_init()
 
+    @can_return_tuple
     def forward(
         self,
         input_ids=None,
@@ -348,7 +346,6 @@ class RobertaStyleForQuestionAnswering(RobertaStylePreTrainedModel):
         end_positions: torch.LongTensor | None = None,
         output_attentions=None,
         output_hidden_states=None,
-        return_dict=None,
     ) -> QuestionAnsweringModelOutput | tuple:
         """start_logits, end_logits (batch, n); loss: mean of the start and end cross-entropies."""
         outputs = self._run_base_model(
@@ -370,7 +367,7 @@ class RobertaStyleForQuestionAnswering(RobertaStylePreTrainedModel):
             loss=loss, start_logits=start_logits, end_logits=end_logits,
             hidden_states=outputs.hidden_states, attentions=outputs.attentions,
         )
-        return self._finish(output, return_dict)
+        return output
 
 
 class RobertaStyleForMultipleChoice(RobertaStylePreTrainedModel):
@@ -383,6 +380,7 @@ class RobertaStyleForMultipleChoice(RobertaStylePreTrainedModel):
         self.classifier = nn.Linear(config.hidden_size, 1)
         self.post_init()
 
+    @can_return_tuple
     def forward(
         self,
         input_ids=None,
@@ -393,7 +391,6 @@ class RobertaStyleForMultipleChoice(RobertaStylePreTrainedModel):
         labels: torch.LongTensor | None = None,
         output_attentions=None,
         output_hidden_states=None,
-        return_dict=None,
     ) -> MultipleChoiceModelOutput | tuple:
         """Inputs (batch, num_choices, n) -> logits (batch, num_choices)."""
         num_choices = (input_ids if input_ids is not None else inputs_embeds).shape[1]
@@ -411,4 +408,4 @@ class RobertaStyleForMultipleChoice(RobertaStylePreTrainedModel):
         output = MultipleChoiceModelOutput(
             loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
         )
-        return self._finish(output, return_dict)
+        return output

@@ -6,40 +6,73 @@
   raw keys / values of the current block: it grows by k rows per block, not by one row per token.
 
 Both count the tokens they have seen, left padding included, as ``generate`` expects of ``get_seq_length``.
-A state cannot be rolled back to an earlier token, so ``crop`` raises and the models set ``_is_stateful``.
+
+Rollback (assisted and prompt-lookup decoding): after ``activate_past_recording()`` a layer also keeps the state at
+the last commit point and the per-token inputs of the state update for every token since then (linear attention:
+phi(k) and v; block Linformer: k, v and the real-token mask). ``crop(-r)`` rebuilds the state after all but the
+last r of those tokens from these, exactly as the decoder would have built it, then commits. The cost is those
+per-token inputs for the tokens since the last crop (a few draft tokens in assisted decoding), nothing otherwise.
 """
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .block_linformer import BlockLinformerState
+from .block_linformer import BlockLinformerState, block_linformer_step, empty_block_linformer_state
 
 
 class RecurrentStateLayer(CacheLayerMixin):
-    """One layer's state: a tuple of tensors whose first axis is the batch, plus a token counter."""
+    """One layer's state: a tuple of tensors whose first axis is the batch, plus a token counter.
+
+    Subclasses say how per-token inputs rebuild a state (``_replay``) and which axis of each is the token axis.
+    """
 
     is_compileable = False
-    is_croppable = False
     supports_early_init = False
+    # Token axis of each tensor of a rollback tail, in order.
+    tail_token_dims: tuple[int, ...] = ()
 
     def __init__(self):
         super().__init__()
         self.state: tuple | None = None
         self.seen_tokens = 0
+        self.record_past = False
+        self._committed_state: tuple | None = None  # the state at the last commit point (recording only)
+        self._tail: tuple | None = None  # per-token inputs of every token since then
+        self._tail_tokens = 0
 
     def __repr__(self):
         shapes = None if self.state is None else [tuple(t.shape) for t in self.state]
         return f"{type(self).__name__}(seen_tokens={self.seen_tokens}, state={shapes})"
 
     def lazy_initialization(self, key_states=None, value_states=None) -> None:
-        """Nothing to allocate ahead of time: the attention layer creates the state on its first call."""
+        """Nothing to allocate ahead of time: the model creates the state on its first forward."""
 
-    def update(self, state: tuple, num_new_tokens: int, *args, **kwargs) -> tuple:
-        """Store the state after ``num_new_tokens`` more tokens (called by the attention layer)."""
+    def update(self, state: tuple, num_new_tokens: int, tail: tuple | None = None, *args, **kwargs) -> tuple:
+        """Store the state after ``num_new_tokens`` more tokens; while recording, also their per-token inputs."""
+        if self.record_past:
+            if tail is None:
+                raise ValueError("This cache records its past (for rollback): the model must hand over the tail.")
+            self._append_tail(tail, num_new_tokens)
         self.state = state
         self.seen_tokens += num_new_tokens
         self.is_initialized = True
         return state
+
+    def _append_tail(self, tail: tuple, num_new_tokens: int) -> None:
+        tokens = tuple(tail[: len(self.tail_token_dims)])
+        if self._tail is None:
+            self._tail = tokens
+        else:
+            self._tail = tuple(torch.cat([old, new], dim) for old, new, dim in zip(self._tail, tokens, self.tail_token_dims))
+        self._tail_tokens += num_new_tokens
+
+    def _commit(self) -> None:
+        """Forget the recorded tail: the current state becomes the point later crops return to at most."""
+        self._committed_state, self._tail, self._tail_tokens = self.state, None, 0
+
+    def _replay(self, state: tuple | None, tail: tuple) -> tuple | None:
+        """The state after ``tail``'s tokens, starting from ``state`` (None: no token yet)."""
+        raise NotImplementedError
 
     def get_seq_length(self) -> int:
         return self.seen_tokens
@@ -55,13 +88,59 @@ class RecurrentStateLayer(CacheLayerMixin):
         return -1 if self.state is None else self.state[0].shape[0]
 
     def state_bytes(self) -> int:
-        """Memory held by this layer's state, in bytes."""
+        """Memory held by this layer's state, in bytes (the rollback record is :meth:`rollback_bytes`)."""
         return 0 if self.state is None else sum(t.numel() * t.element_size() for t in self.state)
 
+    def rollback_bytes(self) -> int:
+        """Memory held for rollback: the per-token inputs recorded since the last commit, in bytes."""
+        return 0 if self._tail is None else sum(t.numel() * t.element_size() for t in self._tail)
+
+    @property
+    def is_croppable(self) -> bool:
+        """Whether ``crop`` can roll this layer back exactly: once past recording is on."""
+        return self.record_past
+
+    def activate_past_recording(self) -> None:
+        """Record, from now on, what ``crop`` needs to roll the state back (``generate`` calls it for assisted decoding)."""
+        self.record_past = True
+        self._commit()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Roll back the last ``-tokens_to_remove`` tokens (a negative count, as for Transformers' caches); 0 commits."""
+        if tokens_to_remove > 0:
+            raise ValueError(
+                f"Calling crop with a positive value ({tokens_to_remove}) is not supported: pass minus the number of "
+                "tokens to remove, as for every Transformers cache layer."
+            )
+        remove = -tokens_to_remove
+        if remove == 0:
+            if self.record_past:
+                self._commit()
+            return
+        if not self.record_past or remove > self._tail_tokens:
+            recorded = self._tail_tokens if self.record_past else 0
+            raise ValueError(
+                f"{type(self).__name__} keeps a running state, so it can drop the last {remove} tokens only if it "
+                f"recorded them: it holds {recorded} token(s) since the last commit. Call "
+                "cache.activate_past_recording() before the forwards to roll back (generate() does this for assisted "
+                "decoding), and crop no further back than the last crop."
+            )
+        keep = self._tail_tokens - remove
+        tail = tuple(t.narrow(dim, 0, keep) for t, dim in zip(self._tail, self.tail_token_dims))
+        self.state = self._replay(self._committed_state, tail) if keep else self._committed_state
+        self.seen_tokens -= remove
+        self._commit()
+
     def _map_state(self, fn) -> None:
-        if self.state is not None:
-            values = [fn(t) for t in self.state]
-            self.state = type(self.state)(*values) if hasattr(self.state, "_fields") else tuple(values)
+        def mapped(state):
+            if state is None:
+                return None
+            values = [fn(t) for t in state]
+            return type(state)(*values) if hasattr(state, "_fields") else tuple(values)
+
+        self.state, self._committed_state, self._tail = (
+            mapped(self.state), mapped(self._committed_state), mapped(self._tail)
+        )
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._map_state(lambda t: t.index_select(0, beam_idx.to(t.device)))
@@ -76,37 +155,69 @@ class RecurrentStateLayer(CacheLayerMixin):
         self._map_state(lambda t: t.to("cpu", non_blocking=True))
 
     def prefetch(self):
-        pass  # the attention layer moves the state to its own device when it reads it
+        pass  # the model moves the state to its own device when it reads it
 
     def reset(self) -> None:
         self.state = None
         self.seen_tokens = 0
         self.is_initialized = False
-
-    def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove == 0:
-            return
-        raise ValueError(
-            f"{type(self).__name__} keeps a running state, not one entry per token, so it cannot drop the last "
-            f"{abs(tokens_to_remove)} tokens. Decoding strategies that roll the cache back (assisted / speculative "
-            "decoding) are not supported by these models; regenerate from the prompt instead."
-        )
+        self._commit()
 
 
 class LinearAttentionStateLayer(RecurrentStateLayer):
-    """State (S (B, H, m, d_v), z (B, H, m)) of causal linear attention, float32, constant in size."""
+    """State (S (B, H, m, d_v), z (B, H, m)) of causal linear attention, float32, constant in size.
+
+    Rollback tail: phi(k) (B, H, t, m) and v (B, H, t, d_v) of the recorded tokens, pads zeroed; the state after a
+    prefix of them is S + phi(K)^T V, z + sum phi(K), in float32 as the decoder accumulates it.
+    """
+
+    # Fixed shapes: a compiled decoding step does not see the state change shape.
+    is_compileable = True
+    tail_token_dims = (2, 2)
+
+    def _replay(self, state, tail):
+        phi_k, v = (t.float() for t in tail)
+        s, z = torch.matmul(phi_k.transpose(-1, -2), v), phi_k.sum(-2)
+        return (s, z) if state is None else (state[0] + s, state[1] + z)
 
 
 class BlockLinformerCacheLayer(RecurrentStateLayer):
-    """A :class:`~.block_linformer.BlockLinformerState`: k-row summaries of completed blocks + the current block."""
+    """A :class:`~.block_linformer.BlockLinformerState`: k-row summaries of completed blocks + the current block.
+
+    Rollback tail: k, v (B, H, t, d) and the real-token mask (B, t) of the recorded tokens, plus the layer's E and F
+    (which are weights, not recorded per token); the state after a prefix of them is rebuilt one decoding step at a
+    time, as generation builds it.
+    """
 
     state: BlockLinformerState | None
+    tail_token_dims = (2, 2, 1)
+
+    def _append_tail(self, tail, num_new_tokens):
+        self._projections = tail[3:]
+        super()._append_tail(tail, num_new_tokens)
+
+    def _replay(self, state, tail):
+        keys, values, real = tail
+        key_projection, value_projection = self._projections
+        batch, heads, tokens, head_dim = keys.shape
+        if state is None:
+            state = empty_block_linformer_state(
+                batch, heads, head_dim, key_projection.shape[-2], key_projection.shape[-1], keys.dtype, keys.device
+            )
+        query = keys.new_zeros(batch, heads, 1, head_dim)  # the step's output is not needed, only its state
+        for t in range(tokens):
+            _, state = block_linformer_step(
+                query, keys[:, :, t : t + 1], values[:, :, t : t + 1], state, key_projection, value_projection,
+                key_mask=real[:, t],
+            )
+        return state
 
 
 class RecurrentStateCache(Cache):
     """A cache of one recurrent-state layer per decoder layer.
 
-    The models create it themselves (``use_cache=True``); pass it back as ``past_key_values`` to continue.
+    ``generate`` gets it from the model; a direct forward with ``use_cache`` creates one. Pass it back as
+    ``past_key_values`` to continue.
     """
 
     def __init__(self, layers: list[RecurrentStateLayer]):
@@ -115,3 +226,7 @@ class RecurrentStateCache(Cache):
     def state_bytes(self) -> int:
         """Memory held by the whole cache, in bytes (independent of the context length for linear attention)."""
         return sum(layer.state_bytes() for layer in self.layers)
+
+    def rollback_bytes(self) -> int:
+        """Memory held for rollback by the whole cache, in bytes (0 unless past recording is on)."""
+        return sum(layer.rollback_bytes() for layer in self.layers)

@@ -190,15 +190,6 @@ def test_continuing_from_a_returned_cache_equals_generating_in_one_go(variant):
                                                    min_new_tokens=19))
 
 
-def test_strategies_that_roll_the_state_back_get_a_clear_error():
-    model = causal_lm("linear-elu")
-    with pytest.raises(ValueError, match="stateful"):
-        model.generate(random_ids(1, 5), assistant_model=causal_lm("linear-elu", seed=1), max_new_tokens=3)
-    cache = model(random_ids(1, 5), use_cache=True).past_key_values
-    with pytest.raises(ValueError, match="cannot drop the last 2 tokens"):
-        cache.crop(-2)
-
-
 # --------------------------------------------------------------------------------------------- heads, outputs
 
 
