@@ -16,6 +16,7 @@ Blocks are counted from each row's first real token, so a left-padded row gives 
 Tensors are (batch, heads, n, head_dim); projections are (P, k, b) with P = heads or 1 (shared by the heads).
 """
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -83,6 +84,82 @@ def _masked_softmax(scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor
     return scores.softmax(dim=-1)
 
 
+_FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+
+
+@functools.lru_cache(maxsize=8)
+def _summary_mask(blocks: int, b: int, proj_k: int, dtype: torch.dtype, device: str) -> torch.Tensor:
+    """Additive mask ((N - 1) b, (N - 1) k) for the queries of blocks 1..N-1: block j sees the summaries of blocks < j.
+
+    Shared by every layer and call with the same shape (cached), so the only stored tensor quadratic in n is this
+    one, (b k) / 2 times smaller than one layer's scores in the materialised form.
+    """
+    query_block = torch.arange(1, blocks, device=device).repeat_interleave(b)
+    key_block = torch.arange(blocks - 1, device=device).repeat_interleave(proj_k)
+    visible = key_block[None, :] < query_block[:, None]
+    return torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
+
+
+class _BlockSummaryAttention(torch.autograd.Function):
+    """One softmax over [summaries of earlier blocks, own block's keys <= t] from two flash-attention calls.
+
+    Forward: the own block (causal, every block at once as a batch of b x b problems) and the summaries (queries of
+    blocks 1..N-1 against the k-row summaries of blocks 0..N-2, block-causal mask) each give an output and a
+    log-sum-exp; the merged output is their softmax-weighted mix. Backward: each part's flash backward, given the
+    MERGED output and log-sum-exp, returns exactly that part's share of the gradients of the joint softmax (its
+    probabilities are exp(s - lse) and the row term sum(dO * O) is the joint one), so dQ is their sum.
+    q, k, v (B, H, N b, d) with pad keys / values zeroed; summary_keys, summary_values (B, H, N k, d).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, summary_keys, summary_values, b, proj_k, scale):
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        batch, heads, length, d = q.shape
+        blocks = length // b
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        local = [t.view(batch, heads * blocks, b, d) for t in (q, k, v)]
+        out, lse = flash(*local, 0.0, True, scale=scale)
+        out, lse = out.reshape(batch, heads, length, d), lse.reshape(batch, heads, length)
+        mask, ctx.summary_shape = None, summary_keys.shape
+        summary_keys = summary_keys[:, :, : (blocks - 1) * proj_k].contiguous()
+        summary_values = summary_values[:, :, : (blocks - 1) * proj_k].contiguous()
+        if blocks > 1:
+            mask = _summary_mask(blocks, b, proj_k, q.dtype, str(q.device))
+            later = q[:, :, b:].contiguous()
+            out_s, lse_s = flash(later, summary_keys, summary_values, 0.0, False, attn_mask=mask, scale=scale)
+            lse_l = lse[:, :, b:]
+            merged = torch.logaddexp(lse_l, lse_s)
+            mixed = (lse_l - merged).exp().unsqueeze(-1) * out[:, :, b:] + (lse_s - merged).exp().unsqueeze(-1) * out_s
+            out = torch.cat([out[:, :, :b], mixed.to(q.dtype)], dim=2)
+            lse = torch.cat([lse[:, :, :b], merged], dim=2)
+        ctx.save_for_backward(q, k, v, summary_keys, summary_values, out, lse)
+        ctx.mask, ctx.b, ctx.proj_k, ctx.scale = mask, b, proj_k, scale
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        q, k, v, summary_keys, summary_values, out, lse = ctx.saved_tensors
+        b, scale = ctx.b, ctx.scale
+        batch, heads, length, d = q.shape
+        blocks = length // b
+        grad = grad.contiguous().to(q.dtype)
+        local = [t.contiguous().view(batch, heads * blocks, b, d) for t in (grad, q, k, v, out)]
+        lse_local = lse.contiguous().view(batch, heads * blocks, b)
+        d_q, d_k, d_v = backward(*local, lse_local, 0.0, True, scale=scale)
+        d_q, d_k, d_v = (t.reshape(batch, heads, length, d) for t in (d_q, d_k, d_v))
+        d_sk = d_sv = q.new_zeros(ctx.summary_shape)  # one block: the summaries are seen by no query
+        if blocks > 1:
+            d_qs, d_sk, d_sv = backward(
+                grad[:, :, b:].contiguous(), q[:, :, b:].contiguous(), summary_keys, summary_values,
+                out[:, :, b:].contiguous(), lse[:, :, b:].contiguous(), 0.0, False, attn_mask=ctx.mask, scale=scale,
+            )
+            d_q = torch.cat([d_q[:, :, :b], d_q[:, :, b:] + d_qs], dim=2)
+            d_sk, d_sv = (F.pad(t, (0, 0, 0, ctx.proj_k)) for t in (d_sk, d_sv))  # the last block's: seen by none
+        return d_q, d_k, d_v, d_sk, d_sv, None, None, None
+
+
 def causal_block_linformer_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -113,6 +190,9 @@ def causal_block_linformer_attention(
         q, k, v, key_mask = (_roll_rows(t, shift) for t in (q, k, v, key_mask))
     keep = key_mask[:, None, :, None]
     k, v = torch.where(keep, k, 0.0), torch.where(keep, v, 0.0)
+    # The fused path masks keys by causality only: with padding, a pad query would also see the pad keys (zeroed)
+    # and its output, unused but returned, would differ from the masked softmax's. Padded batches take that form.
+    unpadded = bool(key_mask.all())
 
     num_blocks = -(-n // b)
     padded = num_blocks * b - n
@@ -124,20 +204,27 @@ def causal_block_linformer_attention(
     summary_values = project_blocks(v_b, value_projection)
 
     scale = head_dim**-0.5
-    local_scores = torch.matmul(q_b, k_b.transpose(-1, -2)) * scale  # (B, H, N, b, b)
-    summary_scores = torch.matmul(q_b, summary_keys.flatten(2, 3).transpose(-1, -2).unsqueeze(2)) * scale
-    # summary_scores: (B, H, N, b, N k); block j sees the summaries of blocks i < j only.
     block_index = torch.arange(num_blocks, device=q.device)
-    summary_visible = (block_index[None, :] < block_index[:, None]).repeat_interleave(proj_k, dim=-1)  # (N, N k)
-    local_visible = torch.ones(b, b, dtype=torch.bool, device=q.device).tril()
-    local_visible = local_visible & key_mask.reshape(batch, 1, num_blocks, 1, b)  # (B, 1, N, b, b)
-    visible = torch.cat(
-        [summary_visible[None, None, :, None, :].expand(batch, 1, num_blocks, b, -1), local_visible], dim=-1
-    )
-    weights = _masked_softmax(torch.cat([summary_scores, local_scores], dim=-1), visible)
-    dropped = F.dropout(weights, p=dropout, training=dropout > 0).to(v.dtype)
-    summary_part, local_part = dropped.split([num_blocks * proj_k, b], dim=-1)
-    output = torch.matmul(summary_part, summary_values.flatten(2, 3).unsqueeze(2)) + torch.matmul(local_part, v_b)
+    if unpadded and not need_weights and dropout == 0.0 and q.device.type == "cpu" and q.dtype in _FLASH_DTYPES:
+        # Fused path: two flash-attention calls (the own block, causal; the summaries of earlier blocks, block-causal)
+        # merged by their log-sum-exp into one softmax; nothing n x (S k) is stored, memory grows linearly in n.
+        output = _BlockSummaryAttention.apply(
+            q, k, v, summary_keys.flatten(2, 3), summary_values.flatten(2, 3), b, proj_k, scale
+        )
+    else:
+        local_scores = torch.matmul(q_b, k_b.transpose(-1, -2)) * scale  # (B, H, N, b, b)
+        summary_scores = torch.matmul(q_b, summary_keys.flatten(2, 3).transpose(-1, -2).unsqueeze(2)) * scale
+        # summary_scores: (B, H, N, b, N k); block j sees the summaries of blocks i < j only.
+        summary_visible = (block_index[None, :] < block_index[:, None]).repeat_interleave(proj_k, dim=-1)  # (N, N k)
+        local_visible = torch.ones(b, b, dtype=torch.bool, device=q.device).tril()
+        local_visible = local_visible & key_mask.reshape(batch, 1, num_blocks, 1, b)  # (B, 1, N, b, b)
+        visible = torch.cat(
+            [summary_visible[None, None, :, None, :].expand(batch, 1, num_blocks, b, -1), local_visible], dim=-1
+        )
+        weights = _masked_softmax(torch.cat([summary_scores, local_scores], dim=-1), visible)
+        dropped = F.dropout(weights, p=dropout, training=dropout > 0).to(v.dtype)
+        summary_part, local_part = dropped.split([num_blocks * proj_k, b], dim=-1)
+        output = torch.matmul(summary_part, summary_values.flatten(2, 3).unsqueeze(2)) + torch.matmul(local_part, v_b)
     output = output.reshape(batch, heads, num_blocks * b, head_dim)[:, :, :n]
 
     state = None

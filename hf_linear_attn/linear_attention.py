@@ -8,6 +8,8 @@ Padding is removed AFTER the feature map (elu + 1 maps a zero key to ones, so ze
 the pad in the normaliser), with ``torch.where`` rather than a multiply (0 x NaN stays NaN).
 """
 
+import functools
+
 import torch
 
 
@@ -40,10 +42,21 @@ def bidirectional_linear_attention(
     v: torch.Tensor,
     key_mask: torch.Tensor | None = None,
     eps: float = 1e-6,
+    precision: str = "auto",
 ) -> torch.Tensor:
-    """out_i = phi(q_i) S / (phi(q_i) . z + eps), S = phi(K)^T V, z = sum_j phi(k_j): (B, H, n, d_v) in O(n m d)."""
+    """out_i = phi(q_i) S / (phi(q_i) . z + eps), S = phi(K)^T V, z = sum_j phi(k_j): (B, H, n, d_v) in O(n m d).
+
+    ``precision`` as in :func:`causal_linear_attention`: on the bf16 compute path S = phi(K)^T V and phi(Q) S are
+    bf16 products (accumulated in float32 inside the product, S rounded once), z and the normaliser float32.
+    """
     out_dtype = v.dtype
     with _no_autocast(v):
+        if _bf16_compute(precision, phi_q, phi_k, v):
+            phi_k, v = mask_keys(phi_k, v, key_mask)
+            z = phi_k.float().sum(-2, keepdim=True)  # (B, H, 1, m) float32
+            normaliser = (phi_q.float() * z).sum(-1, keepdim=True)
+            numerator = torch.matmul(phi_q, torch.matmul(phi_k.transpose(-1, -2), v))
+            return (numerator.float() / (normaliser + eps)).to(out_dtype)
         phi_q, phi_k, v = _float32_inputs(phi_q, phi_k, v, key_mask)
         d_v = v.shape[-1]
         state = torch.matmul(phi_k.transpose(-1, -2), _with_ones(v))  # (B, H, m, d_v + 1): [S, z]
@@ -83,10 +96,15 @@ def _chunked_scan(a, b, c, state, chunk: int, reverse: bool = False):
     the chunk a masked (a b^T) c product, across chunks the carried (G, p, r) state. Every operand of a step is a
     few hundred kB (12 heads, C = 64: cache-resident), which is what makes this form fast on CPUs: the
     all-chunks-at-once form streams (G, n / C, p, r) prefix states through memory and reached a third of the speed.
+
+    bf16 a, b, c (the bf16 compute path): every product runs in bf16 (native bf16 dot products), while the state
+    and the output stay float32: each chunk's contribution is rounded once to bf16 and then added in float32, so
+    rounding errors do not accumulate along the sequence. float32 a, b, c: everything in float32.
     """
     n = a.shape[1]
-    out = c.new_empty(*a.shape[:2], c.shape[-1])
-    state = state.clone()
+    low = a.dtype != torch.float32
+    out = torch.empty(*a.shape[:2], c.shape[-1], dtype=torch.float32, device=a.device)
+    state = state.float().clone()
     mask = torch.ones(chunk, chunk, dtype=a.dtype, device=a.device)
     mask = mask.triu_() if reverse else mask.tril_()
     starts = range(0, n, chunk)
@@ -94,8 +112,13 @@ def _chunked_scan(a, b, c, state, chunk: int, reverse: bool = False):
         end = min(start + chunk, n)
         a_c, b_c, c_c = a[:, start:end], b[:, start:end], c[:, start:end]
         scores = torch.bmm(a_c, b_c.transpose(1, 2)).mul_(mask[: end - start, : end - start])
-        out[:, start:end] = torch.bmm(scores, c_c).baddbmm_(a_c, state)
-        state.baddbmm_(b_c.transpose(1, 2), c_c)
+        if low:
+            out_c = out[:, start:end]
+            out_c.copy_(torch.bmm(scores, c_c)).add_(torch.bmm(a_c, state.to(a.dtype)))
+            state.add_(torch.bmm(b_c.transpose(1, 2), c_c))
+        else:
+            out[:, start:end] = torch.bmm(scores, c_c).baddbmm_(a_c, state)
+            state.baddbmm_(b_c.transpose(1, 2), c_c)
     return out, state
 
 
@@ -116,7 +139,7 @@ class _CausalLinearAttentionScan(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, d_out, d_state):
         q, k, v, state = ctx.saved_tensors
-        d_out, d_state = d_out.contiguous(), d_state.contiguous()
+        d_out, d_state = d_out.to(q.dtype).contiguous(), d_state.contiguous()  # bf16 path: bf16 products
         d_q = d_k = d_v = d_state0 = None
         if ctx.needs_input_grad[0]:
             d_q, _ = _chunked_scan(d_out, v, k, state.transpose(1, 2), ctx.chunk)
@@ -127,42 +150,83 @@ class _CausalLinearAttentionScan(torch.autograd.Function):
         return d_q, d_k, d_v, d_state0, None
 
 
+# Where each causal form wins: (device, bf16 compute, needs gradients) -> rows (shortest n, form, chunk size); the
+# last row whose n <= the sequence length applies; devices not listed use the "cuda" rows (few, large kernels).
+# Not measured yet: every row is the earlier fixed choice (scan on CPU, parallel on GPUs). Fill it from the kernel
+# rows of `scripts/benchmark.py` (B 1, H 12, m = d = 64, medians) run on the machine in question.
+CAUSAL_FORM_TABLE: dict[tuple[str, bool, bool], list[tuple[int, str, int]]] = {
+    ("cpu", False, False): [(0, "scan", 64)],
+    ("cpu", False, True): [(0, "scan", 64)],
+    ("cpu", True, False): [(0, "scan", 64)],
+    ("cpu", True, True): [(0, "scan", 64)],
+    ("cuda", False, False): [(0, "parallel", 64)],
+    ("cuda", False, True): [(0, "parallel", 64)],
+    ("cuda", True, False): [(0, "parallel", 64)],
+    ("cuda", True, True): [(0, "parallel", 64)],
+}
+
+
+def choose_causal_form(device: str, bf16: bool, n: int, needs_grad: bool) -> tuple[str, int]:
+    """(form, chunk size) that :data:`CAUSAL_FORM_TABLE` gives for this device type, compute dtype, n, gradients."""
+    rows = CAUSAL_FORM_TABLE.get((device, bf16, needs_grad)) or CAUSAL_FORM_TABLE[("cuda", bf16, needs_grad)]
+    form, chunk = rows[0][1:]
+    for shortest, row_form, row_chunk in rows:
+        if n >= shortest:
+            form, chunk = row_form, row_chunk
+    return form, chunk
+
+
 def causal_linear_attention(
     phi_q: torch.Tensor,
     phi_k: torch.Tensor,
     v: torch.Tensor,
     key_mask: torch.Tensor | None = None,
     eps: float = 1e-6,
-    chunk_size: int = 64,
+    chunk_size: int | None = None,
     state: tuple[torch.Tensor, torch.Tensor] | None = None,
     form: str = "auto",
+    precision: str = "auto",
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Causal linear attention, exact, in chunks of C positions: (B, H, n, d_v) outputs and the final (S, z) state.
 
     y_t = phi(q_t) S_t / (phi(q_t) . z_t + eps) with S_t = S_0 + sum_{j<=t} phi(k_j) v_j^T, z_t = z_0 + sum phi(k_j).
     Inside a chunk: masked (phi(Q) phi(K)^T * tril) V; across chunks: phi(Q) times the state of the earlier chunks.
-    No n x n matrix and no per-position m x d_v state. z rides along as an extra column of ones after V, so one
-    product gives numerator and normaliser. ``state`` = (S (B, H, m, d_v), z (B, H, m)) continues from an earlier
-    call (prefill, then decoding).
+    No n x n matrix and no per-position m x d_v state. ``state`` = (S (B, H, m, d_v), z (B, H, m)) continues from an
+    earlier call (prefill, then decoding).
+
+    ``precision``: float32 inputs are computed in float32 (z rides along as a column of ones after V, so one product
+    gives numerator and normaliser). With "bfloat16", bf16 inputs (phi(Q), phi(K) and V all bf16) take the bf16
+    compute path ("auto" and "float32": the float32 path; see :func:`_bf16_compute` for why "auto" waits): the
+    products run in bf16, the state S, z and the normaliser phi(q) . z_t are accumulated in float32 (z_t is a float32
+    prefix sum, the normaliser a float32 dot product, never a bf16 product).
 
     ``form``: "scan" visits the chunks in order carrying the state (cache-resident steps, a hand-written backward
-    of three more scans that stores nothing but the inputs: the fast form on CPUs); "parallel" computes every
-    chunk at once with a prefix sum of per-chunk states (few, large kernels: for GPUs); "auto" picks scan on CPU.
+    of three more scans that stores nothing but the inputs); "parallel" computes every chunk at once with a prefix
+    sum of per-chunk states (few, large kernels; autograd's backward). "auto" (and ``chunk_size=None``) picks both
+    from :data:`CAUSAL_FORM_TABLE`, by device, compute dtype, n and whether gradients are needed.
     """
-    if form == "auto":
-        form = "scan" if phi_q.device.type == "cpu" else "parallel"
-    if form not in ("scan", "parallel"):
+    if form not in ("auto", "scan", "parallel"):
         raise ValueError(f"form must be 'auto', 'scan' or 'parallel', got {form!r}.")
     out_dtype = v.dtype
     batch, heads, n, m = phi_q.shape
     d_v = v.shape[-1]
+    low = _bf16_compute(precision, phi_q, phi_k, v)
+    if form == "auto" or chunk_size is None:
+        needs_grad = torch.is_grad_enabled() and any(
+            t.requires_grad for t in (phi_q, phi_k, v, *(state if state is not None else ()))
+        )
+        auto_form, auto_chunk = choose_causal_form(phi_q.device.type, low, n, needs_grad)
+        form = auto_form if form == "auto" else form
+        chunk_size = auto_chunk if chunk_size is None else chunk_size
+    c = max(1, min(chunk_size, n))
     with _no_autocast(v):
+        if low:
+            return _causal_bf16(phi_q, phi_k, v, key_mask, eps, c, state, form)
         phi_q, phi_k, v = _float32_inputs(phi_q, phi_k, v, key_mask)
         if state is None:
             state0 = phi_q.new_zeros(batch, heads, m, d_v + 1)
         else:
             state0 = torch.cat([state[0].float(), state[1].float().unsqueeze(-1)], dim=-1)
-        c = max(1, min(chunk_size, n))
         v1 = _with_ones(v)
         if form == "scan":
             out, final = _CausalLinearAttentionScan.apply(
@@ -175,21 +239,78 @@ def causal_linear_attention(
         return y.to(out_dtype), (final[..., :d_v].contiguous(), final[..., d_v].contiguous())
 
 
+@functools.lru_cache(maxsize=None)
+def native_bf16(device_type: str) -> bool:
+    """Whether this device computes bf16 products natively: CUDA, or a CPU with AVX512 (BF16 / AMX) as oneDNN sees it.
+
+    Without it (an AVX2-only CPU) a bf16 matmul falls back to a reference loop: measured 1.3 s for one 512 x 512
+    product against 0.06 s in float32, so the bf16 compute path would be thousands of times slower there.
+    """
+    if device_type == "cpu":
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return device_type == "cuda"
+
+
+def _bf16_compute(precision: str, *tensors: torch.Tensor) -> bool:
+    """Whether the bf16 compute path applies: every input (features and values) bf16 and ``precision`` "bfloat16"
+    ("auto" is the float32 path until the bf16 one is measured on a device with native bf16 products)."""
+    if precision not in ("auto", "float32", "bfloat16"):
+        raise ValueError(f"precision must be 'auto', 'float32' or 'bfloat16', got {precision!r}.")
+    if precision == "float32" or not all(t.dtype == torch.bfloat16 for t in tensors):
+        return False
+    # "auto" keeps the float32 path for now: the bf16 path is tested for accuracy, but its speed has not been measured
+    # on a machine with native bf16 products yet (on others it would be far slower), so it is opt-in until then.
+    return precision == "bfloat16"
+
+
+def _causal_bf16(phi_q, phi_k, v, key_mask, eps, c, state, form):
+    """The bf16 compute path of :func:`causal_linear_attention` (call with autocast off).
+
+    Numerator tril(phi(Q) phi(K)^T) V + phi(Q) S_0: bf16 products, float32 state and output. Normaliser
+    phi(q_t) . (z_0 + sum_{j<=t} phi(k_j)): a float32 prefix sum and a float32 dot product (O(n m), a few percent of
+    the time), so its error is float32's, not bf16's.
+    """
+    batch, heads, n, m = phi_q.shape
+    d_v = v.shape[-1]
+    phi_k, v = mask_keys(phi_k, v, key_mask)
+    if state is None:
+        s0 = phi_q.new_zeros(batch, heads, m, d_v, dtype=torch.float32)
+        z0 = phi_q.new_zeros(batch, heads, 1, m, dtype=torch.float32)
+    else:
+        s0, z0 = state[0].float(), state[1].float().unsqueeze(2)
+    if form == "scan":
+        numerator, s_n = _CausalLinearAttentionScan.apply(_flat(phi_q), _flat(phi_k), _flat(v), _flat(s0), c)
+        numerator, s_n = numerator.view(batch, heads, n, d_v), s_n.view(batch, heads, m, d_v)
+    else:
+        numerator, s_n = _chunkwise_parallel(phi_q, phi_k, v, s0, c)
+    z_t = torch.cumsum(phi_k.float(), dim=2) + z0  # (B, H, n, m) float32
+    normaliser = (phi_q.float() * z_t).sum(-1, keepdim=True)
+    y = numerator / (normaliser + eps)
+    return y.to(v.dtype), (s_n, z_t[:, :, -1] if n else z0.squeeze(2))
+
+
 def _chunkwise_parallel(q, k, v, state, c: int):
-    """The same product as the scan with all chunks at once: O = tril(Q K^T) V + Q S_0, S_n (autograd's backward)."""
+    """The same product as the scan with all chunks at once: O = tril(Q K^T) V + Q S_0, S_n (autograd's backward).
+
+    bf16 q, k, v: bf16 products; the per-chunk states are summed in float32 and the output is float32.
+    """
     batch, heads, n, _ = q.shape
     d = v.shape[-1]
+    low = q.dtype != torch.float32
     padded = -n % c
     if padded:  # zero keys and values add nothing; the padded query rows are dropped at the end
         q, k, v = (torch.nn.functional.pad(t, (0, 0, 0, padded)) for t in (q, k, v))
     chunks = (n + padded) // c
     q_c, k_c, v_c = (t.reshape(batch, heads, chunks, c, t.shape[-1]) for t in (q, k, v))
     scores = torch.matmul(q_c, k_c.transpose(-1, -2)).tril()  # (B, H, N, C, C), causal inside the chunk
-    chunk_kv = torch.matmul(k_c.transpose(-1, -2), v_c)  # (B, H, N, m, d): one state per chunk
+    chunk_kv = torch.matmul(k_c.transpose(-1, -2), v_c).float()  # (B, H, N, m, d): one state per chunk
     # exclusive prefix: the state before each chunk, summed directly (an inclusive sum minus the chunk's own state
     # would cancel catastrophically when one chunk's keys dwarf the ones before it)
-    kv_before = torch.cumsum(torch.cat([state.unsqueeze(2), chunk_kv[:, :, :-1]], dim=2), dim=2)
-    out = torch.matmul(scores, v_c) + torch.matmul(q_c, kv_before)
+    kv_before = torch.cumsum(torch.cat([state.float().unsqueeze(2), chunk_kv[:, :, :-1]], dim=2), dim=2)
+    if low:
+        out = torch.matmul(scores, v_c).float() + torch.matmul(q_c, kv_before.to(q.dtype)).float()
+    else:
+        out = torch.matmul(scores, v_c) + torch.matmul(q_c, kv_before)
     return out.reshape(batch, heads, n + padded, d)[:, :, :n], kv_before[:, :, -1] + chunk_kv[:, :, -1]
 
 

@@ -28,7 +28,7 @@ PRESETS = {
                   kernel_n=[256], encoder_dims=dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
                                                     intermediate_size=128),
                   decoder_dims=dict(n_embd=64, n_layer=2, n_head=2, n_inner=128), vocab_size=512,
-                  ffn_chunk=32, new_tokens=4, repeats=2, timeout=300),
+                  ffn_chunk=32, new_tokens=4, repeats=2, timeout=300, kernel_form_dtypes=("float32",)),
     "quick": dict(encoder_n=[512, 1024, 2048], encoder_k=[128, 256], decoder_n=[1024, 2048],
                   generation_context=[256, 1024, 4096], kernel_n=[2048, 8192],
                   encoder_dims=dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
@@ -114,18 +114,64 @@ def release_freed_memory_at_once(device: str) -> None:
     libc.malloc_trim(0)
 
 
-def measured(fn, repeats: int, device: str, budget: float | None = None) -> tuple[float, int]:
-    """(median seconds of fn over `repeats` calls after a warm-up call, peak extra bytes of one more call).
+def profiler_peak_bytes(fn) -> int:
+    """Peak of the bytes held by tensors allocated during fn(), from torch.profiler(profile_memory=True): the running
+    sum of every event's own allocations and frees, in time order (an independent probe of the resident-set one)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    running = peak = 0
+    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
+        running += event.self_cpu_memory_usage
+        peak = max(peak, running)
+    return peak
+
+
+# The two memory probes must agree within these margins, or the row's memory is marked failed: the resident set can
+# exceed the tensors' peak (allocator slack, library scratch) by up to 3x + 64 MB, and fall short of it by at most
+# half of it plus MEMORY_FLOOR (allocations under glibc's mmap threshold reuse heap pages).
+PROBE_MARGINS = dict(low=0.5, high=3.0, slack=64 * 2**20)
+
+
+def probes_disagree(resident: int, tensors: int) -> str | None:
+    """Why the resident-set and the profiler probe cannot both be right, or None when they agree within PROBE_MARGINS."""
+    if resident < PROBE_MARGINS["low"] * tensors - MEMORY_FLOOR or resident > (
+        PROBE_MARGINS["high"] * tensors + PROBE_MARGINS["slack"]
+    ):
+        return f"memory probes disagree: resident set {_mb(resident)} MB, tensors {_mb(tensors)} MB"
+    return None
+
+
+def measured(fn, repeats: int, device: str, budget: float | None = None) -> tuple[float, dict]:
+    """(median seconds of fn over `repeats` calls after a warm-up call, memory of one more call).
 
     Time first, with the allocator as users have it; memory last, of a single call after the warm-up (one-time
-    library caches are not activations) and after one more call under the new allocator settings.
+    library caches are not activations) and after one more call under the new allocator settings. On CPU the memory
+    is read by two probes (resident set, profiler); the dict is {"bytes", "profiler_bytes"} when they agree, else
+    {"failed": why, ...}: a figure that one probe contradicts is never reported as a measurement.
     """
     seconds = median_seconds(fn, repeats, device, budget)
     release_freed_memory_at_once(device)
     fn()  # settles the heap after the trim: its pages fault back in here, not inside the measurement
     with PeakMemory(device) as memory:
         fn()
-    return seconds, memory.extra
+    if device != "cpu":
+        return seconds, {"bytes": memory.extra}
+    tensors = profiler_peak_bytes(fn)
+    reason = probes_disagree(memory.extra, tensors)
+    if reason:
+        return seconds, {"failed": reason, "resident_bytes": memory.extra, "profiler_bytes": tensors}
+    return seconds, {"bytes": memory.extra, "profiler_bytes": tensors}
+
+
+def _with_memory(result: dict, key: str, memory: dict) -> dict:
+    """result plus memory under `key` (and the profiler's figure), or the probes' disagreement under key_failed."""
+    if "failed" in memory:
+        return {**result, f"{key}_failed": memory["failed"], "resident_bytes": memory["resident_bytes"],
+                "profiler_bytes": memory["profiler_bytes"]}
+    return {**result, key: memory["bytes"], **({"profiler_bytes": memory["profiler_bytes"]}
+                                                 if "profiler_bytes" in memory else {})}
 
 
 def median_seconds(fn, repeats: int, device: str, budget: float | None = None) -> float:
@@ -164,8 +210,8 @@ def _encoder(spec, device):
     model = AutoModel.from_config(config, **kwargs).to(device, getattr(torch, spec["dtype"])).eval()
     ids = torch.randint(3, spec["vocab_size"], (1, n), device=device)
     with torch.no_grad():
-        seconds, extra = measured(lambda: model(input_ids=ids), spec["repeats"], device, spec.get("budget"))
-    return {"seconds": seconds, "activation_bytes": extra}
+        seconds, memory = measured(lambda: model(input_ids=ids), spec["repeats"], device, spec.get("budget"))
+    return _with_memory({"seconds": seconds}, "activation_bytes", memory)
 
 
 def _decoder_model(spec, device, n_positions):
@@ -193,8 +239,8 @@ def _decoder_train(spec, device):
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
 
-    seconds, extra = measured(step, spec["repeats"], device, spec.get("budget"))  # zero_grad frees the gradients
-    return {"seconds": seconds, "peak_bytes": extra}
+    seconds, memory = measured(step, spec["repeats"], device, spec.get("budget"))  # zero_grad frees the gradients
+    return _with_memory({"seconds": seconds}, "peak_bytes", memory)
 
 
 def _cache_bytes(cache) -> int:
@@ -227,7 +273,12 @@ def _generation(spec, device):
 
 
 def matmul_peak(dtype: torch.dtype, device: str, size: int = 2048, repeats: int = 5) -> float:
-    """Measured GFLOP/s of a square matmul: the machine's practical peak for this dtype."""
+    """Measured GFLOP/s of a square matmul: the machine's practical peak for this dtype (a 256 product where bf16 is
+    emulated: one 2048 product there takes minutes)."""
+    from hf_linear_attn.linear_attention import native_bf16
+
+    if dtype == torch.bfloat16 and not native_bf16(device):
+        size = 256
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
     return 2 * size**3 / median_seconds(lambda: a @ b, repeats, device) / 1e9
@@ -242,23 +293,112 @@ def linear_attention_flops(form: str, n: int, heads: int, d: int, chunk: int) ->
     return heads * chunks * per_chunk
 
 
+def _load_fla_naive():
+    """fla's torch-only linear-attention forms (ops/linear_attn/naive.py), loaded by path: the package's __init__
+    imports triton, which CPU-only installs lack."""
+    import importlib.util
+
+    found = importlib.util.find_spec("fla")
+    if found is None or not found.submodule_search_locations:
+        raise ImportError("fla (pip install flash-linear-attention) is not installed")
+    path = Path(list(found.submodule_search_locations)[0]) / "ops" / "linear_attn" / "naive.py"
+    module_spec = importlib.util.spec_from_file_location("fla_linear_attn_naive", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module
+
+
+def peer_kernel(name: str):
+    """A peer's causal linear attention as fn(phi_q, phi_k, v) on (B, H, n, d) features, plus the feature maps it
+    applies itself (None: it takes features), or ImportError with the reason it cannot run here."""
+    if name == "fla chunk (torch)":
+        naive = _load_fla_naive()
+
+        def fla_chunk(q, k, v):
+            t = [x.transpose(1, 2) for x in (q, k, v)]
+            return naive.naive_chunk_linear_attn(*t, scale=1.0, normalize=True).transpose(1, 2)
+
+        return fla_chunk, None
+    if name == "performer-pytorch (torch)":
+        from performer_pytorch.performer_pytorch import causal_linear_attention_noncuda
+
+        return (lambda q, k, v: causal_linear_attention_noncuda(q, k, v, chunk_size=128)), None
+    if name == "linear-attention-transformer":
+        from linear_attention_transformer.linear_attention_transformer import causal_linear_attn
+
+        # its own feature maps (softmax(q) d^-1/2, exp(k)) on raw q, k; earlier buckets only, not exact
+        features = (lambda q: q.softmax(-1) * q.shape[-1] ** -0.5, torch.exp)
+        return (lambda q, k, v: causal_linear_attn(q, k, v, bucket_size=64)), features
+    if name == "fast-transformers (C++)":
+        try:
+            from fast_transformers.causal_product import causal_dot_product
+        except ImportError as error:
+            raise ImportError("not installed: pytorch-fast-transformers' setup.py requires CUDA_HOME, it does not "
+                              "build against a CPU-only torch") from error
+
+        def fast(q, k, v):
+            out = causal_dot_product(q.float(), k.float(), v.float())
+            return out / ((q.float() * k.float().cumsum(2)).sum(-1, keepdim=True) + 1e-6)
+
+        return fast, None
+    raise ValueError(name)
+
+
+PEERS = ("fla chunk (torch)", "fast-transformers (C++)", "performer-pytorch (torch)", "linear-attention-transformer")
+
+
 def _kernel(spec, device):
     from hf_linear_attn import bidirectional_linear_attention, causal_linear_attention
 
     dtype = getattr(torch, spec["dtype"])
     n, heads, d, chunk = spec["n"], spec["heads"], spec["head_dim"], spec["chunk"]
-    phi_q, phi_k, v = (torch.rand(1, heads, n, d, device=device, dtype=dtype) for _ in range(3))
-    if spec["form"] == "causal":
-        def fn():
-            return causal_linear_attention(phi_q, phi_k, v, chunk_size=chunk)
+    train = spec.get("train", False)
+    raw = [torch.randn(1, heads, n, d, device=device) for _ in range(3)]
+    features = (lambda x: torch.nn.functional.elu(x) + 1, lambda x: torch.nn.functional.elu(x) + 1)
+    peer = spec.get("peer")
+    if peer:
+        try:
+            kernel, own_features = peer_kernel(peer)
+        except ImportError as error:
+            return {"skipped": str(error)[:200]}
+        features = own_features or features
+    elif spec["form"] == "causal":
+        form, precision = spec.get("kernel_form", "auto"), spec.get("precision", "auto")
+        chunk_size = None if form == "auto" else chunk
+
+        def kernel(q, k, v):
+            return causal_linear_attention(q, k, v, chunk_size=chunk_size, form=form, precision=precision)[0]
     else:
-        def fn():
-            return bidirectional_linear_attention(phi_q, phi_k, v)
+        def kernel(q, k, v):
+            return bidirectional_linear_attention(q, k, v)
+    inputs = [features[0](raw[0]), features[1](raw[1]), raw[2]]
+    exact_inputs = [t.to(dtype).double() for t in inputs]
     with torch.no_grad():
-        seconds = median_seconds(fn, spec["repeats"], device)
-    gflops = linear_attention_flops(spec["form"], n, heads, d, chunk) / seconds / 1e9
+        exact = (causal_linear_attention(*exact_inputs, chunk_size=64, form="scan")[0] if spec["form"] == "causal"
+                 else bidirectional_linear_attention(*exact_inputs))
+    own = peer == "linear-attention-transformer"  # applies its feature maps itself: give it raw q, k
+    args = [t.to(dtype) for t in (raw if own else inputs)]
+    leaves = [t.clone().requires_grad_(train) for t in args]
+    grad = torch.randn(1, heads, n, d, device=device, dtype=dtype)
+
+    def fn():
+        if train:
+            kernel(*leaves).backward(grad)
+            for t in leaves:
+                t.grad = None
+            return None
+        with torch.no_grad():
+            return kernel(*leaves)
+
+    with torch.no_grad():
+        out = kernel(*args)
+    error = float((out.double() - exact).norm() / exact.norm())
+    seconds = median_seconds(fn, spec["repeats"], device)
+    flops = linear_attention_flops(spec["form"], n, heads, d, chunk) * (4 if train else 1)  # backward: 3 more scans
+    gflops = flops / seconds / 1e9
     peak = matmul_peak(dtype, device)
-    return {"seconds": seconds, "gflops": gflops, "matmul_peak_gflops": peak, "fraction_of_peak": gflops / peak}
+    return {"seconds": seconds, "gflops": gflops, "matmul_peak_gflops": peak, "fraction_of_peak": gflops / peak,
+            "error_vs_float64": error}
 
 
 KINDS = {"encoder": _encoder, "decoder_train": _decoder_train, "generation": _generation, "kernel": _kernel}
@@ -328,17 +468,32 @@ def configurations(preset: dict, dtype: str = "float32") -> list[dict]:
     heads = preset["encoder_dims"]["num_attention_heads"]
     head_dim = preset["encoder_dims"]["hidden_size"] // heads
     for n in preset["kernel_n"]:
+        base = {"kind": "kernel", "repeats": preset["repeats"], "n": n, "heads": heads, "head_dim": head_dim,
+                "chunk": 64}
         for form in ("causal", "bidirectional"):
             for dtype in ("float32", "bfloat16"):
-                specs.append({"kind": "kernel", "repeats": preset["repeats"], "n": n, "heads": heads,
-                              "head_dim": head_dim, "chunk": 64, "form": form, "dtype": dtype,
-                              "method": f"{form} {dtype}"})
+                specs.append({**base, "form": form, "dtype": dtype, "method": f"{form} {dtype}"})
+        # causal forms and peers side by side, forward and training (forward + backward), one process each
+        for train in (False, True):
+            for dtype in preset.get("kernel_form_dtypes", ("float32", "bfloat16")):
+                mode = "fwd+bwd" if train else "fwd"
+                for kernel_form, chunk in (("scan", 64), ("scan", 256), ("parallel", 64), ("parallel", 256)):
+                    specs.append({**base, "form": "causal", "dtype": dtype, "train": train, "kernel_form": kernel_form,
+                                  "chunk": chunk, "method": f"causal {kernel_form} C={chunk} {dtype} {mode}"})
+                for peer in PEERS:
+                    specs.append({**base, "form": "causal", "dtype": dtype, "train": train, "peer": peer,
+                                  "method": f"peer: {peer} {dtype} {mode}"})
     return specs
 
 
 # Below this, a CPU memory figure is within the resident-set probe's noise (page-level reuse by the allocator):
 # the tables show it, but compute no ratio from it.
 MEMORY_FLOOR = 4 * 2**20
+
+
+def _failure(result: dict, key: str) -> str:
+    """What a table cell shows for a missing figure: the run's failure, the memory probes' disagreement, or "-"."""
+    return result.get("failed") or result.get(f"{key}_failed") or result.get("skipped") or "-"
 
 
 def _mb(value) -> str:
@@ -359,7 +514,7 @@ def tables(results: list[dict]) -> str:
             out += [f"### {title}", "", "| n | " + " | ".join(methods) + " |", "|---" * (len(methods) + 1) + "|"]
             for n in sizes:
                 row = [fmt(cell[(m, n)][key]) if (m, n) in cell and key in cell[(m, n)] else
-                       cell.get((m, n), {}).get("failed", "-") for m in methods]
+                       _failure(cell.get((m, n), {}), key) for m in methods]
                 out.append(f"| {n} | " + " | ".join(row) + " |")
             out.append("")
         for base in ("roberta eager", "roberta sdpa"):
@@ -379,11 +534,14 @@ def tables(results: list[dict]) -> str:
         ("generation", "Generation, batch 1 (per token after a prompt of `context` tokens)",
          (("seconds_per_token", "ms / token", lambda v: f"{1000 * v:.2f}"),
           ("tokens_per_second", "tokens / s", lambda v: f"{v:.1f}"), ("cache_bytes", "cache MB", _mb))),
-        ("kernel", "Linear-attention kernels (forward; inputs in the dtype named, computed in float32 by design), "
-                   "against the measured matmul peak of that dtype",
+        ("kernel", "Linear-attention kernels and peers (B 1, H 12, d 64; forward, or forward + backward where named; "
+                   "bf16 inputs take bf16 products where the CPU has them natively, else float32), against the "
+                   "matmul peak of that dtype measured in the same process; error: relative L2 against float64 on "
+                   "the same inputs",
          (("seconds", "s", lambda v: f"{v:.4f}"), ("gflops", "GFLOP/s", lambda v: f"{v:.1f}"),
           ("matmul_peak_gflops", "matmul peak GFLOP/s", lambda v: f"{v:.1f}"),
-          ("fraction_of_peak", "% of peak", lambda v: f"{100 * v:.1f}"))),
+          ("fraction_of_peak", "% of peak", lambda v: f"{100 * v:.1f}"),
+          ("error_vs_float64", "rel. error vs float64", lambda v: f"{v:.1e}"))),
     ):
         rows = [r for r in results if r["kind"] == kind]
         if not rows:
@@ -392,7 +550,7 @@ def tables(results: list[dict]) -> str:
         out += [f"### {title}", "", f"| {size} | method | " + " | ".join(c[1] for c in columns) + " |",
                 "|---" * (len(columns) + 2) + "|"]
         for r in rows:
-            cells = [c[2](r[c[0]]) if c[0] in r else r.get("failed", "-") for c in columns]
+            cells = [c[2](r[c[0]]) if c[0] in r else _failure(r, c[0]) for c in columns]
             out.append(f"| {r[size]} | {r['method']} | " + " | ".join(cells) + " |")
         out.append("")
     return "\n".join(out)

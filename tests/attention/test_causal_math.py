@@ -128,3 +128,88 @@ def test_causal_form_accumulates_in_float32_under_bf16():
     assert out.dtype == torch.bfloat16 and s.dtype == torch.float32 and z.dtype == torch.float32
     ref = causal_quadratic_reference(phi(q, True), phi(k, False), v, 1e-6).to(torch.bfloat16)
     assert (out == ref).float().mean().item() > 0.95
+
+
+# ------------------------------------------------------------------------- the bf16 compute path (issue 29)
+
+def _bf16_features(b, h, n, m, seed):
+    g = torch.Generator().manual_seed(seed)
+    phi_q = (torch.nn.functional.elu(torch.randn(b, h, n, m, generator=g)) + 1).bfloat16()
+    phi_k = (torch.nn.functional.elu(torch.randn(b, h, n, m, generator=g)) + 1).bfloat16()
+    return phi_q, phi_k, torch.randn(b, h, n, m, generator=g).bfloat16()
+
+
+def _relative(got, want):
+    return ((got.double() - want).norm() / want.norm()).item()
+
+
+BF16_ROUNDING = 2.0**-8  # unit roundoff of bf16: what rounding the inputs (or the output) to bf16 costs
+
+
+def test_bf16_compute_path_against_float64_at_n_16384():
+    """bf16 products with the state, z and the normaliser in float32: at n = 16,384 the final state S stays within bf16
+    rounding (2^-8, relative L2) of float64 and its error does not grow with n (each chunk's product is rounded once,
+    then summed in float32), z within 1e-6; the outputs are never worse than the all-float32 path by more than bf16
+    rounding."""
+    phi_q, phi_k, v = _bf16_features(1, 2, 16384, 16, seed=3)
+    out, (s, z) = causal_linear_attention(phi_q, phi_k, v, chunk_size=64, form="scan", precision="bfloat16")
+    assert out.dtype == torch.bfloat16 and s.dtype == torch.float32 and z.dtype == torch.float32
+    ref, (s_ref, z_ref) = causal_linear_attention(phi_q.double(), phi_k.double(), v.double(), chunk_size=64)
+    full, _ = causal_linear_attention(phi_q, phi_k, v, chunk_size=64, form="scan", precision="float32")
+    assert _relative(s, s_ref) < BF16_ROUNDING and _relative(z, z_ref) < 1e-6  # z: float32 sums, never bf16 products
+    _, (s_short, _) = causal_linear_attention(phi_q[:, :, :1024], phi_k[:, :, :1024], v[:, :, :1024], chunk_size=64,
+                                              form="scan", precision="bfloat16")
+    _, (s_short_ref, _) = causal_linear_attention(*(t[:, :, :1024].double() for t in (phi_q, phi_k, v)), chunk_size=64)
+    assert _relative(s, s_ref) <= 1.5 * _relative(s_short, s_short_ref)  # 16x longer, no larger error
+    assert _relative(out, ref) <= _relative(full, ref) + BF16_ROUNDING
+    parallel, (s_par, _) = causal_linear_attention(phi_q, phi_k, v, chunk_size=256, form="parallel",
+                                                   precision="bfloat16")
+    assert _relative(parallel, ref) <= _relative(full, ref) + BF16_ROUNDING and _relative(s_par, s_ref) < BF16_ROUNDING
+
+
+@pytest.mark.parametrize("form", ["scan", "parallel"])
+def test_bf16_compute_path_gradients_against_float64(form):
+    """Gradients of the bf16 path (three bf16 scans, a float32 normaliser) against autograd in float64, including a
+    continued state; stated tolerance: relative L2 error 2e-2 (the all-float32 path's plus bf16 roundings)."""
+    phi_q, phi_k, v = _bf16_features(2, 3, 300, 16, seed=4)
+    s0 = torch.rand(2, 3, 16, 16, dtype=torch.float32)
+    z0 = torch.rand(2, 3, 16, dtype=torch.float32)
+    leaves = [t.clone().requires_grad_(True) for t in (phi_q, phi_k, v)]
+    out, (s, z) = causal_linear_attention(*leaves, chunk_size=64, state=(s0, z0), form=form, precision="bfloat16")
+    exact = [t.detach().double().requires_grad_(True) for t in leaves]
+    ref, (s_ref, _) = causal_linear_attention(*exact, chunk_size=64, state=(s0.double(), z0.double()))
+    assert _relative(out, ref) < 1e-2 and _relative(s, s_ref) < BF16_ROUNDING
+    g, g_s = torch.randn_like(out, dtype=torch.float32), torch.randn_like(s)
+    got = torch.autograd.grad((out.float() * g).sum() + (s * g_s).sum(), leaves)
+    want = torch.autograd.grad((ref * g.double()).sum() + (s_ref * g_s.double()).sum(), exact)
+    for a, b in zip(got, want):
+        assert _relative(a, b) < 2e-2
+
+
+def test_bidirectional_bf16_compute_path_against_float64():
+    from hf_linear_attn.linear_attention import bidirectional_linear_attention
+
+    phi_q, phi_k, v = _bf16_features(1, 2, 4096, 16, seed=5)
+    mask = torch.ones(1, 4096, dtype=torch.bool)
+    mask[:, 4000:] = False
+    out = bidirectional_linear_attention(phi_q, phi_k, v, key_mask=mask, precision="bfloat16")
+    ref = bidirectional_linear_attention(phi_q.double(), phi_k.double(), v.double(), key_mask=mask)
+    full = bidirectional_linear_attention(phi_q, phi_k, v, key_mask=mask, precision="float32")
+    assert out.dtype == torch.bfloat16
+    assert _relative(out, ref) <= _relative(full, ref) + BF16_ROUNDING
+
+
+def test_auto_precision_and_form_follow_the_device_and_the_table():
+    from hf_linear_attn.linear_attention import CAUSAL_FORM_TABLE, choose_causal_form, native_bf16
+
+    phi_q, phi_k, v = _bf16_features(1, 2, 200, 8, seed=6)
+    auto, _ = causal_linear_attention(phi_q, phi_k, v, chunk_size=64)
+    same, _ = causal_linear_attention(phi_q, phi_k, v, chunk_size=64, precision="float32")
+    assert torch.equal(auto, same)  # auto = the float32 path until the bf16 one is measured where it is native
+    assert isinstance(native_bf16("cpu"), bool)
+    for (device, bf16, grad), rows in CAUSAL_FORM_TABLE.items():
+        assert [r[0] for r in rows] == sorted(r[0] for r in rows) and rows[0][0] == 0
+        for shortest, form, chunk in rows:
+            assert choose_causal_form(device, bf16, shortest, grad) == (form, chunk)
+    with pytest.raises(ValueError, match="precision must be"):
+        causal_linear_attention(phi_q, phi_k, v, precision="fp8")

@@ -258,7 +258,11 @@ def test_bf16_weights_and_autocast_stay_close_to_float32(variant):
     if variant.startswith("linear"):
         assert all(layer.state[0].dtype == torch.float32 for layer in out.past_key_values.layers)
     step = low(ids[:, 29:], past_key_values=out.past_key_values).logits
-    assert (step.float() - logits[:, 29:].float()).abs().max() < 0.1
+    # Two bf16 computations of one function: the causal Linformer's full pass (fused flash attention) and its step
+    # (a masked softmax) round differently; each stays within the float32 bound above (measured 2026-11-24: full
+    # pass 0.139 off float32, step 0.146, the two 0.121 apart; the earlier materialised full pass: 0.171 off).
+    assert (step.float() - logits[:, 29:].float()).abs().max() < 0.15
+    assert_close_to_reference(torch.cat([logits[:, :29], step], dim=1))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert_close_to_reference(model(ids).logits)
 
