@@ -8,12 +8,14 @@ from pathlib import Path
 
 import torch
 
-from .convert import check_target, convert, extend_max_length, load_source, load_source_tokenizer, save_converted
 from hf_linear_attn import family_of
+from hf_linear_attn.training.checkpoints import disk_full_error, is_disk_full
 from hf_linear_attn.training.data import load_text_corpus, pack_corpus
 from hf_linear_attn.training.errors import UsageError
-from .distill import distill, distillation_distance, distillation_mode, language_model_quality
 from hf_linear_attn.training.pretraining import max_model_length
+
+from .convert import check_target, convert, extend_max_length, load_source, load_source_tokenizer, save_converted
+from .distill import distill, distillation_distance, distillation_mode, language_model_quality
 
 FAMILY_OPTIONS = ("linformer_k", "linformer_sharing", "linformer_init", "linformer_normalize_rows",
                   "linformer_block_size", "feature_map", "num_random_features", "learned_feature_dim")
@@ -113,7 +115,13 @@ def run_conversion(args: ConvertArguments) -> dict:
             tokenizer.model_max_length = args.extend_max_length
     partial = output_dir.with_name(f".partial-{output_dir.name}")  # a crash never leaves half a checkpoint
     shutil.rmtree(partial, ignore_errors=True)
-    save_converted(model, report, partial, tokenizer)
+    try:
+        save_converted(model, report, partial, tokenizer)
+    except (OSError, RuntimeError) as error:
+        shutil.rmtree(partial, ignore_errors=True)
+        if is_disk_full(error):
+            raise disk_full_error(output_dir.parent, "the converted checkpoint", error) from error
+        raise
     if output_dir.exists():
         shutil.rmtree(output_dir)
     partial.rename(output_dir)

@@ -25,7 +25,7 @@ from transformers import (
 )
 
 from hf_linear_attn import MODEL_FAMILIES, FavorFeatureMap, HedgehogFeatureMap, LinformerProjection, family_of
-
+from hf_linear_attn.training.checkpoints import file_problem
 from hf_linear_attn.training.errors import UsageError
 
 # target model_type -> the kind of checkpoints it is converted from (RoBERTa-family encoders, GPT-2 decoders)
@@ -174,10 +174,16 @@ def load_source(name: str, head: str = "auto"):
     auto = HEADS[head]
     if type(config) not in auto._model_mapping:
         raise UsageError(f"The source {name!r} ({config.model_type}) has no {head} head in transformers.")
+    if Path(name).is_dir():  # a damaged weights file: say which and why, not safetensors' header message
+        for weights in sorted(Path(name).glob("*.safetensors")):
+            problem = file_problem(weights)
+            if problem is not None:
+                raise UsageError(f"Cannot load the weights of {name!r}: {weights.name} is {problem}; save or "
+                                 "download the checkpoint again.")
     try:
         model, info = auto.from_pretrained(name, output_loading_info=True, attn_implementation="eager")
-    except (OSError, ValueError, RuntimeError) as error:
-        raise UsageError(f"Cannot load the weights of {name!r}: {error}") from error
+    except Exception as error:  # OSError, ValueError, RuntimeError, safetensors' SafetensorError, pickle errors
+        raise UsageError(f"Cannot load the weights of {name!r}: {type(error).__name__}: {error}") from error
     mismatched = {k[0] if isinstance(k, (tuple, list)) else k for k in info.get("mismatched_keys", [])}
     missing = sorted(set(info.get("missing_keys", [])) | mismatched)
     body = [key for key in missing if key.startswith(model.base_model_prefix + ".")]

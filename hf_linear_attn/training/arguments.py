@@ -42,7 +42,12 @@ def parse_arguments(dataclass_types, argv=None):
             elif value is not None:
                 file_args += [f"--{key}", str(value)]
         argv = file_args + argv
-    *parsed, rest = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
+    try:
+        *parsed, rest = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
+    except UsageError:
+        raise
+    except ValueError as error:  # a dataclass refusing a value (TrainingArguments: "--logging_steps 0")
+        raise UsageError(f"invalid arguments: {error}") from error
     if rest:
         raise UsageError(f"unknown arguments: {rest}")
     return (*parsed, config_path)

@@ -5,6 +5,7 @@ after loading is one path. Bad input (missing files, unknown formats, misnamed c
 `UsageError` with a message that says what is wrong and how to fix it.
 """
 
+import codecs
 import csv
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,12 +60,52 @@ def describe_error(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
+def check_utf8(path: str) -> None:
+    """An error naming the line of the first byte that is not UTF-8 (datasets raises UnicodeDecodeError later, from
+    wherever the text is first read, or keeps the bytes and fails in the tokenizer)."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    line, offset = 1, 0
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 22), b""):
+            try:
+                decoder.decode(chunk)
+            except UnicodeDecodeError as error:
+                where = line + chunk[: error.start].count(b"\n")
+                raise UsageError(f"{path} is not UTF-8 text: byte {offset + error.start} (line {where}) is "
+                                 f"{chunk[error.start:error.start + 1]!r}; convert the file to UTF-8 (e.g. "
+                                 "iconv -f latin1 -t utf-8) or remove that line") from None
+            line += chunk.count(b"\n")
+            offset += len(chunk)
+    try:
+        decoder.decode(b"", final=True)
+    except UnicodeDecodeError:
+        raise UsageError(f"{path} is not UTF-8 text: it ends inside a multi-byte character (truncated?); convert it "
+                         "to UTF-8 or remove the last line") from None
+
+
+def require_text(dataset: Dataset, columns, split: str, fix: str) -> None:
+    """An error when a text column holds anything but strings: nulls, numbers, lists (a JSON file mixing types)."""
+    for column in columns:
+        feature = dataset.features[column]
+        if not (isinstance(feature, Value) and feature.dtype in ("string", "large_string")):
+            sample = next((v for v in dataset[column] if not isinstance(v, str)), None)
+            raise UsageError(f"the {split} column {column!r} must hold text, but it holds {feature} values "
+                             f"(e.g. {sample!r}): {fix}")
+        nulls = dataset.data.column(column).null_count
+        if nulls:
+            first = dataset.data.column(column).to_pylist().index(None)
+            raise UsageError(f"the {split} column {column!r} is empty (null) in {nulls} row(s), the first at row "
+                             f"{first + 1}: {fix}")
+
+
 def _load_local(files: dict[str, str], allowed: tuple[str, ...]) -> DatasetDict:
     """Load local files (one builder for all splits) into a DatasetDict, wrapping parse errors with the file name."""
     kinds = {split: _builder_for(path, allowed) for split, path in files.items()}
     splits = {}
     for split, path in files.items():  # one split at a time: GLUE's QNLI dev has an index column, its train not
         builder, options = kinds[split]
+        if builder != "parquet":
+            check_utf8(path)
         try:
             splits[split] = load_dataset(builder, data_files=str(path), split="train", **options)
         except Exception as error:  # datasets wraps pandas / pyarrow / json errors in several exception types
@@ -116,6 +157,9 @@ def load_text_corpus(dataset_name=None, dataset_config_name=None, train_file=Non
     raw = DatasetDict({split: raw[split] for split in ("train", "validation") if split in raw})
     _require_columns(raw, (text_column,), "the text (set --text_column)")
     raw = raw.select_columns([text_column])
+    for split, part in raw.items():
+        require_text(part, [text_column], split, "give every row a string (empty lines are skipped) or choose "
+                                                  "another --text_column")
     if text_column != "text":
         raw = raw.rename_column(text_column, "text")
     raw = raw.filter(lambda batch: [isinstance(t, str) and t.strip() != "" for t in batch["text"]], batched=True)
@@ -248,6 +292,8 @@ def load_task_data(task: Task, dataset_name=None, dataset_config_name=None, trai
                 f"the {split} data of {task.name} needs the columns {list(task.text_columns)} and a label column "
                 f"({' or '.join(task.label_columns)}); it has {part.column_names}"
             )
+    for split, part in raw.items():
+        require_text(part, task.text_columns, split, "every row needs its text; fix or remove those rows")
     raw = DatasetDict({s: _normalise_labels(d, task, s) for s, d in raw.items()})
     raw = DatasetDict({s: d.select_columns([*task.text_columns, "label"]) for s, d in raw.items()})
     if "validation" not in raw:
@@ -268,6 +314,14 @@ def encode_task(dataset: DatasetDict, task: Task, tokenizer, max_length: int, he
     start = next(i for i in range(len(framed)) if framed[i: i + len(probe)] == probe)
     prefix, suffix = framed[:start], framed[start + len(probe):]
     budget = max_length - len(prefix) - len(suffix)
+    if len(task.text_columns) == 2:
+        specials = len(tokenizer("a", "a")["input_ids"]) - 2 * len(probe)
+        if max_length < specials + 2:
+            raise UsageError(f"--max_seq_length {max_length} leaves no room for both texts of a {task.name} pair "
+                             f"({specials} special tokens): use at least {specials + 2}, e.g. 128")
+    elif budget < 1:
+        raise UsageError(f"--max_seq_length {max_length} leaves no room for text ({len(prefix) + len(suffix)} special "
+                         f"tokens): use at least {len(prefix) + len(suffix) + 1}, e.g. 128")
     head = int(budget * head_fraction)
 
     def single(batch):

@@ -2,6 +2,7 @@
 
 import json
 import platform
+import re
 import shlex
 import shutil
 import sys
@@ -19,12 +20,14 @@ from transformers import (
     TrainingArguments,
     set_seed,
 )
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 import hf_linear_attn  # noqa: F401  (registers the package's models with the Auto classes)
 
-from .errors import UsageError
+from .checkpoints import disk_full_error, fsync_tree, is_disk_full, missing_pieces, replace_folder
 from .data import encode_task, get_task, load_task_data, refuse_sources_inside
-from .hub import DEFAULT_TEMPLATE, push_folder, write_model_card
+from .errors import UsageError
+from .hub import DEFAULT_TEMPLATE, check_template, push_folder, write_model_card
 from .metrics import load_task_metric
 from .pretraining import max_model_length
 
@@ -56,7 +59,95 @@ class FinetuneArguments:
         "choices": ["auto", "hub", "local"]})
     model_card_template: str = field(default=str(DEFAULT_TEMPLATE))
     overwrite_output_dir: bool = field(default=False, metadata={"help": "replace what output_dir holds"})
+    allow_inexact_resume: bool = field(default=False, metadata={
+        "help": "with --resume_from_checkpoint: accept a checkpoint without its RNG states (the continuation then "
+                "differs from an uninterrupted run) instead of stopping"})
     trust_remote_code: bool = field(default=False)
+
+
+CHECKPOINT_NAME = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
+
+
+class AtomicCheckpointTrainer(Trainer):
+    """A Trainer whose checkpoint-N folders are whole or absent: each is written into a temporary folder
+    (.partial-checkpoint-N/checkpoint-N, which Trainer's own `get_last_checkpoint` does not match) and renamed into
+    place when complete; a full disk is reported as such, the older checkpoints untouched."""
+
+    def _save_checkpoint(self, model, trial):
+        run_dir = Path(self._get_output_dir(trial=trial))
+        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        staging = run_dir / f".partial-{name}"
+        final = run_dir / name
+        if self.args.should_save:
+            shutil.rmtree(staging, ignore_errors=True)
+        get_output_dir = self._get_output_dir
+        self._get_output_dir = lambda trial=None: str(staging)  # Trainer's save (and rotation) happen in staging
+        try:
+            super()._save_checkpoint(model, trial)
+            self.accelerator.wait_for_everyone()  # every process's RNG state is in staging
+            if self.args.should_save:
+                if self.state.best_model_checkpoint and Path(self.state.best_model_checkpoint).parent == staging:
+                    self.state.best_model_checkpoint = str(run_dir / Path(self.state.best_model_checkpoint).name)
+                    self.state.save_to_json(str(staging / name / "trainer_state.json"))
+                fsync_tree(staging)
+                replace_folder(staging / name, final)
+                shutil.rmtree(staging, ignore_errors=True)
+                rotate_checkpoints(output_dir=str(run_dir), save_total_limit=self.args.save_total_limit,
+                                   best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+        except (OSError, RuntimeError) as error:
+            if self.args.should_save:
+                shutil.rmtree(staging, ignore_errors=True)
+            if is_disk_full(error):
+                raise disk_full_error(run_dir, f"the checkpoint {name}", error) from error
+            raise
+        finally:
+            self._get_output_dir = get_output_dir
+        self.accelerator.wait_for_everyone()
+
+
+def trainer_checkpoint_problems(folder: Path, world_size: int) -> dict[str, str]:
+    """{piece of state: what is wrong} for a Trainer checkpoint; empty when an exact resume can start from it."""
+    pieces = {"step and trainer state": ["trainer_state.json"],
+              "model weights": ["model.safetensors", "pytorch_model.bin"],
+              "optimizer state": ["optimizer.pt", "optimizer.bin"], "learning-rate scheduler": ["scheduler.pt"]}
+    if world_size == 1:
+        pieces["RNG state"] = ["rng_state.pth"]
+    else:
+        pieces.update({f"RNG state of process {i}": [f"rng_state_{i}.pth"] for i in range(world_size)})
+    return missing_pieces(folder, pieces)
+
+
+def resolve_resume(value: str | None, output_dir: Path, world_size: int, allow_inexact: bool) -> str | None:
+    """The checkpoint --resume_from_checkpoint means: a folder (checked whole), or with True / latest the newest
+    whole checkpoint-N of output_dir, each incomplete one skipped by name (and kept). An error names what a
+    checkpoint lacks and --allow_inexact_resume, which accepts one lacking only RNG states."""
+    if value is None or str(value).lower() in ("", "false", "none"):
+        return None
+    if str(value).lower() in ("true", "latest"):
+        found = [p for p in output_dir.glob(f"{PREFIX_CHECKPOINT_DIR}-*") if p.is_dir() and CHECKPOINT_NAME.match(p.name)]
+        candidates = sorted(found, key=lambda p: int(CHECKPOINT_NAME.match(p.name).group(1)), reverse=True)
+        if not candidates:
+            raise UsageError(f"--resume_from_checkpoint {value}: {output_dir} holds no {PREFIX_CHECKPOINT_DIR}-N "
+                             "folder to resume from")
+    else:
+        candidates = [Path(value)]
+        if not candidates[0].is_dir():
+            raise UsageError(f"--resume_from_checkpoint {value}: no such checkpoint folder")
+    damaged = []
+    for folder in candidates:
+        problems = trainer_checkpoint_problems(folder, world_size)
+        if not problems or (allow_inexact and all(p.startswith("RNG state") for p in problems)):
+            for skipped, why in damaged:
+                print(f"warning: skipping the incomplete checkpoint {skipped} ({why}); it is left in place")
+            if problems:
+                print(f"warning: resuming from {folder} without {', '.join(problems.values())} "
+                      "(--allow_inexact_resume): the continuation differs from an uninterrupted run")
+            return str(folder)
+        damaged.append((folder, "; ".join(f"{piece}: {what}" for piece, what in problems.items())))
+    listing = "\n  ".join(f"{folder}: {why}" for folder, why in damaged)
+    raise UsageError(f"no checkpoint to resume from holds every piece of state an exact resume needs:\n  {listing}\n"
+                     "--allow_inexact_resume accepts one without its RNG states; without weights, optimizer or "
+                     "scheduler choose another --resume_from_checkpoint folder or start again")
 
 
 def _occupied(output_dir: Path, args: FinetuneArguments, training: TrainingArguments) -> bool:
@@ -73,8 +164,20 @@ def _occupied(output_dir: Path, args: FinetuneArguments, training: TrainingArgum
     return True
 
 
-def _check_arguments(args: FinetuneArguments) -> None:
+def _check_arguments(args: FinetuneArguments, training: TrainingArguments) -> None:
     """What can be checked before any data is read or anything is written."""
+    if args.max_seq_length < 1:
+        raise UsageError(f"--max_seq_length must be at least 1 (got {args.max_seq_length}); 128 is usual")
+    if training.max_steps <= 0 and training.num_train_epochs <= 0:
+        raise UsageError(f"nothing to train: --num_train_epochs {training.num_train_epochs} and --max_steps "
+                         f"{training.max_steps}; pass a positive --num_train_epochs or --max_steps")
+    strategies = (("--save_steps", training.save_steps, training.save_strategy),
+                  ("--eval_steps", training.eval_steps, training.eval_strategy),
+                  ("--logging_steps", training.logging_steps, training.logging_strategy))
+    for flag, steps, strategy in strategies:
+        if str(getattr(strategy, "value", strategy)) == "steps" and steps is not None and steps <= 0:
+            raise UsageError(f"{flag} must be positive with the 'steps' strategy (got {steps}): a number of steps, "
+                             "or a share of all steps if below 1; or set the strategy to 'no'")
     if not 0.0 <= args.head_fraction <= 1.0:
         raise UsageError(f"--head_fraction must be between 0 and 1 (got {args.head_fraction}): the share of a long "
                             "text's tokens kept from its start")
@@ -83,6 +186,7 @@ def _check_arguments(args: FinetuneArguments) -> None:
             raise UsageError(f"{flag} must be at least 1 (got {value})")
     if not Path(args.model_card_template).is_file():
         raise UsageError(f"model card template not found: {args.model_card_template} (--model_card_template)")
+    check_template(Path(args.model_card_template))
 
 
 def _subset(rows, count: int | None, hub: bool, seed: int):
@@ -125,9 +229,11 @@ def _load_tokenizer_and_config(args: FinetuneArguments, num_labels: int, label_n
 def run_finetuning(args: FinetuneArguments, training: TrainingArguments, argv=None) -> dict:
     """Fine-tune and evaluate; write eval_results.json and README.md; push when --push_to_hub. Returns metrics."""
     task = get_task(args.task_name)
-    _check_arguments(args)
+    _check_arguments(args, training)
     output_dir = Path(training.output_dir)
     replace = _occupied(output_dir, args, training)
+    resume_from = resolve_resume(training.resume_from_checkpoint, output_dir, training.world_size,
+                                 args.allow_inexact_resume)
     data, eval_split = load_task_data(task, args.dataset_name, args.dataset_config_name, args.train_file,
                                       args.validation_file, args.validation_split_percentage, training.seed)
     hub = args.dataset_name is not None
@@ -157,14 +263,19 @@ def run_finetuning(args: FinetuneArguments, training: TrainingArguments, argv=No
         shutil.rmtree(output_dir)
     push, repo_id = training.push_to_hub, training.hub_model_id or output_dir.name
     training.push_to_hub = False  # one upload at the end (model, code, card), not Trainer's per-save pushes
-    trainer = Trainer(model=model, args=training, train_dataset=encoded["train"], eval_dataset=encoded["validation"],
+    trainer = AtomicCheckpointTrainer(model=model, args=training, train_dataset=encoded["train"], eval_dataset=encoded["validation"],
                       processing_class=tokenizer, data_collator=DataCollatorWithPadding(tokenizer),
                       compute_metrics=compute_metrics)
-    train_result = trainer.train(resume_from_checkpoint=training.resume_from_checkpoint)
+    train_result = trainer.train(resume_from_checkpoint=resume_from)
     metrics = trainer.evaluate()
     metrics.update({"eval_samples": len(encoded["validation"]), "eval_split": eval_split, "task": task.name,
                     "train_samples": len(encoded["train"]), "train_runtime": train_result.metrics["train_runtime"]})
-    trainer.save_model(str(output_dir))  # weights, config, model code (save_pretrained) and tokenizer
+    try:
+        trainer.save_model(str(output_dir))  # weights, config, model code (save_pretrained) and tokenizer
+    except (OSError, RuntimeError) as error:
+        if is_disk_full(error):
+            raise disk_full_error(output_dir, "the fine-tuned model", error) from error
+        raise
 
     data_description = (f"{task.name} from the Hub ({args.dataset_name})" if args.dataset_name else
                         f"{task.name} from {Path(args.train_file).name}") + f", {len(encoded['train'])} training rows"

@@ -4,6 +4,8 @@ import json
 from pathlib import Path
 
 from huggingface_hub import EvalResult, HfApi, ModelCard, ModelCardData
+from jinja2 import TemplateError
+from jinja2.sandbox import SandboxedEnvironment
 
 from hf_linear_attn import MODEL_FAMILIES, family_of
 
@@ -35,6 +37,29 @@ def describe_architecture(config) -> tuple[str, str]:
     return label, ATTENTION.get(config.model_type, "")
 
 
+def check_template(template: Path) -> None:
+    """An error, before any training, for a card template that does not parse."""
+    try:
+        SandboxedEnvironment().parse(Path(template).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, TemplateError) as error:
+        raise UsageError(f"cannot read the model card template {template} (--model_card_template): "
+                         f"{type(error).__name__}: {error}") from error
+
+
+def render_card(template: Path, card_data: ModelCardData, **variables) -> ModelCard:
+    """ModelCard.from_template's rendering (the card data's fields and `card_data` as YAML, then `variables`), in
+    a sandboxed Jinja2 environment: a template, which a --config file can name, cannot reach Python internals
+    (`cycler.__init__.__globals__.os.popen(...)` runs shell commands under from_template's plain jinja2.Template)."""
+    try:
+        source = Path(template).read_text(encoding="utf-8")
+        compiled = SandboxedEnvironment().from_string(source)
+        content = compiled.render(card_data=card_data.to_yaml(), **{**card_data.to_dict(), **variables})
+    except (OSError, UnicodeDecodeError, TemplateError) as error:  # SecurityError is a TemplateError
+        raise UsageError(f"cannot render the model card template {template} (--model_card_template): "
+                         f"{type(error).__name__}: {error}") from error
+    return ModelCard(content)
+
+
 def write_model_card(output_dir: Path, *, repo_id: str, config, base_model: str, task, metrics: dict,
                      eval_split: str, dataset_id: str, command: str, data_description: str, truncation_rule: str,
                      max_seq_length: int, hyperparameters: dict, machine: str, template: Path = DEFAULT_TEMPLATE):
@@ -54,8 +79,8 @@ def write_model_card(output_dir: Path, *, repo_id: str, config, base_model: str,
     architecture, attention = describe_architecture(config)
     example = '"a gripping, beautifully acted film"' if len(task.text_columns) == 1 else (
         '{"text": "How do I learn Python?", "text_pair": "What is the best way to learn Python?"}')
-    card = ModelCard.from_template(
-        card_data, template_path=str(template), model_name=repo_id.split("/")[-1], repo_id=repo_id,
+    card = render_card(
+        template, card_data, model_name=repo_id.split("/")[-1], repo_id=repo_id,
         architecture=architecture, attention_description=attention, base_model=base_model, task_title=task_title,
         eval_split=eval_split, eval_samples=metrics.get("eval_samples", "?"), metric_names=" | ".join(names),
         metric_values=" | ".join(f"{100 * metrics[f'eval_{n}']:.2f}" for n in names), machine=machine,

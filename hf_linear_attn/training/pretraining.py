@@ -6,7 +6,9 @@ Exactness on `--resume` rests on three choices:
 - the masked-LM masks of each micro-batch come from a generator seeded by (seed, step, micro-batch, process), not
   from the global RNG, which the data loader's read-ahead would otherwise advance before a checkpoint is taken;
 - model, optimizer, scheduler and the global RNGs (dropout) are saved by `accelerator.save_state` into a temporary
-  folder that is renamed into place only when complete, so the newest checkpoint is never half written.
+  folder that is renamed into place only when complete, so the newest checkpoint is never half written;
+- a resume starts only from a checkpoint holding every one of those pieces (`choose_checkpoint`), since accelerate
+  skips a missing RNG file without a word (--allow_inexact_resume accepts that, saying so).
 """
 
 import json
@@ -36,15 +38,21 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_N
 
 import hf_linear_attn  # noqa: F401  (registers the package's models with the Auto classes)
 
-from .errors import UsageError
+from .checkpoints import disk_full_error, fsync_tree, is_disk_full, missing_pieces, replace_folder
 from .data import load_text_corpus, pack_corpus, refuse_sources_inside, train_bpe_tokenizer
+from .errors import UsageError
 
 CHECKPOINTS = "checkpoints"
 STEP_PREFIX = "step_"
 RUN_ARGS = "run_args.json"
 # Arguments a resumed run may change; any other difference would make the continuation a different run.
 RESUMABLE_CHANGES = {"resume", "resume_from_checkpoint", "overwrite_output_dir", "logging_steps", "report_to",
-                     "save_total_limit", "eval_steps", "max_eval_samples"}
+                     "save_total_limit", "eval_steps", "max_eval_samples", "allow_inexact_resume"}
+# The pieces of state an exact resume needs, each with the file names accelerate may give it (random_states_N.pkl:
+# one per process, added by `checkpoint_pieces`).
+STATE_PIECES = {"step (trainer_state.json)": ["trainer_state.json"],
+                "model weights": ["pytorch_model.bin", "model.safetensors"],
+                "optimizer state": ["optimizer.bin"], "learning-rate scheduler": ["scheduler.bin"]}
 
 
 @dataclass
@@ -93,6 +101,9 @@ class PretrainArguments:
     save_total_limit: int = field(default=2, metadata={"help": "checkpoints kept (the newest ones)"})
     resume: bool = field(default=False, metadata={"help": "continue from the newest checkpoint in output_dir"})
     resume_from_checkpoint: str | None = field(default=None, metadata={"help": "continue from this checkpoint"})
+    allow_inexact_resume: bool = field(default=False, metadata={
+        "help": "resume from a checkpoint without its RNG states (dropout and data order then differ from an "
+                "uninterrupted run) instead of stopping"})
     overwrite_output_dir: bool = field(default=False, metadata={"help": "replace what output_dir holds"})
     report_to: str = field(default="none", metadata={"help": "accelerate tracker: none, tensorboard, wandb, ..."})
     seed: int = field(default=42)
@@ -150,41 +161,47 @@ def check_tokenizer_fits(tokenizer, config, objective: str, new_model: bool) -> 
 
 
 def checkpoints_in(output_dir: Path) -> list[Path]:
-    """Complete checkpoints, oldest first (temporary folders of an interrupted save are ignored)."""
+    """Checkpoint folders step_N, oldest first (temporary folders of an interrupted save are ignored; whether a
+    folder is whole is `checkpoint_problems`' question)."""
     folder = output_dir / CHECKPOINTS
     found = [p for p in folder.glob(f"{STEP_PREFIX}*") if p.is_dir() and p.name[len(STEP_PREFIX):].isdigit()]
     return sorted(found, key=lambda p: int(p.name[len(STEP_PREFIX):]))
 
 
-def _fsync_tree(folder: Path) -> None:
-    for path in folder.rglob("*"):
-        if path.is_file():
-            with open(path, "rb") as handle:
-                os.fsync(handle.fileno())
+def checkpoint_problems(folder: Path, world_size: int) -> dict[str, str]:
+    """{piece of state: what is wrong} for a checkpoint folder; empty when an exact resume can start from it."""
+    rng = {f"RNG state of process {i}": [f"random_states_{i}.pkl"] for i in range(world_size)}
+    return missing_pieces(folder, {**STATE_PIECES, **rng})
 
 
 def save_checkpoint(accelerator: Accelerator, output_dir: Path, step: int, keep: int) -> Path:
-    """accelerate state (model, optimizer, scheduler, RNGs) + step into checkpoints/step_N, atomically."""
+    """accelerate state (model, optimizer, scheduler, RNGs) + step into checkpoints/step_N, atomically.
+
+    A failed save (a full disk) removes its temporary folder and leaves the older checkpoints as they were; a full
+    disk is reported as a DiskFullError naming the folder."""
     final = output_dir / CHECKPOINTS / f"{STEP_PREFIX}{step:07d}"
     partial = output_dir / CHECKPOINTS / f".partial-{STEP_PREFIX}{step:07d}"
-    if accelerator.is_main_process:
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-    accelerator.wait_for_everyone()
-    accelerator.save_state(str(partial), safe_serialization=False)  # tied embeddings: safetensors refuses shared tensors
-    if accelerator.is_main_process:
-        (partial / "trainer_state.json").write_text(json.dumps({"step": step}))
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        _fsync_tree(partial)
-        stale = final.with_name(f".stale-{final.name}")
-        if final.exists():  # a run resumed from an older checkpoint reaches the steps it had saved before
-            shutil.rmtree(stale, ignore_errors=True)
-            os.replace(final, stale)
-        os.replace(partial, final)  # the rename is atomic: a crash leaves either no checkpoint or a whole one
-        shutil.rmtree(stale, ignore_errors=True)
-        for old in checkpoints_in(output_dir)[:-keep] if keep > 0 else []:
-            shutil.rmtree(old)
+    try:
+        if accelerator.is_main_process:
+            shutil.rmtree(partial, ignore_errors=True)
+            partial.mkdir(parents=True)
+        accelerator.wait_for_everyone()
+        # tied embeddings: safetensors refuses shared tensors
+        accelerator.save_state(str(partial), safe_serialization=False)
+        if accelerator.is_main_process:
+            (partial / "trainer_state.json").write_text(json.dumps({"step": step}))
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            fsync_tree(partial)
+            replace_folder(partial, final)  # a crash leaves either no step_N or a whole one
+            for old in checkpoints_in(output_dir)[:-keep] if keep > 0 else []:
+                shutil.rmtree(old)
+    except (OSError, RuntimeError) as error:
+        if accelerator.is_main_process:
+            shutil.rmtree(partial, ignore_errors=True)
+        if is_disk_full(error):
+            raise disk_full_error(partial.parent, f"the checkpoint of step {step}", error) from error
+        raise
     accelerator.wait_for_everyone()
     return final
 
@@ -199,7 +216,6 @@ def check_output_dir(args: PretrainArguments, world_size: int) -> Path | None:
     output_dir = Path(args.output_dir)
     recorded = _run_record(args, world_size)
     run_file = output_dir / RUN_ARGS
-    resume_from = None
     if args.resume or args.resume_from_checkpoint:
         if not run_file.is_file():
             raise UsageError(f"nothing to resume: {output_dir} holds no run ({RUN_ARGS} is missing)")
@@ -208,17 +224,10 @@ def check_output_dir(args: PretrainArguments, world_size: int) -> Path | None:
         if changed:
             raise UsageError(f"--resume with different arguments than the run in {output_dir}: "
                                 + ", ".join(f"{k}: {previous.get(k)!r} -> {recorded.get(k)!r}" for k in changed))
-        if args.resume_from_checkpoint:
-            resume_from = Path(args.resume_from_checkpoint)
-            if not (resume_from / "trainer_state.json").is_file():
-                raise UsageError(f"{resume_from} is not a complete checkpoint (no trainer_state.json)")
-        else:
-            found = checkpoints_in(output_dir)
-            if not found:
-                raise UsageError(f"no complete checkpoint in {output_dir / CHECKPOINTS} to resume from; start "
-                                    "again with --overwrite_output_dir")
-            resume_from = found[-1]
-        return resume_from
+        candidates = ([Path(args.resume_from_checkpoint)] if args.resume_from_checkpoint
+                      else checkpoints_in(output_dir)[::-1])
+        return choose_checkpoint(candidates, output_dir, world_size, args.allow_inexact_resume,
+                                 explicit=bool(args.resume_from_checkpoint))
     if output_dir.exists() and any(output_dir.iterdir()) and not args.overwrite_output_dir:
         raise UsageError(f"{output_dir} is not empty (it holds another run): pass --resume to continue it, "
                             "--overwrite_output_dir to replace it, or choose another --output_dir")
@@ -229,17 +238,108 @@ def check_output_dir(args: PretrainArguments, world_size: int) -> Path | None:
     return None
 
 
-def claim_output_dir(args: PretrainArguments, accelerator: Accelerator) -> None:
-    """Start a new run in output_dir (emptied with --overwrite_output_dir) and record its arguments for --resume."""
+def choose_checkpoint(candidates: list[Path], output_dir: Path, world_size: int, allow_inexact: bool,
+                      explicit: bool) -> Path:
+    """The first checkpoint of `candidates` (newest first) that holds every piece of state; each one skipped is
+    named (and kept). Without a whole one: one missing only RNG states with `allow_inexact`, else an error naming
+    what is missing and the flag."""
+    damaged = []
+    for folder in candidates:
+        problems = checkpoint_problems(folder, world_size)
+        if not problems:
+            for skipped, why in damaged:
+                print(f"warning: skipping the incomplete checkpoint {skipped} ({why}); it is left in place")
+            return folder
+        damaged.append((folder, "; ".join(f"{piece}: {what}" for piece, what in problems.items())))
+    if not damaged:
+        raise UsageError(f"no complete checkpoint in {output_dir / CHECKPOINTS} to resume from; start again with "
+                         "--overwrite_output_dir")
+    for folder, _ in damaged:
+        problems = checkpoint_problems(folder, world_size)
+        if allow_inexact and all(piece.startswith("RNG state") for piece in problems):
+            print(f"warning: resuming from {folder} without {', '.join(problems.values())} "
+                  "(--allow_inexact_resume): dropout and masks differ from an uninterrupted run")
+            return folder
+    listing = "\n  ".join(f"{folder}: {why}" for folder, why in damaged)
+    fix = ("--allow_inexact_resume accepts a resume without the RNG states (not bit-exact); other pieces cannot be "
+           "done without: " + ("choose another --resume_from_checkpoint" if explicit else
+                               "start again with --overwrite_output_dir"))
+    raise UsageError(f"no checkpoint {'there' if explicit else 'in ' + str(output_dir / CHECKPOINTS)} holds every "
+                     f"piece of state an exact resume needs:\n  {listing}\n{fix}")
+
+
+def claim_output_dir(args: PretrainArguments, accelerator: Accelerator) -> dict:
+    """Start a new run in output_dir and record its arguments for --resume. What the folder held (replaced with
+    --overwrite_output_dir) is moved aside, not deleted, until the run is set up: `release_output_dir` puts it back
+    when the run is refused on the way, `drop_replaced_run` deletes it once training starts."""
     output_dir = Path(args.output_dir)
     recorded = _run_record(args, accelerator.num_processes)
+    claim = {"existed": output_dir.exists(), "moved_to": None}
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         if output_dir.exists() and any(output_dir.iterdir()):
-            shutil.rmtree(output_dir)
+            moved_to = output_dir.with_name(f".replaced-{output_dir.name}")
+            shutil.rmtree(moved_to, ignore_errors=True)
+            os.replace(output_dir, moved_to)
+            claim["moved_to"] = moved_to
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / RUN_ARGS).write_text(json.dumps(recorded, indent=2))
     accelerator.wait_for_everyone()
+    return claim
+
+
+def release_output_dir(args: PretrainArguments, accelerator: Accelerator, claim: dict) -> None:
+    """Undo `claim_output_dir` for a refused run: output_dir as it was found (absent, empty or the old run)."""
+    if accelerator.is_main_process:
+        output_dir = Path(args.output_dir)
+        shutil.rmtree(output_dir, ignore_errors=True)
+        if claim["moved_to"] is not None:
+            os.replace(claim["moved_to"], output_dir)
+        elif claim["existed"]:
+            output_dir.mkdir()
+
+
+def drop_replaced_run(accelerator: Accelerator, claim: dict | None) -> None:
+    """Delete the run --overwrite_output_dir replaced, once the new one is set up."""
+    if claim is not None and claim["moved_to"] is not None and accelerator.is_main_process:
+        shutil.rmtree(claim["moved_to"], ignore_errors=True)
+
+
+def check_arguments(args: PretrainArguments, objective: str) -> None:
+    """Every numeric flag in its range, before anything is read or written (a bad one used to crash mid-run, or
+    worse, train and report NaN)."""
+    shortest = 3 if objective == "mlm" else 2  # <s> token </s>; a token and the next one to predict
+    if args.max_seq_length < shortest:
+        raise UsageError(f"--max_seq_length must be at least {shortest} for {objective} (got {args.max_seq_length}): "
+                         + ("a row is <s>, at least one token and </s>" if objective == "mlm"
+                            else "a row needs a token and the next one to predict"))
+    at_least_one = {"--max_steps": args.max_steps, "--gradient_accumulation_steps": args.gradient_accumulation_steps,
+                    "--per_device_train_batch_size": args.per_device_train_batch_size,
+                    "--per_device_eval_batch_size": args.per_device_eval_batch_size,
+                    "--logging_steps": args.logging_steps, "--eval_steps": args.eval_steps,
+                    "--save_steps": args.save_steps}
+    if args.max_eval_samples is not None:
+        at_least_one["--max_eval_samples"] = args.max_eval_samples
+    for flag, value in at_least_one.items():
+        if value < 1:
+            raise UsageError(f"{flag} must be at least 1 (got {value})" + (
+                "; to skip checkpoints, pass a --save_steps beyond --max_steps" if flag == "--save_steps" else ""))
+    if not 0.0 < args.mlm_probability <= 1.0 and objective == "mlm":
+        raise UsageError(f"--mlm_probability must be in (0, 1] (got {args.mlm_probability}): with no masked token "
+                         "there is no loss (RoBERTa uses 0.15)")
+    if not 0.0 <= args.warmup_ratio <= 1.0:
+        raise UsageError(f"--warmup_ratio must be between 0 and 1 (got {args.warmup_ratio}): the share of "
+                         "--max_steps spent warming up the learning rate")
+    if args.learning_rate <= 0 or not math.isfinite(args.learning_rate):
+        raise UsageError(f"--learning_rate must be a positive number (got {args.learning_rate})")
+    if args.save_total_limit < 0:
+        raise UsageError(f"--save_total_limit must be 0 (keep all) or more (got {args.save_total_limit})")
+    if args.tokenizer_name_or_path is None and args.model_name_or_path is None:
+        # a byte-level BPE starts from the 256 byte symbols and the special tokens: below that nothing is learnt
+        smallest = 256 + (5 if objective == "mlm" else 2)
+        if args.tokenizer_vocab_size < smallest:
+            raise UsageError(f"--tokenizer_vocab_size must be at least {smallest} (got {args.tokenizer_vocab_size}): "
+                             "a byte-level BPE holds the 256 bytes and the special tokens before any merge")
 
 
 def load_tokenizer(args: PretrainArguments, accelerator: Accelerator, corpus, style: str, resuming: bool):
@@ -410,15 +510,15 @@ def make_accelerator(args: PretrainArguments) -> Accelerator:
 
 
 def prepare_model_and_data(args: PretrainArguments, accelerator: Accelerator, config, objective: str,
-                           resume_from: Path | None):
-    """(tokenizer, model, packed corpus, validation source): the inputs read first, and only then output_dir
-    claimed; a run refused on the way leaves no folder behind that a rerun would take for another run."""
+                           resume_from: Path | None, claim: dict | None = None):
+    """(tokenizer, model, packed corpus, validation source, claim): the inputs read first, and only then output_dir
+    claimed (`claim_output_dir`); a run refused later is to `release_output_dir` the claim."""
     with accelerator.main_process_first():
         corpus, validation_source = load_text_corpus(
             args.dataset_name, args.dataset_config_name, args.train_file, args.validation_file, args.text_column,
             args.validation_split_percentage, args.seed)
-    if resume_from is None:  # the inputs are readable: only now is output_dir emptied and claimed
-        claim_output_dir(args, accelerator)
+    if resume_from is None:  # the inputs are readable: only now is output_dir claimed
+        claim = claim_output_dir(args, accelerator)
     try:
         tokenizer = load_tokenizer(args, accelerator, corpus, "roberta" if objective == "mlm" else "gpt2",
                                    resuming=resume_from is not None)
@@ -427,16 +527,16 @@ def prepare_model_and_data(args: PretrainArguments, accelerator: Accelerator, co
         with accelerator.main_process_first():
             packed = pack_corpus(corpus, tokenizer, args.max_seq_length, objective)
     except UsageError:
-        if resume_from is None and accelerator.is_main_process:
-            shutil.rmtree(args.output_dir, ignore_errors=True)
+        if claim is not None:
+            release_output_dir(args, accelerator, claim)
         raise
-    return tokenizer, model, packed, validation_source
+    return tokenizer, model, packed, validation_source, claim
 
 
 def evaluation_rows(validation, tokenizer, args: PretrainArguments, objective: str) -> dict:
     """The validation batch every evaluation scores: for masked LM one fixed masking, the same for every
     evaluation and every model."""
-    if args.max_eval_samples is not None:
+    if args.max_eval_samples is not None:  # at least 1 (check_arguments)
         validation = validation.select(range(min(args.max_eval_samples, len(validation))))
     ids = validation[:]["input_ids"]  # one (rows, seq_len) tensor
     if objective == "mlm":
@@ -482,24 +582,33 @@ def optimizer_step(accelerator: Accelerator, trained, optimizer, scheduler, micr
 
 def run_pretraining(args: PretrainArguments) -> dict:
     """Pretrain as `args` say; returns the final metrics (also written to output_dir/train_results.json)."""
-    if args.gradient_accumulation_steps < 1 or args.max_steps < 1:
-        raise UsageError("--gradient_accumulation_steps and --max_steps must be at least 1")
     accelerator = make_accelerator(args)
     config = load_model_config(args)
     objective = objective_for(config, args.objective)
+    check_arguments(args, objective)
     resume_from = check_output_dir(args, accelerator.num_processes)
     output_dir = Path(args.output_dir)
     set_seed(args.seed)
-    tokenizer, model, packed, validation_source = prepare_model_and_data(args, accelerator, config, objective,
-                                                                         resume_from)
-    eval_rows = evaluation_rows(packed["validation"], tokenizer, args, objective)
-    trained, optimizer, scheduler = prepare_training(args, accelerator, model, objective)
-    stream_source = BatchStream(accelerator, packed["train"], args.per_device_train_batch_size, args.seed)
+    tokenizer, model, packed, validation_source, claim = prepare_model_and_data(args, accelerator, config,
+                                                                                objective, resume_from)
+    try:  # a refusal up to the first step leaves output_dir as it was found
+        eval_rows = evaluation_rows(packed["validation"], tokenizer, args, objective)
+        trained, optimizer, scheduler = prepare_training(args, accelerator, model, objective)
+        stream_source = BatchStream(accelerator, packed["train"], args.per_device_train_batch_size, args.seed)
+    except UsageError:
+        if claim is not None:
+            release_output_dir(args, accelerator, claim)
+        raise
+    drop_replaced_run(accelerator, claim)
     world = accelerator.num_processes
 
     start_step = 0
     if resume_from is not None:
-        accelerator.load_state(str(resume_from))
+        try:
+            accelerator.load_state(str(resume_from))
+        except Exception as error:  # a file damaged in a way the header checks cannot see
+            raise UsageError(f"cannot load the checkpoint {resume_from}: {type(error).__name__}: {error}. Resume "
+                             "from an older one with --resume_from_checkpoint") from error
         start_step = json.loads((resume_from / "trainer_state.json").read_text())["step"]
         accelerator.print(f"resumed from {resume_from} at step {start_step}")
     if args.report_to != "none":
@@ -554,10 +663,15 @@ def run_pretraining(args: PretrainArguments) -> dict:
                "mixed_precision": accelerator.mixed_precision,
                "seconds_this_session": round(time.perf_counter() - started, 1)}
     if accelerator.is_main_process:
-        model.save_pretrained(output_dir)  # the module inside `trained`, trained in place
-        tokenizer.model_max_length = max_model_length(model.config)  # the model's limit, not this run's length
-        tokenizer.save_pretrained(output_dir)
-        (output_dir / "train_results.json").write_text(json.dumps(results, indent=2))
+        try:
+            model.save_pretrained(output_dir)  # the module inside `trained`, trained in place
+            tokenizer.model_max_length = max_model_length(model.config)  # the model's limit, not this run's length
+            tokenizer.save_pretrained(output_dir)
+            (output_dir / "train_results.json").write_text(json.dumps(results, indent=2))
+        except (OSError, RuntimeError) as error:
+            if is_disk_full(error):
+                raise disk_full_error(output_dir, "the final model", error) from error
+            raise
     accelerator.wait_for_everyone()
     # end_training destroys the process group: the DDP wrapper (its reducer holds the group) goes first. Freed after
     # the group, the reducer joined gloo threads that never ended: a 2-process run hung there at exit (seen once).

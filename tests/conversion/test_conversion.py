@@ -210,3 +210,35 @@ def test_distillation_brings_converted_students_closer_to_a_trained_teacher(corp
         "--max_train_samples", "32", "--max_eval_samples", "32", "--max_seq_length", "32", "--num_train_epochs", "1",
         "--per_device_train_batch_size", "16", "--save_strategy", "no"])
     assert 0 <= metrics["eval_accuracy"] <= 1 and (tmp_path / "ft" / "eval_results.json").is_file()
+
+
+def test_a_damaged_weights_file_is_refused_by_name_and_a_full_disk_reported(roberta_folder, tmp_path, monkeypatch):
+    """Issue 30: a truncated or garbled model.safetensors used to end in safetensors' header traceback."""
+    import errno
+
+    from hf_linear_attn.training.errors import DiskFullError
+
+    folder, _ = roberta_folder
+    data = (folder / "model.safetensors").read_bytes()
+    for damaged, why in ((data[: len(data) // 2], "truncated"), (b"\xff" * 64 + data[64:], "unreadable header")):
+        (folder / "model.safetensors").write_bytes(damaged)
+        message = _convert_error(["--model_name_or_path", str(folder), "--target", "linformer", "--linformer_k", "8",
+                                  "--output_dir", str(tmp_path / "out")])
+        assert "model.safetensors is" in message and why in message and not (tmp_path / "out").exists()
+    (folder / "model.safetensors").write_bytes(data)
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("hf_linear_attn.conversion.cli.save_converted", full_disk)
+    message = _convert_error(["--model_name_or_path", str(folder), "--target", "linformer", "--linformer_k", "8",
+                              "--output_dir", str(tmp_path / "out")])
+    assert "the disk is full" in message and str(tmp_path) in message
+    assert not (tmp_path / "out").exists() and not (tmp_path / ".partial-out").exists()
+    assert issubclass(DiskFullError, UsageError)
+
+
+def _convert_error(argv):
+    with pytest.raises(SystemExit) as exit_info:
+        convert_script.main(argv)
+    return str(exit_info.value.code)

@@ -5,7 +5,6 @@ SIGKILL); fine-tuning runs in-process where the test swaps the Hub client for a 
 """
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -17,7 +16,6 @@ from helpers import (
     ENV, GLUE, PRESET_ENCODER_SIZE, REPO_ROOT, SHARED_DATA, needs_data, pretrain_args, replaced, run_pretrain, tiny_preset,
     weights,
 )
-from safetensors.torch import load_file
 
 # ------------------------------------------------------------------------------------------------- pretraining
 
@@ -168,7 +166,7 @@ def test_pretrain_finetune_evaluate_and_push_end_to_end(corpus, tmp_path, monkey
     assert index["dataset"]["split"] == "dev.tsv" and "linformer" in card and "trust_remote_code=True" in card
 
     # a fresh process without the package on its path: load from the folder and score the same 48 dev rows
-    check = f"""
+    check = """
 import csv, json, sys
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 import torch
@@ -183,7 +181,7 @@ for text, label in rows:
     assert batch["input_ids"].shape[1] <= 128  # no truncation rule involved
     with torch.no_grad():
         correct += int(model(**batch).logits.argmax(-1).item() == int(label))
-print(json.dumps({{"accuracy": correct / len(rows)}}))
+print(json.dumps({"accuracy": correct / len(rows)}))
 """
     env = {**ENV, "PYTHONPATH": "", "HF_MODULES_CACHE": str(tmp_path / "modules")}
     proc = subprocess.run([sys.executable, "-c", check, str(out), str(GLUE / "sst2" / "dev.tsv")], cwd=tmp_path,

@@ -1,0 +1,105 @@
+"""Checkpoints that are whole or ignored: file checks, atomic folder replacement, full-disk reporting.
+
+Both scripts write checkpoints into a temporary folder and rename it into place when complete, so a kill or a full
+disk never leaves a half-written checkpoint under a checkpoint's name. A folder damaged some other way (a file
+deleted or truncated by hand, a checkpoint of an older version) is found by `missing_pieces` and skipped by name.
+"""
+
+import errno
+import json
+import os
+import shutil
+import struct
+import zipfile
+from pathlib import Path
+
+from .errors import DiskFullError
+
+
+def file_problem(path: Path) -> str | None:
+    """Why `path` is not a whole file ("missing", "empty", "truncated"), or None. Cheap: reads headers only.
+
+    torch.save files (.bin, .pt, .pth, .pkl) are zip archives whose directory sits at the end, so a truncated one
+    is no zip; a safetensors file must be as long as its header says; JSON must parse.
+    """
+    if not path.is_file():
+        return "missing"
+    size = path.stat().st_size
+    if size == 0:
+        return "empty"
+    suffix = path.suffix
+    if suffix in (".bin", ".pt", ".pth", ".pkl"):
+        return None if zipfile.is_zipfile(path) else "truncated or not a torch file"
+    if suffix == ".safetensors":
+        try:
+            with open(path, "rb") as handle:
+                (length,) = struct.unpack("<Q", handle.read(8))
+                if length > size - 8:
+                    raise ValueError("header longer than the file")
+                header = json.loads(handle.read(length))
+            if not isinstance(header, dict):
+                raise TypeError("header is not a table")
+            end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+        except (struct.error, ValueError, UnicodeDecodeError, TypeError, KeyError, IndexError):
+            return "truncated or not a safetensors file (unreadable header)"
+        return None if size >= 8 + length + end else "truncated (shorter than its header says)"
+    if suffix == ".json":
+        try:
+            json.loads(path.read_text())
+        except (ValueError, UnicodeDecodeError):
+            return "truncated or not JSON"
+    return None
+
+
+def missing_pieces(folder: Path, pieces: dict[str, list[str]]) -> dict[str, str]:
+    """{piece: "file: problem"} for each piece of state ({piece: alternative file names}) with no whole file."""
+    found = {}
+    for piece, names in pieces.items():
+        problems = [(name, file_problem(folder / name)) for name in names]
+        if all(problem is not None for _, problem in problems):
+            name, problem = next(((n, p) for n, p in problems if p != "missing"), problems[0])
+            found[piece] = f"{name} {problem}"
+    return found
+
+
+def fsync_tree(folder: Path) -> None:
+    """Flush every file of `folder` to disk (a rename is only as durable as what it renames)."""
+    for path in folder.rglob("*"):
+        if path.is_file():
+            with open(path, "rb") as handle:
+                os.fsync(handle.fileno())
+
+
+def replace_folder(partial: Path, final: Path) -> None:
+    """Rename the complete folder `partial` onto `final` (replacing an older `final`): atomic for the name `final`."""
+    stale = final.with_name(f".stale-{final.name}")
+    if final.exists():  # a run resumed from an older checkpoint reaches the steps it had saved before
+        shutil.rmtree(stale, ignore_errors=True)
+        os.replace(final, stale)
+    os.replace(partial, final)
+    shutil.rmtree(stale, ignore_errors=True)
+
+
+def is_disk_full(error: BaseException) -> bool:
+    """Whether an exception chain comes from a full disk: ENOSPC / EDQUOT, or torch's zip writer failing mid-file
+    ("unexpected pos ..." / "file write failed"), which is how torch.save reports a full disk."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if isinstance(error, RuntimeError) and any(s in str(error) for s in ("unexpected pos", "file write failed")):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def disk_full_error(folder: Path, what: str, error: BaseException) -> DiskFullError:
+    """The error a script reports for a full disk, naming the folder and the free space."""
+    try:
+        free = f"{shutil.disk_usage(folder if folder.exists() else folder.parent).free / 2**20:.0f} MiB free"
+    except OSError:
+        free = "free space unknown"
+    return DiskFullError(f"the disk is full: {what} could not be written to {folder} ({free}; {error}). Free some "
+                         "space (or choose another --output_dir) and run again; a run with checkpoints continues "
+                         "with --resume (pretrain.py) / --resume_from_checkpoint True (finetune.py)")
