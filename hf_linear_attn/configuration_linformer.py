@@ -30,7 +30,8 @@ class LinformerConfig(RobertaStyleConfig):
             tokens of each example, so every row of E and F sums to 1 and each projected key / value is an affine
             combination of token keys / values (a constant sequence projects to itself). Not in the paper: free rows
             let short masked-LM pretraining drive F's row sums to ~0, which removes the sequence mean from the values
-            (README, "Status of the cpu preset"; `scripts/inspect_linformer.py` reports it).
+            (a document classifier then loses the bag of words at the <s> token; hf-linear-attn's projection report
+            measures the row sums of a checkpoint).
     """
 
     model_type = "linformer"

@@ -5,34 +5,13 @@ Auto classes (`hf_linear_attn/__init__.py`), conversion, distillation, length ex
 This module is not imported by any model file, so it never travels inside a checkpoint.
 """
 
+import importlib
 from dataclasses import dataclass
 
 from .configuration_linear_gpt2 import LinearGPT2Config
 from .configuration_linear_roberta import LinearRobertaConfig
 from .configuration_linformer import LinformerConfig
 from .configuration_linformer_gpt2 import LinformerGPT2Config
-from .modeling_linear_gpt2 import LinearGPT2ForCausalLM, LinearGPT2ForSequenceClassification, LinearGPT2Model
-from .modeling_linear_roberta import (
-    LinearRobertaForMaskedLM,
-    LinearRobertaForMultipleChoice,
-    LinearRobertaForQuestionAnswering,
-    LinearRobertaForSequenceClassification,
-    LinearRobertaForTokenClassification,
-    LinearRobertaModel,
-)
-from .modeling_linformer import (
-    LinformerForMaskedLM,
-    LinformerForMultipleChoice,
-    LinformerForQuestionAnswering,
-    LinformerForSequenceClassification,
-    LinformerForTokenClassification,
-    LinformerModel,
-)
-from .modeling_linformer_gpt2 import (
-    LinformerGPT2ForCausalLM,
-    LinformerGPT2ForSequenceClassification,
-    LinformerGPT2Model,
-)
 
 
 @dataclass(frozen=True)
@@ -62,36 +41,29 @@ class ModelFamily:
         return "layer_output" if self.attention == "linformer" else "attention"
 
 
-_ENCODER_HEADS = ("AutoModel", "AutoModelForMaskedLM", "AutoModelForSequenceClassification",
-                  "AutoModelForTokenClassification", "AutoModelForQuestionAnswering", "AutoModelForMultipleChoice")
-_DECODER_HEADS = ("AutoModel", "AutoModelForCausalLM", "AutoModelForSequenceClassification")
-
-
-def _family(config_class, classes, kind, attention, description) -> ModelFamily:
-    heads = _ENCODER_HEADS if kind == "encoder" else _DECODER_HEADS
-    return ModelFamily(config_class, dict(zip(heads, classes, strict=True)), kind, attention, description)
+def _family(config_class, attention: str, description: str) -> ModelFamily:
+    """A family from its config class: the model classes are the ones its ``auto_map`` names (the map every
+    checkpoint of the family carries), so registration and checkpoints can never disagree."""
+    models = {}
+    for auto_name, path in config_class.default_auto_map.items():
+        if auto_name != "AutoConfig":
+            module, name = path.split(".")
+            models[auto_name] = getattr(importlib.import_module(f".{module}", __package__), name)
+    kind = "encoder" if "AutoModelForMaskedLM" in models else "decoder"
+    return ModelFamily(config_class, models, kind, attention, description)
 
 
 MODEL_FAMILIES = {family.model_type: family for family in (
-    _family(LinformerConfig, (LinformerModel, LinformerForMaskedLM, LinformerForSequenceClassification,
-                              LinformerForTokenClassification, LinformerForQuestionAnswering,
-                              LinformerForMultipleChoice),
-            "encoder", "linformer",
+    _family(LinformerConfig, "linformer",
             "Self-attention is Linformer's (Wang et al. 2020): keys and values are projected along the sequence from "
             "n to k rows by learned matrices, so attention costs O(n k) instead of O(n^2)."),
-    _family(LinearRobertaConfig, (LinearRobertaModel, LinearRobertaForMaskedLM,
-                                  LinearRobertaForSequenceClassification, LinearRobertaForTokenClassification,
-                                  LinearRobertaForQuestionAnswering, LinearRobertaForMultipleChoice),
-            "encoder", "linear",
+    _family(LinearRobertaConfig, "linear",
             "Self-attention is kernelized linear attention (Katharopoulos et al. 2020): softmax is replaced by a "
             "feature map phi, and attention costs O(n) in the sequence length."),
-    _family(LinearGPT2Config, (LinearGPT2Model, LinearGPT2ForCausalLM, LinearGPT2ForSequenceClassification),
-            "decoder", "linear",
+    _family(LinearGPT2Config, "linear",
             "Causal linear attention (Katharopoulos et al. 2020): a constant-size recurrent state replaces the "
             "key/value cache."),
-    _family(LinformerGPT2Config, (LinformerGPT2Model, LinformerGPT2ForCausalLM,
-                                  LinformerGPT2ForSequenceClassification),
-            "decoder", "linformer",
+    _family(LinformerGPT2Config, "linformer",
             "Causal block Linformer: each token attends to its own block and to k-row summaries of earlier blocks."),
 )}
 

@@ -73,7 +73,7 @@ def pooling_matrix(k: int, max_length: int) -> torch.Tensor:
 
     The paper's Section 4 pooling projection, used as the starting point of a learned E / F. Unlike a random
     (zero-mean) E, it starts as an average of real tokens, so a model whose E has not been trained yet still sees a
-    bag of its tokens rather than a random-signed mix of them (measured: README, "Reproduction").
+    bag of its tokens rather than a random-signed mix of them.
     """
     window = (torch.arange(max_length) * k) // max_length
     matrix = (window[None, :] == torch.arange(k)[:, None]).float()

@@ -10,15 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import (
-    AutoModel,
-    AutoModelForCausalLM,
-    AutoModelForMaskedLM,
-    AutoModelForMultipleChoice,
-    AutoModelForQuestionAnswering,
-    AutoModelForSequenceClassification,
-    AutoModelForTokenClassification,
-)
+import transformers
 
 from hf_linear_attn import LinearGPT2Config, LinearRobertaConfig, LinformerConfig, LinformerGPT2Config
 
@@ -96,16 +88,15 @@ def qkv(b=2, h=3, n=10, d=8, seed=0, dtype=torch.float32):
 
 
 # Every Auto class an encoder checkpoint must open with.
-AUTO_HEADS = [
-    AutoModel, AutoModelForMaskedLM, AutoModelForSequenceClassification, AutoModelForTokenClassification,
-    AutoModelForQuestionAnswering, AutoModelForMultipleChoice,
-]
+AUTO_HEADS = [getattr(transformers, name) for name in (
+    "AutoModel", "AutoModelForMaskedLM", "AutoModelForSequenceClassification", "AutoModelForTokenClassification",
+    "AutoModelForQuestionAnswering", "AutoModelForMultipleChoice")]
 
 
 def causal_lm(variant, seed=0, **overrides):
     """A tiny causal LM of ``variant``; learned maps are perturbed from their identity start so they matter."""
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(DECODER_VARIANTS[variant](**overrides)).eval()
+    model = transformers.AutoModelForCausalLM.from_config(DECODER_VARIANTS[variant](**overrides)).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "feature_map" in name:

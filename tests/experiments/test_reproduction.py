@@ -119,12 +119,9 @@ def test_bad_presets_are_refused(tmp_path, change, message):
         load_preset(path)
 
 
-def test_a_task_averages_its_seeds_once_all_have_finished(tmp_path):
-    preset = {"baseline": "A", "encoders": {"A": "a.json", "B": "b.json"}, "pretrain": {"config": "p.json"},
-              "finetune": {"sst2": {"config": "s.json"}, "imdb": {"config": "i.json", "seeds": [42, 1, 2]}}}
-    stages = plan(preset, tmp_path, tokenizers={})
-    scores = {("A", "sst2", 42): 80.0, ("A", "imdb", 42): 72.0, ("A", "imdb", 1): 75.0, ("A", "imdb", 2): 78.0,
-              ("B", "sst2", 42): 81.0, ("B", "imdb", 42): 60.0, ("B", "imdb", 1): 75.0}  # B's IMDB seed 2: pending
+def _finished(stages, scores: dict) -> dict:
+    """Result files for the pretrainings and for the fine-tunes in ``scores`` ({(model, task, seed): accuracy %}),
+    and their records as a run reads them; the other fine-tunes stay pending."""
     records = {}
     for stage in stages:
         info = stage.info
@@ -137,8 +134,17 @@ def test_a_task_averages_its_seeds_once_all_have_finished(tmp_path):
                 {"eval_accuracy": scores[info["model"], info["task"], info["seed"]] / 100, "eval_split": split}))
         else:
             continue
-        records[stage.name] = with_outcome(stage, {"seconds": 10.0})  # the result files' metrics, as a run reads them
-    results = collect(preset, stages, records)
+        records[stage.name] = with_outcome(stage, {"seconds": 10.0})
+    return records
+
+
+def test_a_task_averages_its_seeds_once_all_have_finished(tmp_path):
+    preset = {"baseline": "A", "encoders": {"A": "a.json", "B": "b.json"}, "pretrain": {"config": "p.json"},
+              "finetune": {"sst2": {"config": "s.json"}, "imdb": {"config": "i.json", "seeds": [42, 1, 2]}}}
+    stages = plan(preset, tmp_path, tokenizers={})
+    scores = {("A", "sst2", 42): 80.0, ("A", "imdb", 42): 72.0, ("A", "imdb", 1): 75.0, ("A", "imdb", 2): 78.0,
+              ("B", "sst2", 42): 81.0, ("B", "imdb", 42): 60.0, ("B", "imdb", 1): 75.0}  # B's IMDB seed 2: pending
+    results = collect(preset, stages, _finished(stages, scores))
     a, b = results["encoders"]["A"], results["encoders"]["B"]
     assert a["tasks"]["imdb"]["accuracy"] == pytest.approx(75.0)  # (72 + 75 + 78) / 3
     assert a["tasks"]["imdb"]["std"] == pytest.approx(3.0)  # sample std: sqrt((9 + 0 + 9) / (3 - 1))
@@ -159,16 +165,9 @@ def test_the_table_calls_a_difference_inside_the_seeds_noise_noise_and_flags_unl
     scores = {"A": {"sst2": (80.0, 82.0), "imdb": (70.0, 74.0)},   # average 76.5
               "B": {"sst2": (81.0, 83.0), "imdb": (71.0, 73.0)},   # 77.0: +0.5
               "C": {"sst2": (90.0, 90.0), "imdb": (51.0, 51.0)}}   # 70.5: -6.0; IMDB at the majority class
-    records = {}
-    for stage in stages:
-        info = stage.info
-        stage.folder.mkdir(parents=True)
-        if info["kind"] == "pretrain":
-            (stage.folder / "train_results.json").write_text(json.dumps({"perplexity": 9.0}))
-        else:
-            value = scores[info["model"]][info["task"]][info["seed"] - 1]
-            (stage.folder / "eval_results.json").write_text(json.dumps({"eval_accuracy": value / 100}))
-        records[stage.name] = with_outcome(stage, {"seconds": 10.0})
+    per_seed = {(model, task, seed): values[seed - 1] for model, tasks in scores.items()
+                for task, values in tasks.items() for seed in (1, 2)}
+    records = _finished(stages, per_seed)
     results = collect(preset, stages, records)
     # by hand: sample variances A (2, 8), B (2, 2), C (0, 0); two seeds each; four task terms over two tasks
     noise_b = 2 * ((2 / 2 + 8 / 2 + 2 / 2 + 2 / 2) ** 0.5) / 2
