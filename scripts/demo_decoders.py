@@ -10,9 +10,7 @@ Uses only the public API (``import hf_linear_attn`` + transformers Auto classes)
     python scripts/demo_decoders.py --dataset hub        # Salesforce/wikitext from the Hub
 """
 
-import json
 import math
-import platform
 import sys
 import time
 from pathlib import Path
@@ -21,7 +19,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import hf_linear_attn  # noqa: F401  (registers linear_gpt2 / linformer_gpt2 with the Auto classes)
-from hf_linear_attn.experiments.demo import demo_arguments, prepare_data, train
+from hf_linear_attn.experiments.demo import demo_arguments, prepare_data, report, train
 from hf_linear_attn.training.errors import UsageError
 
 DEFAULT_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "wikitext-2"  # ../shared/data beside the checkout
@@ -116,16 +114,9 @@ def main():
     lines = [f"| {n} | {r['parameters']:,} | {r['val_loss']:.3f} | {r['perplexity']:.1f} | {r['train_seconds']:.0f} "
              f"| {r['ms_per_token']:.1f} | {r['cache_bytes_after_prompt'] / 1e3:.0f} -> "
              f"{r['cache_bytes_after_generation'] / 1e3:.0f} | {r['reload_generates_same']} |" for n, r in results.items()]
-    machine = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
-    table = "\n".join([header, *lines])
-    print(f"\n{args.steps} steps x batch {args.batch_size} x {args.seq_len} tokens, bf16={not args.no_bf16}, {machine}\n")
-    print(table)
     for name, text in samples.items():
         print(f"\n{name}: ...{text[:300]!r}")
-    (out_dir / "results.json").write_text(json.dumps(
-        {"args": vars(args), "machine": machine, "results": results, "samples": samples}, indent=2))
-    (out_dir / "results.md").write_text(table + "\n")
-    print(f"\nWrote {out_dir / 'results.json'} and the checkpoints under {out_dir}")
+    report(args, out_dir, "\n".join([header, *lines]), results, samples=samples)
 
 
 if __name__ == "__main__":

@@ -8,9 +8,7 @@ numbers. Uses only the public API (``import hf_linear_attn`` + transformers Auto
     python scripts/demo_encoders.py --dataset hub        # Salesforce/wikitext from the Hub
 """
 
-import json
 import math
-import platform
 import sys
 from pathlib import Path
 
@@ -18,7 +16,7 @@ import torch
 from transformers import AutoConfig, AutoModelForMaskedLM, DataCollatorForLanguageModeling
 
 import hf_linear_attn  # noqa: F401  (registers linformer / linear_roberta with the Auto classes)
-from hf_linear_attn.experiments.demo import demo_arguments, prepare_data, train
+from hf_linear_attn.experiments.demo import demo_arguments, prepare_data, report, train
 from hf_linear_attn.training.errors import UsageError
 
 DEFAULT_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "wikitext-2"  # ../shared/data beside the checkout
@@ -83,14 +81,7 @@ def main():
     header = "| model | params | val MLM loss | val MLM acc | train time (s) | reload identical |\n|---|---|---|---|---|---|"
     lines = [f"| {n} | {r['parameters']:,} | {r['mlm_loss']:.3f} | {r['mlm_accuracy']:.3f} | {r['train_seconds']:.0f} "
              f"| {r['reload_identical']} |" for n, r in results.items()]
-    machine = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
-    table = "\n".join([header, *lines])
-    print(f"\n{args.steps} steps x batch {args.batch_size} x {args.seq_len} tokens, bf16={not args.no_bf16}, {machine}\n")
-    print(table)
-    (out_dir / "results.json").write_text(json.dumps({"args": vars(args), "machine": machine, "results": results},
-                                                     indent=2))
-    (out_dir / "results.md").write_text(table + "\n")
-    print(f"\nWrote {out_dir / 'results.json'} and the checkpoints under {out_dir}")
+    report(args, out_dir, "\n".join([header, *lines]), results)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@ the Hub, a byte-level BPE trained on it, packed rows, and one plain training loo
 The demos are nanoGPT-sized on purpose: a loop you can read in one sitting, not the training scripts."""
 
 import argparse
+import json
+import platform
 import time
 from pathlib import Path
 
@@ -87,3 +89,15 @@ def train(model, args, name, train_rows, make_batch, autocast) -> float:
         if (step + 1) % max(1, args.steps // 5) == 0:
             print(f"  {name:32s} step {step + 1:5d}  loss {loss.item():.3f}")
     return time.perf_counter() - start
+
+
+def report(args, out_dir: Path, table: str, results: dict, **extra) -> None:
+    """Print the run's settings and its table; write results.json (arguments, machine, results, ``extra``) and the
+    table as results.md."""
+    machine = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    print(f"\n{args.steps} steps x batch {args.batch_size} x {args.seq_len} tokens, bf16={not args.no_bf16}, {machine}\n")
+    print(table)
+    record = {"args": vars(args), "machine": machine, "results": results, **extra}
+    (out_dir / "results.json").write_text(json.dumps(record, indent=2))
+    (out_dir / "results.md").write_text(table + "\n")
+    print(f"\nWrote {out_dir / 'results.json'} and the checkpoints under {out_dir}")
