@@ -18,9 +18,13 @@ from tqdm.auto import tqdm
 from hf_linear_attn import family_of
 from hf_linear_attn.training.errors import UsageError
 
+from .convert import SOURCE_TYPES
+
 
 def _is_encoder(model) -> bool:
-    return family_of(model).kind == "encoder"
+    """A RoBERTa-style model: one of this package's encoders, or a RoBERTa-family teacher they convert from."""
+    family = family_of(model)
+    return family.kind == "encoder" if family else model.config.model_type in SOURCE_TYPES["encoder"]
 
 
 def _layers(model):
@@ -71,14 +75,15 @@ def layer_losses(student, hidden_states, attentions, attention_mask, mode: str) 
             if _is_encoder(student):
                 _, weights = layer.attention.self(inputs, key_mask, True, shared)
             else:
-                _, weights = layer.attn(layer.ln_1(inputs), key_mask, None, True, shared)
+                _, weights, _, _ = layer.attn(layer.ln_1(inputs), key_mask=key_mask, output_attentions=True,
+                                              shared_projection=shared)
             rows = -(attentions[index] * torch.log(weights.float().clamp_min(1e-12))).sum(-1)  # (B, H, n)
             losses.append((rows * real).sum() / (real.sum() * rows.shape[1]))
         else:
             if _is_encoder(student):
                 output, _ = layer(inputs, key_mask=key_mask, shared_projection=shared)
             else:
-                output, _ = layer(inputs, key_mask, None, False, shared)
+                output, _, _, _ = layer(inputs, key_mask=key_mask, shared_projection=shared)
                 if index == len(layers) - 1:  # the teacher's last hidden state is after its final LayerNorm
                     output = student.base_model.ln_f(output)
             target = hidden_states[index + 1]
