@@ -23,11 +23,14 @@ from transformers import TrainingArguments
 
 from hf_linear_attn.training.arguments import flags_given, parse_arguments
 from hf_linear_attn.training.data import UsageError
+from hf_linear_attn.training.launch import ensure_requested_processes
 from hf_linear_attn.training.finetuning import FinetuneArguments, run_finetuning
 
 
 def main(argv=None):
     try:
+        if argv is None:  # run as a command: `accelerate launch --num_processes N` must start N processes
+            ensure_requested_processes(__file__)
         args, training, config_path = parse_arguments((FinetuneArguments, TrainingArguments), argv)
         if training.output_dir is None:
             raise UsageError("pass --output_dir")

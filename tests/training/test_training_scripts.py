@@ -563,3 +563,46 @@ def test_masked_tokens_loss_equals_the_models_own_loss_and_gradients(preset):
     for a, b in zip(picked_grads, full_grads):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
     assert not MaskedTokensLoss.supports(BertForMaskedLM(BertConfig(**PRESET_ENCODER_SIZE, vocab_size=500)))
+
+
+# --------------------------------------------------------------------------- accelerate launch --num_processes N
+
+
+def test_a_single_process_start_of_accelerate_launch_num_processes_is_recognised():
+    """accelerate's simple launcher (no --multi_gpu, no GPUs) drops --num_processes; the scripts see it in the
+    launcher's command line."""
+    from hf_linear_attn.training.launch import single_process_launch
+
+    script = str(REPO_ROOT / "scripts" / "pretrain.py")
+    launcher = ["/venv/bin/python", "/venv/bin/accelerate", "launch", "--num_processes", "2", script, "--max_steps", "3"]
+    env = {"ACCELERATE_USE_CPU": "False"}
+    assert single_process_launch(script, launcher, env) == (launcher, 2)
+    assert single_process_launch(script, [*launcher[:3], "--num_processes=4", *launcher[5:]], env)[1] == 4
+    module = ["python", "-m", "accelerate.commands.launch", "--num_processes", "2", script]
+    assert single_process_launch(script, module, env) == (module, 2)
+    assert single_process_launch(script, launcher, {**env, "WORLD_SIZE": "2"}) is None  # torchrun / --multi_gpu
+    assert single_process_launch(script, launcher, {}) is None  # not under accelerate
+    assert single_process_launch(script, [*launcher[:4], "1", *launcher[5:]], env) is None
+    # a --num_processes given to the script itself is not the launcher's
+    assert single_process_launch(script, [*launcher[:3], script, "--num_processes", "2"], env) is None
+
+
+@pytest.mark.slow
+@needs_data
+def test_the_documented_accelerate_launch_command_runs_two_processes_on_cpu(corpus, tmp_path):
+    """`accelerate launch --num_processes 2 scripts/pretrain.py ...`, the docstring's command as typed, used to run
+    one process on a machine without GPUs (train_results.json: "num_processes": 1)."""
+    import shutil
+
+    accelerate = shutil.which("accelerate", path=str(__import__("pathlib").Path(sys.executable).parent))
+    assert accelerate, "the accelerate command is not installed beside this python"
+    config = tiny_preset(tmp_path, "linear-gpt2-elu")
+    out = tmp_path / "two"
+    proc = subprocess.run([accelerate, "launch", "--num_processes", "2", "scripts/pretrain.py",
+                           *pretrain_args(corpus, config, out, "--max_steps", 4, "--save_steps", 2, "--eval_steps", 4)],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=600, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "2 process(es)" in proc.stdout + proc.stderr
+    assert json.loads((out / "train_results.json").read_text())["num_processes"] == 2
+    saved = {p.name for p in (out / "checkpoints" / "step_0000002").iterdir()}
+    assert {"random_states_0.pkl", "random_states_1.pkl"} <= saved  # both ranks took part
