@@ -65,7 +65,7 @@ def test_two_processes_under_accelerate_train_like_one_process_with_twice_the_ba
     assert "2 process(es)" in two.stdout + two.stderr
     run_pretrain(replaced(pretrain_args(corpus, config, tmp_path / "one", *common), per_device_train_batch_size=8))
     assert sorted(p.name for p in (tmp_path / "two" / "checkpoints" / "step_0000003").iterdir()) == [
-        "optimizer.bin", "pytorch_model.bin", "random_states_0.pkl", "random_states_1.pkl", "scheduler.bin",
+        "model.safetensors", "optimizer.bin", "random_states_0.pkl", "random_states_1.pkl", "scheduler.bin",
         "trainer_state.json"]
     one, two_w = weights(tmp_path / "one"), weights(tmp_path / "two")
     for name in one:
@@ -606,3 +606,30 @@ def test_the_documented_accelerate_launch_command_runs_two_processes_on_cpu(corp
     assert json.loads((out / "train_results.json").read_text())["num_processes"] == 2
     saved = {p.name for p in (out / "checkpoints" / "step_0000002").iterdir()}
     assert {"random_states_0.pkl", "random_states_1.pkl"} <= saved  # both ranks took part
+
+
+@needs_data
+def test_pretraining_keeps_its_loss_history_and_a_resume_may_extend_max_steps(corpus, tmp_path):
+    """trainer_state.json holds log_history without --report_to; checkpoint weights are safetensors; --resume with
+    a larger --max_steps continues (the schedule change said), a smaller one is refused."""
+    config = tiny_preset(tmp_path, "roberta-softmax")
+    out = tmp_path / "out"
+    args = pretrain_args(corpus, config, out, "--max_steps", 4, "--save_steps", 2, "--eval_steps", 2)
+    run_pretrain(args)
+    state = json.loads((out / "trainer_state.json").read_text())
+    assert state["global_step"] == 4 and state["max_steps"] == 4
+    assert [e["step"] for e in state["log_history"] if "loss" in e] == [2, 4]
+    assert [e["step"] for e in state["log_history"] if "eval_loss" in e] == [2, 4]
+    saved = {p.name for p in (out / "checkpoints" / "step_0000002").iterdir()}
+    assert "model.safetensors" in saved and not any(n.startswith("pytorch_model") for n in saved)
+    in_checkpoint = json.loads((out / "checkpoints" / "step_0000002" / "trainer_state.json").read_text())
+    assert in_checkpoint["global_step"] == 2 and len(in_checkpoint["log_history"]) == 2
+
+    resumed = run_pretrain([*replaced(args, max_steps=6), "--resume"])
+    said = resumed.stdout + resumed.stderr
+    assert "resumed from" in said and "--max_steps raised from 4 to 6" in said
+    state = json.loads((out / "trainer_state.json").read_text())
+    assert state["global_step"] == 6 and [e["step"] for e in state["log_history"] if "loss" in e] == [2, 4, 6]
+    assert json.loads((out / "train_results.json").read_text())["steps"] == 6
+    shorter = run_pretrain([*replaced(args, max_steps=3), "--resume"], check=False)
+    assert shorter.returncode != 0 and "can be extended, not shortened" in shorter.stderr
