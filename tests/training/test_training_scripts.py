@@ -304,7 +304,7 @@ def test_a_run_resumed_from_an_older_checkpoint_saves_over_the_steps_it_had_save
         model.weight.fill_(7.0)
     save_checkpoint(accelerator, tmp_path, 2, keep=3)
     assert [p.name for p in checkpoints_in(tmp_path)] == ["step_0000001", "step_0000002"]
-    saved = torch.load(tmp_path / "checkpoints" / "step_0000002" / "pytorch_model.bin", weights_only=True)
+    saved = weights(tmp_path / "checkpoints" / "step_0000002")  # model.safetensors
     assert torch.equal(saved["weight"], torch.full((2, 2), 7.0))
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_0000001", "step_0000002"]
 
