@@ -1,33 +1,44 @@
-"""Fine-tune a pretrained checkpoint on SST-2, QNLI, QQP (GLUE) or IMDB with the Transformers Trainer.
+"""Fine-tune, evaluate and predict with the Transformers Trainer, at run_glue.py's conventions: a preset task
+(SST-2, QNLI, QQP, IMDB) or any CSV / TSV / JSON / parquet files or Hub dataset with --text_columns / --label_column.
 
     python scripts/finetune.py --config configs/finetune/cpu-sst2.json \
         --model_name_or_path outputs/pretrain/linformer-k32 --output_dir outputs/finetune/linformer-k32-sst2
+    python scripts/finetune.py --do_train --do_eval --train_file train.csv --validation_file dev.csv \
+        --text_columns review --label_column stars --model_name_or_path ... --output_dir ...
+    python scripts/finetune.py --do_predict --task_name sst2 --test_file test.tsv \
+        --model_name_or_path outputs/finetune/linformer-k32-sst2 --output_dir outputs/predict/sst2
     python scripts/finetune.py --task_name sst2 --dataset_name nyu-mll/glue --model_name_or_path ... \
         --output_dir ... --push_to_hub --hub_model_id me/linformer-sst2
 
+--do_train / --do_eval / --do_predict choose what runs; without any of them the script trains and evaluates.
 Arguments: this package's (see --help) and every TrainingArguments flag; --config FILE.json gives defaults that
-later flags override. Writes eval_results.json, the model (weights, config, model code, tokenizer) and a model card
-README.md with model-index results; --push_to_hub uploads them in one commit.
+later flags override. Writes train_results.json, eval_results.json, predict_results.json, all_results.json,
+trainer_state.json, predict_results.txt, the model (weights, config, model code, tokenizer) and a model card
+README.md with model-index results; --push_to_hub (checked before training) uploads them in one commit.
 """
 
 import sys
 
 from transformers import TrainingArguments
 
-from hf_linear_attn.training.arguments import parse_arguments
+from hf_linear_attn.training.arguments import flags_given, parse_arguments
 from hf_linear_attn.training.data import UsageError
+from hf_linear_attn.training.launch import ensure_requested_processes
 from hf_linear_attn.training.finetuning import FinetuneArguments, run_finetuning
 
 
 def main(argv=None):
     try:
-        args, training, _ = parse_arguments((FinetuneArguments, TrainingArguments), argv)
+        if argv is None:  # run as a command: `accelerate launch --num_processes N` must start N processes
+            ensure_requested_processes(__file__)
+        args, training, config_path = parse_arguments((FinetuneArguments, TrainingArguments), argv)
         if training.output_dir is None:
             raise UsageError("pass --output_dir")
-        metrics = run_finetuning(args, training, argv)
+        modes_given = bool({"do_train", "do_eval", "do_predict"} & flags_given(argv, config_path))
+        metrics = run_finetuning(args, training, argv, modes_given=modes_given)
     except UsageError as error:
         sys.exit(f"error: {error}")
-    print({k: v for k, v in metrics.items() if k.startswith("eval_")})
+    print({k: v for k, v in metrics.items() if k.startswith(("eval_", "predict_"))})
     return metrics
 
 

@@ -2,7 +2,7 @@
 
     python scripts/pretrain.py --config configs/pretrain/cpu-mlm.json \
         --model_config configs/models/cpu/linformer-k32.json --output_dir outputs/pretrain/linformer-k32
-    accelerate launch --num_processes 2 scripts/pretrain.py ...        # several processes / GPUs
+    accelerate launch --num_processes 2 scripts/pretrain.py ...        # several processes / GPUs (CPU: gloo)
     python scripts/pretrain.py ... --resume                            # continue after a crash, exactly
 
 Every argument is a --flag (see --help); --config FILE.json gives defaults that later flags override. Data comes
@@ -13,11 +13,14 @@ import sys
 
 from hf_linear_attn.training.arguments import parse_arguments
 from hf_linear_attn.training.data import UsageError
+from hf_linear_attn.training.launch import ensure_requested_processes
 from hf_linear_attn.training.pretraining import PretrainArguments, run_pretraining
 
 
 def main(argv=None):
     try:
+        if argv is None:  # run as a command: `accelerate launch --num_processes N` must start N processes
+            ensure_requested_processes(__file__)
         args, _ = parse_arguments((PretrainArguments,), argv)
         run_pretraining(args)
     except UsageError as error:

@@ -51,3 +51,13 @@ def parse_arguments(dataclass_types, argv=None):
     if rest:
         raise UsageError(f"unknown arguments: {rest}")
     return (*parsed, config_path)
+
+
+def flags_given(argv, config_path) -> set[str]:
+    """The argument names set on the command line or in the --config file (whatever their values), so a script can
+    tell a flag left at its default from one given (TrainingArguments turns do_eval on by itself, for one)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    given = {a[2:].split("=", 1)[0] for a in argv if a.startswith("--")}
+    if config_path is not None:
+        given |= set(json.loads(Path(config_path).read_text()))
+    return given

@@ -1,4 +1,7 @@
-"""Fine-tuning on SST-2, QNLI, QQP (GLUE) and IMDB with the Transformers Trainer; results, model card, Hub push."""
+"""Fine-tuning with the Transformers Trainer at run_glue.py's conventions: --do_train / --do_eval / --do_predict,
+train / validation / test files or a Hub dataset, the four paper tasks (SST-2, QNLI, QQP, IMDB) as presets or any
+text and label columns (classification with any number of labels, or regression); results files as Transformers'
+examples write them, predictions, model card, Hub push (checked before training)."""
 
 import json
 import platform
@@ -7,10 +10,12 @@ import shlex
 import shutil
 import sys
 from dataclasses import dataclass, field
+from dataclasses import replace as replace_task
 from pathlib import Path
 
 import numpy as np
 import torch
+from datasets import ClassLabel, Value
 from transformers import (
     AutoConfig,
     AutoModelForSequenceClassification,
@@ -25,9 +30,12 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 import hf_linear_attn  # noqa: F401  (registers the package's models with the Auto classes)
 
 from .checkpoints import disk_full_error, fsync_tree, is_disk_full, missing_pieces, replace_folder
-from .data import encode_task, get_task, load_task_data, refuse_sources_inside
+from .data import (
+    custom_task, encode_task, get_task, load_task_data, parse_text_columns, read_task_files, refuse_sources_inside,
+    require_split_sources,
+)
 from .errors import UsageError
-from .hub import DEFAULT_TEMPLATE, check_template, push_folder, write_model_card
+from .hub import DEFAULT_TEMPLATE, check_push_target, check_template, push_folder, write_model_card
 from .metrics import load_task_metric
 from .pretraining import max_model_length
 
@@ -37,13 +45,23 @@ class FinetuneArguments:
     """Model and data arguments of scripts/finetune.py (Trainer's own arguments come from TrainingArguments)."""
 
     model_name_or_path: str = field(metadata={"help": "pretrained checkpoint: a folder of this package or a Hub id"})
-    task_name: str = field(metadata={"help": "sst2, qnli, qqp or imdb"})
+    task_name: str | None = field(default=None, metadata={
+        "help": "a preset: sst2, qnli, qqp or imdb (columns, labels, metric); leave out for any other data and name "
+                "its columns with --text_columns and --label_column"})
     tokenizer_name_or_path: str | None = field(default=None, metadata={"help": "default: the model's folder"})
     dataset_name: str | None = field(default=None, metadata={
         "help": "Hub dataset: nyu-mll/glue (the task is its config) or stanfordnlp/imdb"})
     dataset_config_name: str | None = field(default=None)
     train_file: str | None = field(default=None, metadata={"help": "local GLUE TSV, JSON lines, CSV or parquet"})
     validation_file: str | None = field(default=None, metadata={"help": "without it, a split of train is held out"})
+    test_file: str | None = field(default=None, metadata={
+        "help": "rows to predict with --do_predict (labels optional: with labels, predict metrics too)"})
+    text_columns: str | None = field(default=None, metadata={
+        "help": "without --task_name: the text column, or two separated by a comma for pairs (e.g. "
+                "question,sentence)"})
+    label_column: str | None = field(default=None, metadata={
+        "help": "without --task_name: the label column (default 'label'); text or integer labels are classes, "
+                "float labels mean regression"})
     validation_split_percentage: float = field(default=10.0)
     max_seq_length: int = field(default=128)
     head_fraction: float = field(default=0.25, metadata={
@@ -54,6 +72,8 @@ class FinetuneArguments:
                 "be sorted by label, as IMDB's are)"})
     max_eval_samples: int | None = field(default=None, metadata={
         "help": "evaluate on N rows, chosen as for --max_train_samples"})
+    max_predict_samples: int | None = field(default=None, metadata={
+        "help": "predict N rows, chosen as for --max_train_samples"})
     metric_source: str = field(default="auto", metadata={
         "help": "evaluate modules from the Hub, the local offline copies, or auto (local when HF_HUB_OFFLINE=1)",
         "choices": ["auto", "hub", "local"]})
@@ -160,6 +180,7 @@ def _occupied(output_dir: Path, args: FinetuneArguments, training: TrainingArgum
     refuse_sources_inside(output_dir, {"--model_name_or_path": args.model_name_or_path,
                                        "--tokenizer_name_or_path": args.tokenizer_name_or_path,
                                        "--train_file": args.train_file, "--validation_file": args.validation_file,
+                                       "--test_file": args.test_file,
                                        "--model_card_template": args.model_card_template})
     return True
 
@@ -168,7 +189,7 @@ def _check_arguments(args: FinetuneArguments, training: TrainingArguments) -> No
     """What can be checked before any data is read or anything is written."""
     if args.max_seq_length < 1:
         raise UsageError(f"--max_seq_length must be at least 1 (got {args.max_seq_length}); 128 is usual")
-    if training.max_steps <= 0 and training.num_train_epochs <= 0:
+    if training.do_train and training.max_steps <= 0 and training.num_train_epochs <= 0:
         raise UsageError(f"nothing to train: --num_train_epochs {training.num_train_epochs} and --max_steps "
                          f"{training.max_steps}; pass a positive --num_train_epochs or --max_steps")
     strategies = (("--save_steps", training.save_steps, training.save_strategy),
@@ -181,7 +202,8 @@ def _check_arguments(args: FinetuneArguments, training: TrainingArguments) -> No
     if not 0.0 <= args.head_fraction <= 1.0:
         raise UsageError(f"--head_fraction must be between 0 and 1 (got {args.head_fraction}): the share of a long "
                             "text's tokens kept from its start")
-    for flag, value in (("--max_train_samples", args.max_train_samples), ("--max_eval_samples", args.max_eval_samples)):
+    for flag, value in (("--max_train_samples", args.max_train_samples), ("--max_eval_samples", args.max_eval_samples),
+                        ("--max_predict_samples", args.max_predict_samples)):
         if value is not None and value < 1:
             raise UsageError(f"{flag} must be at least 1 (got {value})")
     if not Path(args.model_card_template).is_file():
@@ -197,15 +219,25 @@ def _subset(rows, count: int | None, hub: bool, seed: int):
     return (rows.shuffle(seed=seed) if hub else rows).select(range(count))
 
 
-def _load_tokenizer_and_config(args: FinetuneArguments, num_labels: int, label_names):
+def _load_tokenizer_and_config(args: FinetuneArguments, task, train: bool = True):
+    """The tokenizer and the model config: with a new head sized for `task` when training, the checkpoint's own
+    (checked against the task) when only evaluating or predicting."""
+    num_labels, label_names = (1, ()) if task.regression else (len(task.label_names), task.label_names)
     source = args.tokenizer_name_or_path or args.model_name_or_path
     try:
-        config = AutoConfig.from_pretrained(args.model_name_or_path, num_labels=num_labels,
-                                            id2label=dict(enumerate(label_names)),
-                                            label2id={n: i for i, n in enumerate(label_names)},
-                                            trust_remote_code=args.trust_remote_code)
+        if train:
+            labels = {} if task.regression else {"id2label": dict(enumerate(label_names)),
+                                                 "label2id": {n: i for i, n in enumerate(label_names)}}
+            config = AutoConfig.from_pretrained(
+                args.model_name_or_path, num_labels=num_labels, trust_remote_code=args.trust_remote_code,
+                problem_type="regression" if task.regression else "single_label_classification", **labels)
+        else:
+            config = AutoConfig.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code)
     except Exception as error:
         raise UsageError(f"cannot read a model config from {args.model_name_or_path}: {error}") from error
+    if not train and config.num_labels != num_labels:
+        raise UsageError(f"{args.model_name_or_path} has a head of {config.num_labels} output(s) but {task.name} "
+                         f"needs {num_labels}: evaluate or predict with the fine-tuned checkpoint (or add --do_train)")
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=args.trust_remote_code)
     except Exception as error:
@@ -226,24 +258,102 @@ def _load_tokenizer_and_config(args: FinetuneArguments, num_labels: int, label_n
     return tokenizer, config
 
 
-def run_finetuning(args: FinetuneArguments, training: TrainingArguments, argv=None) -> dict:
-    """Fine-tune and evaluate; write eval_results.json and README.md; push when --push_to_hub. Returns metrics."""
-    task = get_task(args.task_name)
+def _resolve_task(args: FinetuneArguments, raw, train: bool):
+    """The preset named by --task_name, or a task over --text_columns / --label_column: its labels are the train
+    split's (a ClassLabel's names, or the distinct values; float labels mean regression) when training, the
+    checkpoint's own (config.id2label) when only evaluating or predicting."""
+    if args.task_name is not None:
+        task = get_task(args.task_name)
+        if args.text_columns or args.label_column:
+            raise UsageError(f"--text_columns / --label_column are for data without a preset: --task_name "
+                             f"{task.name} reads the columns {list(task.text_columns)} and "
+                             f"{' or '.join(task.label_columns)}; leave out one or the other")
+        return task
+    if not args.text_columns:
+        raise UsageError("no task: pass --task_name (sst2, qnli, qqp or imdb) or name the columns of your data with "
+                         "--text_columns (one, or two for pairs, comma-separated) and --label_column")
+    columns = parse_text_columns(args.text_columns)
+    label = args.label_column or "label"
+    if not train:
+        try:
+            config = AutoConfig.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code)
+        except Exception as error:
+            raise UsageError(f"cannot read a model config from {args.model_name_or_path}: {error}") from error
+        regression = config.problem_type == "regression" or config.num_labels == 1
+        names = [] if regression else [str(config.id2label[i]) for i in range(config.num_labels)]
+        return custom_task(columns, label, names, regression, args.dataset_name, args.dataset_config_name)
+    source = raw["train"]
+    if label not in source.column_names:
+        raise UsageError(f"the train data has no label column {label!r} (--label_column); its columns are "
+                         f"{source.column_names}")
+    feature = source.features[label]
+    if isinstance(feature, ClassLabel):
+        return replace_task(custom_task(columns, label, feature.names, False, args.dataset_name,
+                                        args.dataset_config_name), accept_label_ids=True)
+    regression = isinstance(feature, Value) and feature.dtype.startswith("float")
+    return custom_task(columns, label, source.unique(label), regression, args.dataset_name, args.dataset_config_name)
+
+
+def _regression_metrics(predictions, references) -> dict:
+    predictions, references = np.asarray(predictions, dtype=np.float64), np.asarray(references, dtype=np.float64)
+    pearson = float(np.corrcoef(predictions, references)[0, 1]) if len(references) > 1 else float("nan")
+    return {"mse": float(np.mean((predictions - references) ** 2)), "pearson": pearson}
+
+
+def _write_predictions(path: Path, predictions: np.ndarray, task) -> None:
+    """run_glue.py's predict_results file: a header, then `index<TAB>prediction` (a label name, or a number)."""
+    lines = ["index\tprediction"]
+    for index, value in enumerate(predictions):
+        lines.append(f"{index}\t{value:3.3f}" if task.regression else f"{index}\t{task.label_names[int(value)]}")
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+def run_finetuning(args: FinetuneArguments, training: TrainingArguments, argv=None, modes_given: bool = True) -> dict:
+    """Train (--do_train), evaluate (--do_eval) and predict (--do_predict), as run_glue.py does; without any of the
+    three flags (modes_given False), train and evaluate. Writes {train,eval,predict}_results.json, all_results.json,
+    trainer_state.json, predict_results.txt, and after training the model and README.md; pushes when
+    --push_to_hub (checked before anything else). Returns the metrics."""
+    if not modes_given:
+        training.do_train = training.do_eval = True
+    do_train, do_eval, do_predict = training.do_train, training.do_eval, training.do_predict
+    if not (do_train or do_eval or do_predict):
+        raise UsageError("nothing to do: pass --do_train, --do_eval and / or --do_predict")
+    if args.task_name is not None:
+        get_task(args.task_name)
     _check_arguments(args, training)
     output_dir = Path(training.output_dir)
-    replace = _occupied(output_dir, args, training)
-    resume_from = resolve_resume(training.resume_from_checkpoint, output_dir, training.world_size,
-                                 args.allow_inexact_resume)
-    data, eval_split = load_task_data(task, args.dataset_name, args.dataset_config_name, args.train_file,
-                                      args.validation_file, args.validation_split_percentage, training.seed)
+    push, repo_id = training.push_to_hub, training.hub_model_id or output_dir.name
+    if push:
+        if not do_train:
+            raise UsageError("--push_to_hub uploads a fine-tuned model: add --do_train (evaluation and prediction "
+                             "alone write no model)")
+        repo_id = check_push_target(repo_id, training.hub_token)  # token, reachability, name: before any work
+    replace = _occupied(output_dir, args, training) if do_train else False
+    resume_from = (resolve_resume(training.resume_from_checkpoint, output_dir, training.world_size,
+                                  args.allow_inexact_resume) if do_train else None)
+    splits = [s for s, on in (("train", do_train), ("validation", do_eval), ("test", do_predict)) if on]
     hub = args.dataset_name is not None
-    data["train"] = _subset(data["train"], args.max_train_samples, hub, training.seed)
-    data["validation"] = _subset(data["validation"], args.max_eval_samples, hub, training.seed)
-    if len(set(data["train"]["label"])) < 2:
+    if not hub:
+        require_split_sources(splits, args.train_file, args.validation_file, args.test_file)
+    preset = get_task(args.task_name) if args.task_name is not None else None
+    hub_config = args.dataset_config_name if args.dataset_config_name is not None or preset is None else preset.hub_config
+    wanted = {s: f for s, f in (("train", args.train_file), ("validation", args.validation_file),
+                                ("test", args.test_file)) if s in splits}
+    raw = read_task_files(args.dataset_name, hub_config, wanted.get("train"), wanted.get("validation"),
+                          wanted.get("test"))
+    task = _resolve_task(args, raw, do_train)
+    data, eval_split = load_task_data(task, args.dataset_name, hub_config, args.train_file, args.validation_file,
+                                      args.validation_split_percentage, training.seed, test_file=args.test_file,
+                                      splits=splits, raw=raw)
+    for split, count in (("train", args.max_train_samples), ("validation", args.max_eval_samples),
+                         ("test", args.max_predict_samples)):
+        if split in data:
+            data[split] = _subset(data[split], count, hub, training.seed)
+    if do_train and not task.regression and len(set(data["train"]["label"])) < 2:
         raise UsageError(f"every training row of {task.name} has the same label: a classifier cannot learn from "
                             "them (a local file sorted by label, cut by --max_train_samples? shuffle the file)")
 
-    tokenizer, config = _load_tokenizer_and_config(args, len(task.label_names), task.label_names)
+    tokenizer, config = _load_tokenizer_and_config(args, task, train=do_train)
     # The classification head is new: seed before it is drawn (torch's own start seed is random), so a seed
     # names one run, as in Trainer's model_init path
     set_seed(training.seed)
@@ -253,29 +363,59 @@ def run_finetuning(args: FinetuneArguments, training: TrainingArguments, argv=No
     except Exception as error:
         raise UsageError(f"cannot load {args.model_name_or_path} for sequence classification: {error}") from error
     encoded = encode_task(data, task, tokenizer, args.max_seq_length, args.head_fraction)
-    metric = load_task_metric(task, args.metric_source)
+    metric = None if task.regression else load_task_metric(task, args.metric_source)
 
     def compute_metrics(prediction):
         logits = prediction.predictions[0] if isinstance(prediction.predictions, tuple) else prediction.predictions
+        if task.regression:
+            return _regression_metrics(np.squeeze(logits, -1), prediction.label_ids)
         return metric.compute(predictions=np.argmax(logits, axis=-1), references=prediction.label_ids)
 
     if replace and training.process_index == 0:  # every input is valid: only now is the old run removed
         shutil.rmtree(output_dir)
-    push, repo_id = training.push_to_hub, training.hub_model_id or output_dir.name
     training.push_to_hub = False  # one upload at the end (model, code, card), not Trainer's per-save pushes
-    trainer = AtomicCheckpointTrainer(model=model, args=training, train_dataset=encoded["train"], eval_dataset=encoded["validation"],
-                      processing_class=tokenizer, data_collator=DataCollatorWithPadding(tokenizer),
-                      compute_metrics=compute_metrics)
-    train_result = trainer.train(resume_from_checkpoint=resume_from)
-    metrics = trainer.evaluate()
-    metrics.update({"eval_samples": len(encoded["validation"]), "eval_split": eval_split, "task": task.name,
-                    "train_samples": len(encoded["train"]), "train_runtime": train_result.metrics["train_runtime"]})
-    try:
-        trainer.save_model(str(output_dir))  # weights, config, model code (save_pretrained) and tokenizer
-    except (OSError, RuntimeError) as error:
-        if is_disk_full(error):
-            raise disk_full_error(output_dir, "the fine-tuned model", error) from error
-        raise
+    trainer = AtomicCheckpointTrainer(model=model, args=training, train_dataset=encoded.get("train"),
+                                      eval_dataset=encoded.get("validation"), processing_class=tokenizer,
+                                      data_collator=DataCollatorWithPadding(tokenizer), compute_metrics=compute_metrics)
+    metrics = {}
+    if do_train:
+        train_result = trainer.train(resume_from_checkpoint=resume_from)
+        try:
+            trainer.save_model(str(output_dir))  # weights, config, model code (save_pretrained) and tokenizer
+        except (OSError, RuntimeError) as error:
+            if is_disk_full(error):
+                raise disk_full_error(output_dir, "the fine-tuned model", error) from error
+            raise
+        train_metrics = {**train_result.metrics, "train_samples": len(encoded["train"])}
+        trainer.log_metrics("train", train_metrics)
+        trainer.save_metrics("train", train_metrics)  # train_results.json and all_results.json
+        trainer.save_state()  # trainer_state.json: log_history, steps, best checkpoint
+        metrics.update(train_metrics)
+    if do_eval:
+        eval_metrics = trainer.evaluate()
+        eval_metrics.update({"eval_samples": len(encoded["validation"]), "eval_split": eval_split, "task": task.name})
+        if do_train:
+            eval_metrics.update({"train_samples": len(encoded["train"]),
+                                 "train_runtime": train_result.metrics["train_runtime"]})
+        trainer.log_metrics("eval", eval_metrics)
+        trainer.save_metrics("eval", eval_metrics)  # eval_results.json and all_results.json
+        metrics.update(eval_metrics)
+    if do_predict:
+        test = encoded["test"]
+        labelled = "label" in test.column_names
+        output = trainer.predict(test, metric_key_prefix="predict")
+        logits = output.predictions[0] if isinstance(output.predictions, tuple) else output.predictions
+        predictions = np.squeeze(logits, -1) if task.regression else np.argmax(logits, axis=-1)
+        predict_metrics = {k: v for k, v in output.metrics.items()
+                           if labelled or not k.startswith("predict_loss")}
+        predict_metrics["predict_samples"] = len(test)
+        trainer.log_metrics("predict", predict_metrics)
+        trainer.save_metrics("predict", predict_metrics)  # predict_results.json and all_results.json
+        if trainer.is_world_process_zero():
+            _write_predictions(output_dir / "predict_results.txt", predictions, task)
+        metrics.update(predict_metrics)
+    if not do_train:
+        return metrics
 
     data_description = (f"{task.name} from the Hub ({args.dataset_name})" if args.dataset_name else
                         f"{task.name} from {Path(args.train_file).name}") + f", {len(encoded['train'])} training rows"
@@ -289,14 +429,17 @@ def run_finetuning(args: FinetuneArguments, training: TrainingArguments, argv=No
              "weight decay": training.weight_decay, "seed": training.seed}
     machine = f"{platform.machine()} {'CUDA' if torch.cuda.is_available() else 'CPU'}, torch {torch.__version__}"
     if trainer.is_world_process_zero():
+        dataset_id = args.dataset_name or task.hub_dataset
         write_model_card(output_dir, repo_id=repo_id, config=model.config, base_model=args.model_name_or_path,
-                         task=task, metrics=metrics, eval_split=eval_split, dataset_id=task.hub_dataset,
+                         task=task, metrics=metrics, eval_split=eval_split or "none", dataset_id=dataset_id,
                          command=command, data_description=data_description, truncation_rule=rule,
                          max_seq_length=args.max_seq_length, hyperparameters=hyper, machine=machine,
                          template=Path(args.model_card_template))
-        (output_dir / "eval_results.json").write_text(json.dumps(metrics, indent=2))
-        if push:  # uploads the card and eval_results.json with the model
+        if push:  # uploads the card and the results files with the model
             metrics["hub_commit"] = push_folder(output_dir, repo_id, token=training.hub_token,
                                                 private=training.hub_private_repo)
-            (output_dir / "eval_results.json").write_text(json.dumps(metrics, indent=2))
+            if do_eval:
+                results = json.loads((output_dir / "eval_results.json").read_text())
+                results["hub_commit"] = metrics["hub_commit"]
+                (output_dir / "eval_results.json").write_text(json.dumps(results, indent=4, sort_keys=True))
     return metrics

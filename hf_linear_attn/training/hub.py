@@ -3,7 +3,9 @@
 import json
 from pathlib import Path
 
-from huggingface_hub import EvalResult, HfApi, ModelCard, ModelCardData
+from huggingface_hub import EvalResult, HfApi, ModelCard, ModelCardData, get_token
+from huggingface_hub.errors import HFValidationError
+from huggingface_hub.utils import validate_repo_id
 from jinja2 import TemplateError
 from jinja2.sandbox import SandboxedEnvironment
 
@@ -66,16 +68,17 @@ def write_model_card(output_dir: Path, *, repo_id: str, config, base_model: str,
     """README.md with `model-index` results (one EvalResult per metric) from the template (default: model_card_template.md in this package)."""
     if not Path(template).is_file():
         raise UsageError(f"model card template not found: {template}")
-    names = [k for k in ("accuracy", "f1") if f"eval_{k}" in metrics]
-    task_title = {"sst2": "GLUE SST-2", "qnli": "GLUE QNLI", "qqp": "GLUE QQP", "imdb": "IMDB"}[task.name]
-    results = [EvalResult(task_type="text-classification", dataset_type=dataset_id, dataset_name=task_title,
+    names = [k for k in ("accuracy", "f1", "mse", "pearson") if f"eval_{k}" in metrics]
+    task_title = {"sst2": "GLUE SST-2", "qnli": "GLUE QNLI", "qqp": "GLUE QQP", "imdb": "IMDB"}.get(task.name,
+                                                                                                     task.name)
+    results = [EvalResult(task_type="text-classification", dataset_type=dataset_id or "local", dataset_name=task_title,
                           dataset_config=task.hub_config, dataset_split=eval_split, metric_type=name,
                           metric_value=round(float(metrics[f"eval_{name}"]), 4)) for name in names]
-    card_data = ModelCardData(model_name=repo_id.split("/")[-1], base_model=None, library_name="transformers",
-                              license="apache-2.0", language="en", tags=["hf-linear-attn", config.model_type,
-                                                                         "text-classification"],
-                              datasets=[dataset_id], metrics=names, pipeline_tag="text-classification",
-                              eval_results=results)
+    card_data = ModelCardData(model_name=repo_id.split("/")[-1], base_model=hub_base_model(base_model),
+                              library_name="transformers", license="apache-2.0", language="en",
+                              tags=["hf-linear-attn", config.model_type, "text-classification"],
+                              datasets=[dataset_id] if dataset_id else None, metrics=names,
+                              pipeline_tag="text-classification", eval_results=results or None)
     architecture, attention = describe_architecture(config)
     example = '"a gripping, beautifully acted film"' if len(task.text_columns) == 1 else (
         '{"text": "How do I learn Python?", "text_pair": "What is the best way to learn Python?"}')
@@ -83,7 +86,8 @@ def write_model_card(output_dir: Path, *, repo_id: str, config, base_model: str,
         template, card_data, model_name=repo_id.split("/")[-1], repo_id=repo_id,
         architecture=architecture, attention_description=attention, base_model=base_model, task_title=task_title,
         eval_split=eval_split, eval_samples=metrics.get("eval_samples", "?"), metric_names=" | ".join(names),
-        metric_values=" | ".join(f"{100 * metrics[f'eval_{n}']:.2f}" for n in names), machine=machine,
+        metric_values=" | ".join(f"{100 * metrics[f'eval_{n}']:.2f}" if n in ("accuracy", "f1") else
+                                f"{metrics[f'eval_{n}']:.4f}" for n in names), machine=machine,
         example_input=example, command=command, data_description=data_description, truncation_rule=truncation_rule,
         max_seq_length=max_seq_length, hyperparameters=", ".join(f"{k} {v}" for k, v in hyperparameters.items()),
         limitations=("Trained and evaluated at the scale recorded above; figures from a small CPU-scale run are not "
@@ -93,6 +97,55 @@ def write_model_card(output_dir: Path, *, repo_id: str, config, base_model: str,
     )
     card.save(output_dir / "README.md")
     return card
+
+
+def hub_base_model(name_or_path: str | None) -> str | None:
+    """`base_model` for a card: a Hub id the model started from; a local folder's own card's `base_model` if it
+    names one (a folder written by this package's scripts, from a Hub model); None otherwise."""
+    if not name_or_path:
+        return None
+    folder = Path(name_or_path)
+    if folder.exists():
+        card = folder / "README.md"
+        if card.is_file():
+            try:
+                found = ModelCard.load(card).data.to_dict().get("base_model")
+            except Exception:  # a hand-written README without a YAML header
+                found = None
+            if isinstance(found, str) and not Path(found).exists():
+                return found
+        return None
+    try:
+        validate_repo_id(name_or_path)
+    except HFValidationError:
+        return None
+    return name_or_path
+
+
+def check_push_target(repo_id: str, token: str | None) -> str:
+    """Before any training: the repo name is valid, a token is there, the Hub answers and accepts it with write
+    access. Returns the full repo id (a bare name goes under the token's user). Each failure is a UsageError."""
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as error:
+        raise UsageError(f"--hub_model_id {repo_id!r} is not a valid Hub repo name ({error}); use user/name or a "
+                         "bare name with letters, digits, '-', '_' and '.'") from error
+    token = token or get_token()
+    if not token:
+        raise UsageError("--push_to_hub needs a Hub token with write access: pass --hub_token, set HF_TOKEN or run "
+                         "`hf auth login` (checked before training, so nothing is lost)")
+    try:
+        me = HfApi(token=token).whoami()
+    except Exception as error:
+        raise UsageError(f"--push_to_hub: the Hub does not accept this token or cannot be reached "
+                         f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); check the "
+                         "token and the network (HF_HUB_OFFLINE=1 blocks the Hub), or leave out --push_to_hub") from error
+    role = (me.get("auth") or {}).get("accessToken", {}).get("role")
+    if role == "read":
+        raise UsageError("--push_to_hub: the token is read-only; create one with write access")
+    if "/" not in repo_id:
+        repo_id = f"{me['name']}/{repo_id}"
+    return repo_id
 
 
 def check_push_folder(folder: Path) -> list[str]:

@@ -46,7 +46,8 @@ CHECKPOINTS = "checkpoints"
 STEP_PREFIX = "step_"
 RUN_ARGS = "run_args.json"
 # Arguments a resumed run may change; any other difference would make the continuation a different run.
-RESUMABLE_CHANGES = {"resume", "resume_from_checkpoint", "overwrite_output_dir", "logging_steps", "report_to",
+RESUMABLE_CHANGES = {"max_steps",  # may grow: checked by check_output_dir, the schedule change stated in the log
+                     "resume", "resume_from_checkpoint", "overwrite_output_dir", "logging_steps", "report_to",
                      "save_total_limit", "eval_steps", "max_eval_samples", "allow_inexact_resume"}
 # The pieces of state an exact resume needs, each with the file names accelerate may give it (random_states_N.pkl:
 # one per process, added by `checkpoint_pieces`).
@@ -174,7 +175,16 @@ def checkpoint_problems(folder: Path, world_size: int) -> dict[str, str]:
     return missing_pieces(folder, {**STATE_PIECES, **rng})
 
 
-def save_checkpoint(accelerator: Accelerator, output_dir: Path, step: int, keep: int) -> Path:
+def trainer_state(step: int, max_steps: int, log_history: list, args: PretrainArguments, world: int) -> dict:
+    """trainer_state.json in the shape of Trainer's (global_step, max_steps, log_history, ...); "step" kept for
+    checkpoints written before 2026-11-25."""
+    return {"global_step": step, "step": step, "max_steps": max_steps, "logging_steps": args.logging_steps,
+            "eval_steps": args.eval_steps, "save_steps": args.save_steps,
+            "train_batch_size": args.per_device_train_batch_size, "num_processes": world,
+            "log_history": log_history}
+
+
+def save_checkpoint(accelerator: Accelerator, output_dir: Path, step: int, keep: int, state: dict | None = None) -> Path:
     """accelerate state (model, optimizer, scheduler, RNGs) + step into checkpoints/step_N, atomically.
 
     A failed save (a full disk) removes its temporary folder and leaves the older checkpoints as they were; a full
@@ -186,10 +196,12 @@ def save_checkpoint(accelerator: Accelerator, output_dir: Path, step: int, keep:
             shutil.rmtree(partial, ignore_errors=True)
             partial.mkdir(parents=True)
         accelerator.wait_for_everyone()
-        # tied embeddings: safetensors refuses shared tensors
-        accelerator.save_state(str(partial), safe_serialization=False)
+        # weights as model.safetensors (accelerate drops the tied copies, safetensors' load_model restores them);
+        # optimizer, scheduler and RNG states stay torch files, read back by accelerate with weights_only=True
+        accelerator.save_state(str(partial), safe_serialization=True)
         if accelerator.is_main_process:
-            (partial / "trainer_state.json").write_text(json.dumps({"step": step}))
+            (partial / "trainer_state.json").write_text(json.dumps(state or {"global_step": step, "step": step},
+                                                                   indent=2))
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
             fsync_tree(partial)
@@ -207,8 +219,10 @@ def save_checkpoint(accelerator: Accelerator, output_dir: Path, step: int, keep:
 
 
 def _run_record(args: PretrainArguments, world_size: int) -> dict:
-    """What defines a run: the arguments a resumed run must share, and the number of processes."""
-    return {**{k: v for k, v in asdict(args).items() if k not in RESUMABLE_CHANGES}, "num_processes": world_size}
+    """What defines a run: the arguments a resumed run must share, and the number of processes (max_steps is
+    recorded too, but a resumed run may raise it)."""
+    return {**{k: v for k, v in asdict(args).items() if k not in RESUMABLE_CHANGES}, "num_processes": world_size,
+            "max_steps": args.max_steps}
 
 
 def check_output_dir(args: PretrainArguments, world_size: int) -> Path | None:
@@ -220,7 +234,13 @@ def check_output_dir(args: PretrainArguments, world_size: int) -> Path | None:
         if not run_file.is_file():
             raise UsageError(f"nothing to resume: {output_dir} holds no run ({RUN_ARGS} is missing)")
         previous = json.loads(run_file.read_text())
-        changed = sorted(k for k in set(previous) | set(recorded) if previous.get(k) != recorded.get(k))
+        if previous.get("max_steps", args.max_steps) > args.max_steps:
+            raise UsageError(f"--resume with --max_steps {args.max_steps}, fewer than the run's "
+                             f"{previous['max_steps']}: a run can be extended, not shortened (its learning-rate "
+                             "schedule was drawn for the longer run); pass --max_steps "
+                             f"{previous['max_steps']} or more")
+        changed = sorted(k for k in set(previous) | set(recorded)
+                         if k != "max_steps" and previous.get(k) != recorded.get(k))
         if changed:
             raise UsageError(f"--resume with different arguments than the run in {output_dir}: "
                                 + ", ".join(f"{k}: {previous.get(k)!r} -> {recorded.get(k)!r}" for k in changed))
@@ -602,15 +622,33 @@ def run_pretraining(args: PretrainArguments) -> dict:
     drop_replaced_run(accelerator, claim)
     world = accelerator.num_processes
 
-    start_step = 0
+    start_step, log_history = 0, []
     if resume_from is not None:
         try:
             accelerator.load_state(str(resume_from))
         except Exception as error:  # a file damaged in a way the header checks cannot see
             raise UsageError(f"cannot load the checkpoint {resume_from}: {type(error).__name__}: {error}. Resume "
                              "from an older one with --resume_from_checkpoint") from error
-        start_step = json.loads((resume_from / "trainer_state.json").read_text())["step"]
+        saved_state = json.loads((resume_from / "trainer_state.json").read_text())
+        start_step = saved_state.get("global_step", saved_state["step"])
+        log_history = list(saved_state.get("log_history", []))
         accelerator.print(f"resumed from {resume_from} at step {start_step}")
+        previous_max = json.loads((output_dir / RUN_ARGS).read_text()).get("max_steps", args.max_steps)
+        if start_step >= args.max_steps:
+            raise UsageError(f"the checkpoint {resume_from} is at step {start_step}, --max_steps is {args.max_steps}: "
+                             "nothing left to train; pass a larger --max_steps to continue")
+        if previous_max != args.max_steps:
+            inner = getattr(scheduler, "scheduler", scheduler)  # accelerate wraps the LambdaLR
+            lr_next = (inner.lr_lambdas[0](inner.last_epoch) * inner.base_lrs[0] if hasattr(inner, "lr_lambdas")
+                       else inner.get_last_lr()[0])
+            accelerator.print(
+                f"--max_steps raised from {previous_max} to {args.max_steps}: the learning-rate schedule "
+                f"({args.lr_scheduler_type}, warmup {args.warmup_ratio:g} of the steps) is now drawn over "
+                f"{args.max_steps} steps; the learning rate after step {start_step} is {lr_next:.3g} "
+                f"(it was {scheduler.get_last_lr()[0]:.3g} under the {previous_max}-step schedule)")
+            if accelerator.is_main_process:
+                record = json.loads((output_dir / RUN_ARGS).read_text())
+                (output_dir / RUN_ARGS).write_text(json.dumps({**record, "max_steps": args.max_steps}, indent=2))
     if args.report_to != "none":
         accelerator.init_trackers("pretrain", config={k: v for k, v in asdict(args).items()
                                                       if isinstance(v, (int, float, str, bool))})
@@ -647,14 +685,17 @@ def run_pretraining(args: PretrainArguments) -> dict:
             running_items = 0
             progress.set_postfix(loss=f"{logs['loss']:.3f}")
             accelerator.log(logs, step=done)
+            log_history.append({**logs, "step": done})
         if done % args.eval_steps == 0 or done == args.max_steps:
             metrics = evaluate_perplexity(model, accelerator, eval_rows, args.per_device_eval_batch_size, objective)
             accelerator.log(metrics, step=done)
+            log_history.append({**metrics, "step": done})
             if accelerator.is_main_process:
                 progress.write(f"step {done}: validation loss {metrics['eval_loss']:.4f}, "
                                f"perplexity {metrics['perplexity']:.2f}")
         if done % args.save_steps == 0 and done != args.max_steps:
-            save_checkpoint(accelerator, output_dir, done, args.save_total_limit)
+            save_checkpoint(accelerator, output_dir, done, args.save_total_limit,
+                            trainer_state(done, args.max_steps, log_history, args, world))
     progress.close()
 
     accelerator.wait_for_everyone()
@@ -668,6 +709,8 @@ def run_pretraining(args: PretrainArguments) -> dict:
             tokenizer.model_max_length = max_model_length(model.config)  # the model's limit, not this run's length
             tokenizer.save_pretrained(output_dir)
             (output_dir / "train_results.json").write_text(json.dumps(results, indent=2))
+            (output_dir / "trainer_state.json").write_text(
+                json.dumps(trainer_state(args.max_steps, args.max_steps, log_history, args, world), indent=2))
         except (OSError, RuntimeError) as error:
             if is_disk_full(error):
                 raise disk_full_error(output_dir, "the final model", error) from error

@@ -65,7 +65,7 @@ def test_two_processes_under_accelerate_train_like_one_process_with_twice_the_ba
     assert "2 process(es)" in two.stdout + two.stderr
     run_pretrain(replaced(pretrain_args(corpus, config, tmp_path / "one", *common), per_device_train_batch_size=8))
     assert sorted(p.name for p in (tmp_path / "two" / "checkpoints" / "step_0000003").iterdir()) == [
-        "optimizer.bin", "pytorch_model.bin", "random_states_0.pkl", "random_states_1.pkl", "scheduler.bin",
+        "model.safetensors", "optimizer.bin", "random_states_0.pkl", "random_states_1.pkl", "scheduler.bin",
         "trainer_state.json"]
     one, two_w = weights(tmp_path / "one"), weights(tmp_path / "two")
     for name in one:
@@ -104,6 +104,9 @@ class RecordingHubApi:
 
     def __init__(self, token=None):
         self.token = token
+
+    def whoami(self):  # finetune.py checks the token and the Hub before training
+        return {"name": "someone", "auth": {"accessToken": {"role": "write"}}}
 
     def create_repo(self, repo_id, private=None, exist_ok=False, repo_type=None):
         self.calls.append(("create_repo", repo_id, private, exist_ok))
@@ -301,7 +304,7 @@ def test_a_run_resumed_from_an_older_checkpoint_saves_over_the_steps_it_had_save
         model.weight.fill_(7.0)
     save_checkpoint(accelerator, tmp_path, 2, keep=3)
     assert [p.name for p in checkpoints_in(tmp_path)] == ["step_0000001", "step_0000002"]
-    saved = torch.load(tmp_path / "checkpoints" / "step_0000002" / "pytorch_model.bin", weights_only=True)
+    saved = weights(tmp_path / "checkpoints" / "step_0000002")  # model.safetensors
     assert torch.equal(saved["weight"], torch.full((2, 2), 7.0))
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_0000001", "step_0000002"]
 
@@ -560,3 +563,73 @@ def test_masked_tokens_loss_equals_the_models_own_loss_and_gradients(preset):
     for a, b in zip(picked_grads, full_grads):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
     assert not MaskedTokensLoss.supports(BertForMaskedLM(BertConfig(**PRESET_ENCODER_SIZE, vocab_size=500)))
+
+
+# --------------------------------------------------------------------------- accelerate launch --num_processes N
+
+
+def test_a_single_process_start_of_accelerate_launch_num_processes_is_recognised():
+    """accelerate's simple launcher (no --multi_gpu, no GPUs) drops --num_processes; the scripts see it in the
+    launcher's command line."""
+    from hf_linear_attn.training.launch import single_process_launch
+
+    script = str(REPO_ROOT / "scripts" / "pretrain.py")
+    launcher = ["/venv/bin/python", "/venv/bin/accelerate", "launch", "--num_processes", "2", script, "--max_steps", "3"]
+    env = {"ACCELERATE_USE_CPU": "False"}
+    assert single_process_launch(script, launcher, env) == (launcher, 2)
+    assert single_process_launch(script, [*launcher[:3], "--num_processes=4", *launcher[5:]], env)[1] == 4
+    module = ["python", "-m", "accelerate.commands.launch", "--num_processes", "2", script]
+    assert single_process_launch(script, module, env) == (module, 2)
+    assert single_process_launch(script, launcher, {**env, "WORLD_SIZE": "2"}) is None  # torchrun / --multi_gpu
+    assert single_process_launch(script, launcher, {}) is None  # not under accelerate
+    assert single_process_launch(script, [*launcher[:4], "1", *launcher[5:]], env) is None
+    # a --num_processes given to the script itself is not the launcher's
+    assert single_process_launch(script, [*launcher[:3], script, "--num_processes", "2"], env) is None
+
+
+@pytest.mark.slow
+@needs_data
+def test_the_documented_accelerate_launch_command_runs_two_processes_on_cpu(corpus, tmp_path):
+    """`accelerate launch --num_processes 2 scripts/pretrain.py ...`, the docstring's command as typed, used to run
+    one process on a machine without GPUs (train_results.json: "num_processes": 1)."""
+    import shutil
+
+    accelerate = shutil.which("accelerate", path=str(__import__("pathlib").Path(sys.executable).parent))
+    assert accelerate, "the accelerate command is not installed beside this python"
+    config = tiny_preset(tmp_path, "linear-gpt2-elu")
+    out = tmp_path / "two"
+    proc = subprocess.run([accelerate, "launch", "--num_processes", "2", "scripts/pretrain.py",
+                           *pretrain_args(corpus, config, out, "--max_steps", 4, "--save_steps", 2, "--eval_steps", 4)],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=600, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "2 process(es)" in proc.stdout + proc.stderr
+    assert json.loads((out / "train_results.json").read_text())["num_processes"] == 2
+    saved = {p.name for p in (out / "checkpoints" / "step_0000002").iterdir()}
+    assert {"random_states_0.pkl", "random_states_1.pkl"} <= saved  # both ranks took part
+
+
+@needs_data
+def test_pretraining_keeps_its_loss_history_and_a_resume_may_extend_max_steps(corpus, tmp_path):
+    """trainer_state.json holds log_history without --report_to; checkpoint weights are safetensors; --resume with
+    a larger --max_steps continues (the schedule change said), a smaller one is refused."""
+    config = tiny_preset(tmp_path, "roberta-softmax")
+    out = tmp_path / "out"
+    args = pretrain_args(corpus, config, out, "--max_steps", 4, "--save_steps", 2, "--eval_steps", 2)
+    run_pretrain(args)
+    state = json.loads((out / "trainer_state.json").read_text())
+    assert state["global_step"] == 4 and state["max_steps"] == 4
+    assert [e["step"] for e in state["log_history"] if "loss" in e] == [2, 4]
+    assert [e["step"] for e in state["log_history"] if "eval_loss" in e] == [2, 4]
+    saved = {p.name for p in (out / "checkpoints" / "step_0000002").iterdir()}
+    assert "model.safetensors" in saved and not any(n.startswith("pytorch_model") for n in saved)
+    in_checkpoint = json.loads((out / "checkpoints" / "step_0000002" / "trainer_state.json").read_text())
+    assert in_checkpoint["global_step"] == 2 and len(in_checkpoint["log_history"]) == 2
+
+    resumed = run_pretrain([*replaced(args, max_steps=6), "--resume"])
+    said = resumed.stdout + resumed.stderr
+    assert "resumed from" in said and "--max_steps raised from 4 to 6" in said
+    state = json.loads((out / "trainer_state.json").read_text())
+    assert state["global_step"] == 6 and [e["step"] for e in state["log_history"] if "loss" in e] == [2, 4, 6]
+    assert json.loads((out / "train_results.json").read_text())["steps"] == 6
+    shorter = run_pretrain([*replaced(args, max_steps=3), "--resume"], check=False)
+    assert shorter.returncode != 0 and "can be extended, not shortened" in shorter.stderr

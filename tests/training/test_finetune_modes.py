@@ -1,0 +1,199 @@
+"""scripts/finetune.py at run_glue.py's conventions (issue 27): --do_train / --do_eval / --do_predict honoured,
+train / validation / test files with any text and label columns (classification or regression), predictions and
+the results files of Transformers' examples; --push_to_hub checked before any training.
+
+A tiny encoder saved in the test (no pretraining run) keeps these fast."""
+
+import csv
+import json
+
+import pytest
+from helpers import CORPUS, TINY
+from transformers import AutoModelForMaskedLM
+
+from hf_linear_attn import LinformerConfig
+
+POSITIVE = ["a wonderful film, great acting", "I loved the story, moving and warm", "great, great fun",
+            "the best movie this year", "beautifully acted and well written", "a gripping tale, superb"]
+NEGATIVE = ["a terrible film, boring", "too long and badly written", "I hated every minute", "dull and slow",
+            "the worst script ever", "awful acting, a waste of time"]
+
+
+@pytest.fixture
+def base_model(tmp_path, tokenizer):
+    folder = tmp_path / "base"
+    config = LinformerConfig(**{**TINY, "linformer_k": 8, "pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2})
+    AutoModelForMaskedLM.from_config(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def write_rows(path, rows, delimiter=","):
+    with open(path, "w", newline="") as handle:
+        writer = csv.writer(handle, delimiter=delimiter, quoting=csv.QUOTE_NONE, escapechar="\\")
+        writer.writerows(rows)
+    return path
+
+
+@pytest.fixture
+def review_files(tmp_path):
+    train = [("review", "verdict")] + [(t, "good") for t in POSITIVE] + [(t, "bad") for t in NEGATIVE]
+    train = [train[0]] + [row for pair in zip(train[1:7], train[7:]) for row in pair]  # alternate labels
+    dev = [("review", "verdict"), ("great acting", "good"), ("boring film", "bad"), ("loved it", "good")]
+    test = [("review",), ("superb and warm",), ("a waste of time",)]  # no labels: predictions only
+    return (write_rows(tmp_path / "train.tsv", [r for r in train], "\t"), write_rows(tmp_path / "dev.csv", dev),
+            write_rows(tmp_path / "test.csv", test))
+
+
+def common(model, out):
+    return ["--model_name_or_path", str(model), "--output_dir", str(out), "--max_seq_length", "32",
+            "--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "4", "--max_steps", "3",
+            "--save_strategy", "no", "--report_to", "none", "--logging_steps", "1", "--use_cpu", "True"]
+
+
+def _error(main, argv):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    return str(exit_info.value.code)
+
+
+def test_do_train_eval_predict_are_honoured_and_write_the_example_scripts_files(tmp_path, base_model, review_files):
+    from finetune import main
+
+    train, dev, test = review_files
+    columns = ["--text_columns", "review", "--label_column", "verdict"]
+    tuned = tmp_path / "tuned"
+    metrics = main([*common(base_model, tuned), "--do_train", "--do_eval", "--do_predict", *columns,
+                    "--train_file", str(train), "--validation_file", str(dev), "--test_file", str(test)])
+    for name in ("train_results.json", "eval_results.json", "predict_results.json", "all_results.json",
+                 "trainer_state.json", "predict_results.txt", "model.safetensors", "README.md"):
+        assert (tuned / name).is_file(), name
+    state = json.loads((tuned / "trainer_state.json").read_text())
+    assert state["global_step"] == 3 and [e["step"] for e in state["log_history"] if "loss" in e] == [1, 2, 3]
+    everything = json.loads((tuned / "all_results.json").read_text())
+    assert {"train_loss", "eval_accuracy", "eval_samples", "predict_samples"} <= set(everything)
+    assert everything["eval_samples"] == 3 and metrics["eval_accuracy"] == everything["eval_accuracy"]
+    config = json.loads((tuned / "config.json").read_text())
+    assert config["id2label"] == {"0": "bad", "1": "good"}  # the label column's values, sorted
+    lines = (tuned / "predict_results.txt").read_text().splitlines()
+    assert lines[0] == "index\tprediction" and len(lines) == 3
+    assert all(line.split("\t")[1] in ("bad", "good") for line in lines[1:])
+
+    # --do_eval alone evaluates the checkpoint: no training, nothing of the model written or changed
+    weights_before = (tuned / "model.safetensors").read_bytes()
+    evaluated = tmp_path / "evaluated"
+    metrics = main([*common(tuned, evaluated), "--do_eval", *columns, "--validation_file", str(dev)])
+    assert not (evaluated / "model.safetensors").exists() and not (evaluated / "train_results.json").exists()
+    assert (tuned / "model.safetensors").read_bytes() == weights_before
+    again = json.loads((evaluated / "eval_results.json").read_text())
+    assert again["eval_accuracy"] == everything["eval_accuracy"] and "train_loss" not in metrics
+    assert again["eval_loss"] == pytest.approx(everything["eval_loss"], rel=1e-5)
+
+    # --do_predict alone: the checkpoint's own labels, the same predictions
+    predicted = tmp_path / "predicted"
+    main([*common(tuned, predicted), "--do_predict", *columns, "--test_file", str(test)])
+    assert (predicted / "predict_results.txt").read_text().splitlines() == lines
+    assert not (predicted / "model.safetensors").exists()
+
+
+def test_regression_and_sentence_pairs_from_json_lines(tmp_path, base_model):
+    from finetune import main
+
+    rows = [{"premise": POSITIVE[i % 6], "hypothesis": NEGATIVE[i % 6], "score": 0.5 * i} for i in range(8)]
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out"
+    main([*common(base_model, out), "--do_train", "--do_eval", "--text_columns", "premise,hypothesis",
+          "--label_column", "score", "--train_file", str(data), "--validation_file", str(data)])
+    results = json.loads((out / "eval_results.json").read_text())
+    assert {"eval_mse", "eval_pearson"} <= set(results)
+    config = json.loads((out / "config.json").read_text())
+    assert len(config["id2label"]) == 1
+    assert config["problem_type"] == "regression"
+
+
+def test_new_finetuning_flags_refuse_bad_values(tmp_path, base_model, review_files):
+    from finetune import main
+
+    train, dev, test = review_files
+    base = common(base_model, tmp_path / "out")
+    columns = ["--text_columns", "review", "--label_column", "verdict"]
+    assert "--text_columns must name one text column or two" in _error(
+        main, [*base, "--do_train", "--text_columns", "a,b,c", "--train_file", str(train)])
+    assert "no task: pass --task_name" in _error(main, [*base, "--do_train", "--train_file", str(train)])
+    message = _error(main, [*base, "--do_train", "--task_name", "sst2", *columns, "--train_file", str(train)])
+    assert "--text_columns / --label_column are for data without a preset" in message
+    message = _error(main, [*base, "--do_eval", *columns, "--train_file", str(train)])
+    assert "--do_eval needs validation data: pass --validation_file" in message
+    message = _error(main, [*base, "--do_predict", *columns, "--validation_file", str(dev)])
+    assert "--do_predict needs test data: pass --test_file" in message
+    message = _error(main, [*base, "--do_train", "--text_columns", "review", "--train_file", str(train)])
+    assert "no label column 'label'" in message and "'verdict'" in message
+    message = _error(main, [*base, "--do_train", "--text_columns", "text", "--label_column", "verdict",
+                            "--train_file", str(train)])
+    assert "needs the columns ['text']" in message
+    assert "--max_predict_samples must be at least 1" in _error(
+        main, [*base, "--do_predict", *columns, "--test_file", str(test), "--max_predict_samples", "0"])
+    # labels of the validation file that training never saw
+    odd = write_rows(tmp_path / "odd.csv", [("review", "verdict"), ("fine", "neutral")])
+    message = _error(main, [*base, "--do_train", "--do_eval", *columns, "--train_file", str(train),
+                            "--validation_file", str(odd)])
+    assert "labels ['neutral']" in message and "['bad', 'good']" in message
+    # a preset's columns are checked in evaluation-only runs too
+    message = _error(main, [*base, "--do_eval", "--task_name", "sst2", "--validation_file", str(dev)])
+    assert "needs the columns ['sentence']" in message
+    assert not (tmp_path / "out").exists()  # every refusal came before anything was written
+
+
+# ------------------------------------------------------------------------------------------ push before training
+
+
+class HubStandIn:
+    """huggingface_hub.HfApi as far as the pre-training check uses it; `answer` is whoami's reply or an error."""
+
+    answer = {"name": "someone", "auth": {"accessToken": {"role": "write"}}}
+    calls = []
+
+    def __init__(self, token=None):
+        self.token = token
+
+    def whoami(self):
+        self.calls.append(("whoami", self.token))
+        if isinstance(self.answer, Exception):
+            raise self.answer
+        return self.answer
+
+
+def test_push_to_hub_is_checked_before_any_training(tmp_path, base_model, review_files, monkeypatch):
+    from finetune import main
+
+    from hf_linear_attn.training import hub
+
+    train, dev, _ = review_files
+    monkeypatch.setattr(hub, "HfApi", HubStandIn)
+    monkeypatch.setattr(hub, "get_token", lambda: None)
+    out = tmp_path / "out"
+    run = [*common(base_model, out), "--text_columns", "review", "--label_column", "verdict", "--train_file",
+           str(train), "--validation_file", str(dev), "--push_to_hub"]
+    assert "--push_to_hub needs a Hub token" in _error(main, run)
+    assert "not a valid Hub repo name" in _error(main, [*run, "--hub_token", "hf_x", "--hub_model_id", "a/b/c"])
+    HubStandIn.answer = OSError("Cannot reach https://huggingface.co: offline mode is enabled")
+    message = _error(main, [*run, "--hub_token", "hf_x"])
+    assert "the Hub does not accept this token or cannot be reached" in message and "offline mode" in message
+    HubStandIn.answer = {"name": "someone", "auth": {"accessToken": {"role": "read"}}}
+    assert "the token is read-only" in _error(main, [*run, "--hub_token", "hf_x"])
+    assert "--push_to_hub uploads a fine-tuned model: add --do_train" in _error(
+        main, [*run, "--hub_token", "hf_x", "--do_eval"])
+    assert not out.exists()  # refused at once: nothing trained, nothing written
+    HubStandIn.answer = {"name": "someone", "auth": {"accessToken": {"role": "write"}}}
+    assert hub.check_push_target("tuned", "hf_x") == "someone/tuned"
+    assert hub.check_push_target("org/tuned", "hf_x") == "org/tuned"
+
+
+def test_cards_name_a_hub_base_model_and_leave_local_folders_out(tmp_path):
+    from hf_linear_attn.training.hub import hub_base_model
+
+    assert hub_base_model("FacebookAI/roberta-base") == "FacebookAI/roberta-base"
+    assert hub_base_model(str(tmp_path)) is None  # a local folder is no Hub id
+    (tmp_path / "README.md").write_text("---\nbase_model: FacebookAI/roberta-base\n---\n# converted\n")
+    assert hub_base_model(str(tmp_path)) == "FacebookAI/roberta-base"  # the folder's own card names its base
