@@ -1,0 +1,275 @@
+"""Long-range evidence (issue 26): LRA-style ListOps and byte-level Text, the copy task of "Transformers are RNNs",
+and LRA Table 2-style training efficiency, for this package's models against Transformers' own efficient models.
+
+A preset (configs/long_range/NAME.json) gives each task one width / depth / heads / feed-forward width, its data,
+budget and the models to compare; every model of a task is built by `models.build_encoder` / `build_decoder` from
+those dims, trained by the one loop in `training` with the preset's optimizer and schedule and seed. The run is a
+list of stages (`stages`), recorded in <output_dir>/records.json, so it resumes stage by stage; `report` writes
+results.md / results.json / PNG plots from whatever has finished.
+"""
+
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from hf_linear_attn.training.errors import UsageError
+
+from .models import DECODERS, ENCODERS, Dims, build_decoder, build_encoder, check_length, check_model_names
+from .stages import Stage, StageFailed, load_records, run_stages
+from .tasks import (
+    BYTES_VOCAB_SIZE, COPY_VOCAB_SIZE, LISTOPS_VOCAB_SIZE, digest_of, encode_bytes, encode_listops, generate_listops,
+    generate_listops_sized, load_imdb,
+)
+
+__all__ = ["ENCODERS", "DECODERS", "TASKS", "UsageError", "load_preset", "plan", "run"]
+
+TASKS = ("listops", "text", "copy", "efficiency")
+DIM_KEYS = {"hidden_size", "num_layers", "num_heads", "intermediate_size"}
+
+
+def load_preset(path: Path) -> dict:
+    """Read and check a preset: known tasks and models, one set of dims per task, nothing that mixes dimensions."""
+    try:
+        preset = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise UsageError(f"no preset file {path}") from None
+    for task, entry in preset["tasks"].items():
+        if task not in TASKS:
+            raise UsageError(f"unknown task {task!r} in the preset: use {', '.join(TASKS)}")
+        stray = DIM_KEYS & set(entry)
+        for model in entry.get("models", []):
+            if not isinstance(model, str):
+                stray |= DIM_KEYS & set(model)
+        if stray or (task != "efficiency" and "dims" not in entry):
+            raise UsageError(f"preset mixes dimensions in task {task!r}: give one 'dims' block for the whole task "
+                             f"({sorted(DIM_KEYS)}) and plain model names, no per-model {sorted(stray) or 'dims'}")
+        if not all(isinstance(m, str) for m in entry.get("models", [])):
+            raise UsageError(f"task {task!r}: models must be plain names")
+        if "dims" in entry:
+            Dims.from_preset(entry["dims"], f"task {task}")
+        check_model_names(entry.get("models", []), "copy" if task == "copy" else "encoder")
+    eff = preset["tasks"].get("efficiency")
+    if eff and eff.get("dims_from") not in preset["tasks"] and "dims" not in eff:
+        raise UsageError("efficiency: give 'dims' or 'dims_from' naming a task of the preset")
+    return preset
+
+
+def select(preset: dict, tasks=None, models=None) -> dict:
+    """The preset narrowed to some tasks and models (names checked)."""
+    if tasks:
+        unknown = [t for t in tasks if t not in TASKS]
+        if unknown:
+            raise UsageError(f"unknown task {unknown[0]!r}: use {', '.join(TASKS)}")
+    if models:
+        unknown = [m for m in models if m not in ENCODERS + DECODERS]
+        if unknown:
+            raise UsageError(f"unknown model {unknown[0]!r}: encoders {', '.join(ENCODERS)}; decoders {', '.join(DECODERS)}")
+    out = {**preset, "tasks": {}}
+    for task, entry in preset["tasks"].items():
+        if tasks and task not in tasks:
+            continue
+        chosen = [m for m in entry["models"] if not models or m in models]
+        if chosen:
+            out["tasks"][task] = {**entry, "models": chosen}
+    return out
+
+
+def task_dims(preset: dict, task: str) -> dict:
+    entry = preset["tasks"][task]
+    return entry["dims"] if "dims" in entry else preset["tasks"][entry["dims_from"]]["dims"]
+
+
+def plan(preset: dict) -> list[Stage]:
+    """Every stage of the preset, in the order they run."""
+    stages = []
+    common = {"seed": preset["seed"], "optimizer": preset["optimizer"], "dropout": preset.get("dropout", 0.1)}
+    tasks = preset["tasks"]
+    # efficiency first (cheapest, and the goals need it), then the copy task, then ListOps and Text model by model,
+    # so that a partial run already holds comparable pairs
+    if "efficiency" in tasks:
+        entry = tasks["efficiency"]
+        for n in entry["lengths"]:
+            for model in entry["models"]:
+                check_length(model, n, entry.get("position_table"))
+                stages.append(Stage(f"efficiency/{model}-n{n}", "efficiency",
+                                    {"model": model, "n": n, "dims": task_dims(preset, "efficiency"),
+                                     "batch_size": entry["batch_size"], "repeats": entry["repeats"],
+                                     "budget": entry.get("budget"), "vocab_size": BYTES_VOCAB_SIZE,
+                                     "dropout": preset.get("dropout", 0.1), "seed": preset["seed"],
+                                     "timeout": entry.get("timeout", 1800),
+                                     **({"retries": entry["retries"]} if "retries" in entry else {})}))
+    if "copy" in tasks:
+        entry = tasks["copy"]
+        for setting in entry["settings"]:
+            for model in entry["models"]:
+                stages.append(Stage(f"copy-n{setting['length']}/{model}", "copy",
+                                    {**common, "dropout": 0.0, "task": "copy", "model": model, "dims": entry["dims"],
+                                     **setting, "log_every": entry.get("log_every", 10)}))
+    models = list(dict.fromkeys(m for task in ("listops", "text") if task in tasks for m in tasks[task]["models"]))
+    for model in models:
+        for task in ("listops", "text"):
+            entry = tasks.get(task)
+            if entry and model in entry["models"]:
+                data = {k: v for k, v in entry.items() if k not in ("models", "dims")}
+                check_length(model, entry["length"], entry.get("position_table"))
+                stages.append(Stage(f"{task}/{model}", "classify",
+                                    {**common, "task": task, "model": model, "dims": entry["dims"], **data}))
+    return stages
+
+
+class DataCache:
+    """Builds each task's examples once per process (ListOps generation, IMDB reading) and their digests."""
+
+    def __init__(self, dataset: str, data_dir: Path | None):
+        self.dataset, self.data_dir, self.cache = dataset, data_dir, {}
+
+    def examples(self, args: dict) -> tuple[list, list, dict]:
+        key = json.dumps({k: v for k, v in args.items() if k not in ("model", "optimizer", "steps", "batch_size",
+                                                                      "log_every", "dropout")}, sort_keys=True)
+        if key not in self.cache:
+            self.cache[key] = self._build(args)
+        return self.cache[key]
+
+    def _build(self, a: dict):
+        n = a["length"]
+        if a["task"] == "listops":
+            generate = generate_listops if a.get("generator", "sized") == "lra" else generate_listops_sized
+            lo, hi = a["min_tokens"], min(a["max_tokens"], n - 2)
+            train = [(encode_listops(t), v) for t, v in generate(a["train_size"], a["seed"], lo, hi)]
+            evaluation = [(encode_listops(t), v) for t, v in generate(a["eval_size"], a["seed"] + 10_000, lo, hi)]
+            info = {"eval": f"ListOps, {a['eval_size']} expressions from a separate seed", "train": digest_of(train),
+                    "eval_digest": digest_of(evaluation)}
+            return train, evaluation, info
+        imdb = load_imdb(self.dataset, self.data_dir, a["eval_size"], a["seed"])
+        train = imdb["train"][: a.get("train_size") or None]
+        train = [(encode_bytes(text, n), label) for text, label in train]
+        evaluation = [(encode_bytes(text, n), label) for text, label in imdb["eval"]]
+        return train, evaluation, {"eval": imdb["eval_name"], "source": imdb["digest"], "train": digest_of(train)}
+
+
+def occupancy(result: dict) -> float:
+    """CPU seconds per wall second of the measured steps: about the thread count when the cores were ours."""
+    if "cpu_seconds_per_step" not in result or not result.get("seconds_per_step"):
+        return float("inf")
+    return result["cpu_seconds_per_step"] / result["seconds_per_step"]
+
+
+def contended(result: dict) -> bool:
+    """True when other jobs visibly shared the cores during the measurement (fewer than 90% of our threads busy)."""
+    return "failed" not in result and occupancy(result) < 0.9 * result.get("threads", 1)
+
+
+def _runner(data: DataCache):
+    import torch
+
+    from .efficiency import run_isolated
+    from .training import train_classifier, train_copy
+
+    def run_stage(stage: Stage) -> dict:
+        a = stage.args
+        if stage.kind == "efficiency":
+            spec = {k: v for k, v in a.items() if k not in ("timeout", "retries")}
+            result = run_isolated(spec, a["timeout"])
+            for _ in range(a.get("retries", 0)):  # other jobs took our cores: measure again, keep the least disturbed
+                if not contended(result):
+                    break
+                time.sleep(30)
+                again = run_isolated(spec, a["timeout"])
+                if "failed" not in again and occupancy(again) > occupancy(result):
+                    result = again
+            if contended(result):
+                result["contended"] = True
+            reason = result.get("failed", "")
+            if reason and not reason.startswith(("out of memory", "over ")):  # OOM and timeouts are findings
+                raise StageFailed(reason)
+            return result
+        dims = Dims(**a["dims"])
+        torch.manual_seed(a["seed"])
+        if stage.kind == "copy":
+            model = build_decoder(a["model"], dims, a["length"], COPY_VOCAB_SIZE, a["dropout"])
+            return train_copy(model, a["length"], a["steps"], a["batch_size"], a["optimizer"], a["seed"],
+                              a["log_every"])
+        train, evaluation, info = data.examples(a)
+        stage.digests = info
+        vocab, labels = (LISTOPS_VOCAB_SIZE, 10) if a["task"] == "listops" else (BYTES_VOCAB_SIZE, 2)
+        torch.manual_seed(a["seed"])
+        model = build_encoder(a["model"], dims, a["length"], vocab, labels, a["dropout"], a.get("position_table"))
+        metrics = train_classifier(model, train, evaluation, a["length"], a["steps"], a["batch_size"],
+                                   a["optimizer"], a["seed"], a.get("log_every", 10), a.get("eval_batch_size"))
+        metrics["parameters"] = sum(p.numel() for p in model.parameters())
+        if a["model"] == "bigbird":
+            metrics["bigbird_attention"] = model.bert.attention_type
+        return metrics
+
+    return run_stage
+
+
+def task_notes(preset: dict) -> str:
+    t = preset["tasks"]
+    parts = []
+    if "listops" in t:
+        e = t["listops"]
+        parts.append(f"ListOps n = {e['length']} ({e['min_tokens']}-{min(e['max_tokens'], e['length'] - 2)} tokens per "
+                     f"expression, generator '{e.get('generator', 'sized')}', {e['train_size']} train / {e['eval_size']} "
+                     f"eval, {e['steps']} steps x batch {e['batch_size']})")
+    if "text" in t:
+        e = t["text"]
+        parts.append(f"Text n = {e['length']} bytes ({e['steps']} steps x batch {e['batch_size']}, eval "
+                     f"{e['eval_size']} rows: IMDB train held-out split with --dataset local)")
+    if "copy" in t:
+        parts.append("copy " + ", ".join(f"n = {s['length']} ({s['steps']} steps x batch {s['batch_size']})"
+                                         for s in t["copy"]["settings"]))
+    dims = {task: e["dims"] for task, e in t.items() if "dims" in e}
+    parts.append("dims " + "; ".join(f"{k}: {v['hidden_size']} wide, {v['num_layers']} layers, {v['num_heads']} heads, "
+                                     f"ffn {v['intermediate_size']}" for k, v in dims.items()))
+    parts.append(f"AdamW lr {preset['optimizer']['lr']}, weight decay {preset['optimizer']['weight_decay']}, "
+                 f"linear warm-up {preset['optimizer'].get('warmup_fraction', 0.1):.0%} then linear decay, clip "
+                 f"{preset['optimizer'].get('grad_clip', 1.0)}, seed {preset['seed']}, hidden dropout "
+                 f"{preset.get('dropout', 0.1)}, attention dropout 0 for every model")
+    return "; ".join(parts)
+
+
+def run(preset_path: Path, output_dir: Path, tasks=None, models=None, dataset="local", data_dir=None,
+        dry_run=False, report_only=False, argv=None, log=print) -> dict:
+    """Run (or reuse) every stage of the preset, then write the report; returns the report's summary."""
+    from hf_linear_attn.experiments.benchmarks import describe_machine
+
+    from .report import write_report
+
+    full = load_preset(preset_path)
+    preset = select(full, tasks, models)
+    stages = plan(preset)
+    if dry_run:
+        for stage in stages:
+            log(f"{stage.key}: {json.dumps(stage.args)}")
+        log(f"{len(stages)} stages")
+        return {}
+    output_dir = Path(output_dir)
+    machine = describe_machine()
+    if "text" in preset["tasks"] and not report_only and dataset == "local":
+        path = Path(data_dir or "") / "imdb" / "train.jsonl"
+        if data_dir is None or not path.is_file():
+            raise UsageError(f"IMDB not found at {path}: pass --data_dir pointing at the folder holding "
+                             "imdb/train.jsonl (e.g. ../shared/data), or --dataset hub where the Hub is reachable")
+    output_dir.mkdir(parents=True, exist_ok=True)
+    if report_only:
+        records = load_records(output_dir)
+        for stage in stages:  # refuse a report mixing stages run with other arguments
+            from .stages import check_reuse
+            check_reuse(stage, records, output_dir)
+    else:
+        records = run_stages(stages, _runner(DataCache(dataset, data_dir)), output_dir, machine, log)
+    keys = {stage.key for stage in stages}
+    finished = {k: r for k, r in records.items() if k in keys}
+    meta = {"preset": Path(preset_path).stem, "machine": machine,
+            "stage_machines": sorted({r["machine"] for r in finished.values()}),
+            "command": "python scripts/long_range.py " + shlex.join(a for a in (sys.argv[1:] if argv is None else argv)
+                                                                    if a != "--report_only"),
+            "report_only": report_only,
+            "date": time.strftime("%Y-%m-%d"), "finished": len(finished), "total": len(stages),
+            "encoders": [m for m in ENCODERS if any(s.args.get("model") == m for s in stages)],
+            "decoders": [m for m in DECODERS if any(s.args.get("model") == m for s in stages)],
+            "task_notes": task_notes(preset), "dataset": dataset}
+    return write_report(output_dir, meta, finished)

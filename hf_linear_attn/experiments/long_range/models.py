@@ -1,0 +1,222 @@
+"""One place that builds every model of a task from one spec: width, depth, heads, feed-forward width, length.
+
+Encoders (ListOps, Text, efficiency): this package's Linformer and linear-attention encoders, and Transformers'
+stock RoBERTa (SDPA), Longformer, BigBird (block sparse), Nystromformer and Reformer (LSH), each from its config
+(random init, no pretrained weights) with its usual settings for the length. Decoders (copy task): GPT-2 (SDPA),
+Reformer (causal LSH) and this package's linear_gpt2 and linformer_gpt2.
+
+All models share the token convention of `tasks` (<s> = 0, <pad> = 1) and classify from the first token with their
+own stock classification head.
+"""
+
+import math
+from dataclasses import dataclass
+
+from hf_linear_attn.training.errors import UsageError
+
+ENCODERS = (
+    "roberta_sdpa", "longformer", "bigbird", "nystromformer", "reformer",
+    "linformer_k128", "linformer_k128_rows", "linformer_k256", "linformer_k256_rows",
+    "linear_elu", "linear_favor", "linear_hedgehog",
+)
+DECODERS = ("gpt2_sdpa", "reformer_lsh", "linear_gpt2", "linformer_gpt2")
+OURS = {"linformer_k128", "linformer_k128_rows", "linformer_k256", "linformer_k256_rows", "linear_elu",
+        "linear_favor", "linear_hedgehog", "linear_gpt2", "linformer_gpt2"}
+
+LABELS = {
+    "roberta_sdpa": "Transformer (RoBERTa, SDPA)", "longformer": "Longformer", "bigbird": "BigBird (block sparse)",
+    "nystromformer": "Nystromformer", "reformer": "Reformer (LSH)",
+    "linformer_k128": "Linformer k=128", "linformer_k128_rows": "Linformer k=128, rows sum to 1",
+    "linformer_k256": "Linformer k=256", "linformer_k256_rows": "Linformer k=256, rows sum to 1",
+    "linear_elu": "Linear attention (elu+1)", "linear_favor": "Linear attention (FAVOR+)",
+    "linear_hedgehog": "Linear attention (hedgehog)",
+    "gpt2_sdpa": "GPT-2 (softmax, SDPA)", "reformer_lsh": "Reformer (causal LSH)",
+    "linear_gpt2": "linear_gpt2 (elu+1)", "linformer_gpt2": "linformer_gpt2 (causal block Linformer)",
+}
+
+
+@dataclass(frozen=True)
+class Dims:
+    """The one width / depth / heads / feed-forward width of every model of a task."""
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    intermediate_size: int
+
+    @classmethod
+    def from_preset(cls, entry: dict, where: str) -> "Dims":
+        keys = {"hidden_size", "num_layers", "num_heads", "intermediate_size"}
+        if set(entry) != keys:
+            raise UsageError(f"{where}: dims must give exactly {sorted(keys)}, got {sorted(entry)}: fix the preset")
+        dims = cls(**entry)
+        if dims.hidden_size % dims.num_heads:
+            raise UsageError(f"{where}: hidden_size {dims.hidden_size} is not a multiple of num_heads {dims.num_heads}")
+        return dims
+
+
+def check_model_names(names, task_kind: str) -> None:
+    """Refuse a model that does not exist, or that does not fit the task (encoder vs decoder)."""
+    known = DECODERS if task_kind == "copy" else ENCODERS
+    for name in names:
+        if name not in known:
+            other = "an encoder (ListOps / Text)" if name in ENCODERS else "a decoder (copy task)" if name in DECODERS else None
+            hint = f"{name!r} is {other}" if other else f"unknown model {name!r}"
+            raise UsageError(f"{hint}; the {task_kind} task takes: {', '.join(known)}")
+
+
+def _axial_shape(n: int) -> tuple[int, int]:
+    """Two factors of n, as close to sqrt(n) as possible (Reformer's axial position table)."""
+    a = int(math.isqrt(n))
+    while n % a:
+        a -= 1
+    return a, n // a
+
+
+def encoder_settings(name: str, n: int) -> dict:
+    """The attention settings of a model at length n (recorded with every result)."""
+    if name == "longformer":
+        return {"attention_window": min(512, max(2, n // 4))}  # Longformer-base: 512 at 4,096
+    if name == "bigbird":
+        # bigbird-roberta-base: blocks of 64, 3 random blocks; below 1,024 tokens smaller blocks keep it sparse
+        block = 64 if n >= 1024 else 16
+        return {"block_size": block, "num_random_blocks": 3 if n >= 1024 else 2}
+    if name == "nystromformer":
+        return {"num_landmarks": 64 if n >= 512 else 16, "segment_means_seq_len": n, "conv_kernel_size": 65 if n >= 512 else 9}
+    if name in ("reformer", "reformer_lsh"):
+        chunk = 64 if n >= 1024 else 32
+        return {"lsh_attn_chunk_length": chunk, "num_buckets": max(2, 2 * n // chunk), "num_hashes": 1,
+                "axial_pos_shape": list(_axial_shape(n))}
+    if name.startswith("linformer_k"):
+        return {"linformer_k": int(name.split("_")[1][1:]), "linformer_normalize_rows": name.endswith("_rows")}
+    if name.startswith("linear_") and name != "linear_gpt2":
+        return {"feature_map": name.split("_")[1]}
+    return {}
+
+
+def check_length(name: str, n: int, position_table: int | None) -> None:
+    """Refuse a length the model's position table (or its projection) cannot hold, naming the fix."""
+    if position_table is not None and n > position_table:
+        raise UsageError(f"length {n} is beyond the position table of {name} ({position_table} positions): raise "
+                         "'position_table' in the preset or shorten the task's length")
+    if name.startswith("linformer_k") and encoder_settings(name, n)["linformer_k"] > n:
+        raise UsageError(f"{name}: k = {encoder_settings(name, n)['linformer_k']} exceeds the length {n}: "
+                         "use a smaller k or a longer task")
+    if name == "reformer" and n % encoder_settings(name, n)["lsh_attn_chunk_length"]:
+        raise UsageError(f"reformer: length {n} must be a multiple of its LSH chunk length: choose such a length")
+    if name == "nystromformer" and n % encoder_settings(name, n)["num_landmarks"]:
+        raise UsageError(f"nystromformer: length {n} must be a multiple of num_landmarks: choose such a length")
+
+
+def _one_mask_row(module, args):
+    """Nystromformer in transformers 5.23 adds the (b, 1, n, n) padding mask to its (b, h, landmarks, n) scores and
+    fails on any padded batch; a padding mask is the same for every query, so hand it one row, (b, 1, 1, n)."""
+    if len(args) > 1 and args[1] is not None and args[1].dim() == 4 and args[1].shape[-2] > 1:
+        return (args[0], args[1][:, :, :1, :], *args[2:])
+    return None
+
+
+def build_encoder(name: str, dims: Dims, n: int, vocab_size: int, num_labels: int, dropout: float = 0.1,
+                  position_table: int | None = None, extra: dict | None = None):
+    """A randomly initialised sequence classifier `name` of the given dims for inputs of n tokens."""
+    import transformers as tf
+
+    import hf_linear_attn as ours
+
+    check_model_names([name], "encoder")
+    check_length(name, n, position_table)
+    table = position_table or n
+    s = encoder_settings(name, n)
+    extra = dict(extra or {})
+    common = dict(vocab_size=vocab_size, hidden_size=dims.hidden_size, num_hidden_layers=dims.num_layers,
+                  num_attention_heads=dims.num_heads, intermediate_size=dims.intermediate_size,
+                  hidden_dropout_prob=dropout, attention_probs_dropout_prob=0.0, num_labels=num_labels,
+                  pad_token_id=1, bos_token_id=0, eos_token_id=2)
+    if name == "roberta_sdpa":
+        config = tf.RobertaConfig(**common, max_position_embeddings=table + 2, type_vocab_size=1)
+        return tf.RobertaForSequenceClassification._from_config(config, attn_implementation="sdpa")
+    if name == "longformer":
+        config = tf.LongformerConfig(**common, max_position_embeddings=table + 2, type_vocab_size=1,
+                                     attention_window=s["attention_window"])
+        return tf.LongformerForSequenceClassification(config)
+    if name == "bigbird":
+        config = tf.BigBirdConfig(**common, max_position_embeddings=table, type_vocab_size=1,
+                                  attention_type="block_sparse", sep_token_id=2, **s)
+        return tf.BigBirdForSequenceClassification(config)
+    if name == "nystromformer":
+        config = tf.NystromformerConfig(**common, max_position_embeddings=table + 2, type_vocab_size=1, **s)
+        model = tf.NystromformerForSequenceClassification(config)
+        for layer in model.nystromformer.encoder.layer:
+            layer.attention.self.register_forward_pre_hook(_one_mask_row)
+        return model
+    if name == "reformer":
+        head = dims.hidden_size // dims.num_heads
+        config = tf.ReformerConfig(
+            vocab_size=vocab_size, hidden_size=dims.hidden_size, num_attention_heads=dims.num_heads,
+            attention_head_size=head, feed_forward_size=dims.intermediate_size, attn_layers=["lsh"] * dims.num_layers,
+            axial_pos_embds=True, axial_pos_shape=s["axial_pos_shape"],
+            axial_pos_embds_dim=[dims.hidden_size // 2, dims.hidden_size - dims.hidden_size // 2],
+            max_position_embeddings=n, lsh_attn_chunk_length=s["lsh_attn_chunk_length"], num_buckets=s["num_buckets"],
+            num_hashes=s["num_hashes"], hidden_dropout_prob=dropout, lsh_attention_probs_dropout_prob=0.0,
+            is_decoder=False, num_labels=num_labels, pad_token_id=1, eos_token_id=2, hidden_act="gelu")
+        return tf.ReformerForSequenceClassification(config)
+    if name.startswith("linformer_k"):
+        config = ours.LinformerConfig(**common, max_position_embeddings=table + 2, type_vocab_size=1, **s, **extra)
+        return ours.LinformerForSequenceClassification(config)
+    config = ours.LinearRobertaConfig(**common, max_position_embeddings=table + 2, type_vocab_size=1, **s, **extra)
+    return ours.LinearRobertaForSequenceClassification(config)
+
+
+def decoder_settings(name: str, n: int) -> dict:
+    """The attention settings of a decoder at length n."""
+    if name == "reformer_lsh":
+        return encoder_settings("reformer_lsh", n)
+    if name == "linformer_gpt2":
+        block = max(16, n // 4)
+        return {"linformer_block_size": block, "linformer_k": block // 4}
+    if name == "linear_gpt2":
+        return {"feature_map": "elu", "linear_attention_chunk_size": min(64, n)}
+    return {}
+
+
+def build_decoder(name: str, dims: Dims, n: int, vocab_size: int, dropout: float = 0.0):
+    """A randomly initialised causal LM `name` of the given dims for sequences of n tokens."""
+    import transformers as tf
+
+    import hf_linear_attn as ours
+
+    check_model_names([name], "copy")
+    s = decoder_settings(name, n)
+    gpt = dict(vocab_size=vocab_size, n_positions=n, n_embd=dims.hidden_size, n_layer=dims.num_layers,
+               n_head=dims.num_heads, n_inner=dims.intermediate_size, resid_pdrop=dropout, embd_pdrop=dropout,
+               attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=1)
+    if name == "gpt2_sdpa":
+        return tf.GPT2LMHeadModel._from_config(tf.GPT2Config(**gpt), attn_implementation="sdpa")
+    if name == "linear_gpt2":
+        return ours.LinearGPT2ForCausalLM(ours.LinearGPT2Config(**gpt, **s))
+    if name == "linformer_gpt2":
+        return ours.LinformerGPT2ForCausalLM(ours.LinformerGPT2Config(**gpt, **s))
+    if n % s["lsh_attn_chunk_length"]:
+        raise UsageError(f"reformer_lsh: length {n} must be a multiple of {s['lsh_attn_chunk_length']}")
+    config = tf.ReformerConfig(
+        vocab_size=vocab_size, hidden_size=dims.hidden_size, num_attention_heads=dims.num_heads,
+        attention_head_size=dims.hidden_size // dims.num_heads, feed_forward_size=dims.intermediate_size,
+        attn_layers=["lsh"] * dims.num_layers, axial_pos_embds=True, axial_pos_shape=s["axial_pos_shape"],
+        axial_pos_embds_dim=[dims.hidden_size // 2, dims.hidden_size - dims.hidden_size // 2],
+        max_position_embeddings=n, lsh_attn_chunk_length=s["lsh_attn_chunk_length"], num_buckets=s["num_buckets"],
+        num_hashes=s["num_hashes"], hidden_dropout_prob=dropout, lsh_attention_probs_dropout_prob=0.0,
+        is_decoder=True, pad_token_id=1, eos_token_id=0, hidden_act="gelu", tie_word_embeddings=False)
+    return tf.ReformerModelWithLMHead(config)
+
+
+def model_dims(model) -> tuple[int, int]:
+    """(width, depth) read back from a built model's config, for the same-dims check."""
+    c = model.config
+    if c.model_type == "reformer":
+        return c.hidden_size, len(c.attn_layers)
+    return c.hidden_size, c.num_hidden_layers
+
+
+def bigbird_attention_type(model) -> str:
+    """The attention a BigBird model actually ran ('original_full' after its silent fallback for short inputs)."""
+    return model.bert.attention_type

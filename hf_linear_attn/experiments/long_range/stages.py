@@ -1,0 +1,95 @@
+"""A small in-process stage runner: each finished stage's arguments, input digests and metrics are recorded, so a
+run resumes stage by stage over several sittings.
+
+    <output_dir>/stages/<key>.json   one finished stage (written to a temp file, then renamed: never half written)
+    <output_dir>/records.json        every finished stage, rewritten the same way after each stage
+
+A rerun reuses a finished stage whose arguments are identical and refuses one finished with other arguments; a
+measurement recorded as `contended` (other jobs shared the cores) is taken again.
+"""
+
+import json
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hf_linear_attn.training.errors import UsageError
+
+
+class StageFailed(RuntimeError):
+    """A stage that could not produce a result this time (an error, not a finding): not recorded, retried next run."""
+
+
+@dataclass
+class Stage:
+    key: str  # unique, file-name safe: "listops/roberta_sdpa", "efficiency/linear_elu-n4096", ...
+    kind: str  # "classify", "copy" or "efficiency"
+    args: dict  # everything the result depends on (json-serialisable)
+    digests: dict = field(default_factory=dict)  # filled in when the stage's inputs are built
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write text to path through a temp file in the same folder and a rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with os.fdopen(fd, "w") as handle:
+        handle.write(text)
+    os.replace(tmp, path)
+
+
+def stage_file(output_dir: Path, key: str) -> Path:
+    return output_dir / "stages" / (key.replace("/", "__") + ".json")
+
+
+def load_records(output_dir: Path) -> dict:
+    """Finished stages by key: records.json, completed by any stage file written after it (an interrupted rewrite)."""
+    path = output_dir / "records.json"
+    records = json.loads(path.read_text()) if path.is_file() else {}
+    for file in sorted((output_dir / "stages").glob("*.json")) if (output_dir / "stages").is_dir() else []:
+        record = json.loads(file.read_text())
+        records.setdefault(record["key"], record)
+    return records
+
+
+def check_reuse(stage: Stage, records: dict, output_dir: Path) -> dict | None:
+    """The finished record of this stage if its arguments match; None if not yet run; an error if they differ."""
+    record = records.get(stage.key)
+    if record is None:
+        return None
+    if record["args"] != json.loads(json.dumps(stage.args)):
+        changed = sorted(k for k in set(record["args"]) | set(stage.args)
+                         if record["args"].get(k) != json.loads(json.dumps(stage.args.get(k))))
+        raise UsageError(f"stage {stage.key} already finished in {output_dir} with other arguments (changed: "
+                         f"{', '.join(changed)}); use another --output_dir, or delete {stage_file(output_dir, stage.key)} "
+                         "and its entry in records.json to run it again")
+    return record
+
+
+def run_stages(stages: list[Stage], run, output_dir: Path, machine: str, log=print) -> dict:
+    """Run each stage not yet finished with `run(stage) -> metrics`, recording it; returns every record."""
+    records = load_records(output_dir)
+    for index, stage in enumerate(stages, 1):
+        earlier = check_reuse(stage, records, output_dir)
+        if earlier is not None and not earlier["metrics"].get("contended"):
+            log(f"[{index}/{len(stages)}] {stage.key}: finished earlier, reused")
+            continue
+        if earlier is not None:  # a measurement disturbed by other jobs: measure again, the new one replaces it
+            log(f"[{index}/{len(stages)}] {stage.key}: measured under contention earlier, measuring again")
+        log(f"[{index}/{len(stages)}] {stage.key}: running")
+        start = time.perf_counter()
+        try:
+            metrics = run(stage)
+        except StageFailed as error:
+            log(f"[{index}/{len(stages)}] {stage.key}: FAILED, not recorded (rerun to retry): {error}")
+            continue
+        record = {"key": stage.key, "kind": stage.kind, "args": json.loads(json.dumps(stage.args)),
+                  "digests": stage.digests, "metrics": metrics, "seconds": time.perf_counter() - start,
+                  "machine": machine, "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
+        write_atomic(stage_file(output_dir, stage.key), json.dumps(record, indent=1))
+        records[stage.key] = record
+        write_atomic(output_dir / "records.json", json.dumps(records, indent=1))
+        log(f"[{index}/{len(stages)}] {stage.key}: done in {record['seconds']:.0f} s: "
+            + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items() if isinstance(v, (int, float))))
+    return records

@@ -1,0 +1,55 @@
+"""Long-range evidence (issue 26): ListOps and byte-level Text in the shape of LRA Table 1, training speed and
+memory at n = 1K-4K in the shape of LRA Table 2, and the copy task of "Transformers are RNNs" (Figure 2), for this
+package's Linformer / linear attention against Transformers' RoBERTa, Longformer, BigBird, Nystromformer, Reformer.
+
+    python scripts/long_range.py --preset smoke --output_dir /tmp/lr-smoke            # every model, under 2 min
+    nohup nice -n 10 python scripts/long_range.py --preset cpu --output_dir results/long_range/cpu &  # ~6 h, resumable
+    python scripts/long_range.py --preset cpu --output_dir results/long_range/cpu --report_only   # tables so far
+    python scripts/long_range.py --preset paper --dry_run                              # LRA sizes, for GPUs
+
+Presets are configs/long_range/NAME.json (or a path). Rerunning the same command reuses finished stages.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+from hf_linear_attn.experiments.long_range import run
+from hf_linear_attn.training.errors import UsageError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="smoke", help="smoke, cpu, paper, or a preset JSON file")
+    parser.add_argument("--output_dir", help="default: outputs/long_range/PRESET")
+    parser.add_argument("--tasks", nargs="+", metavar="TASK", help="only these tasks: listops text copy efficiency")
+    parser.add_argument("--models", nargs="+", metavar="NAME", help="only these models (names as in the preset)")
+    parser.add_argument("--dataset", choices=["local", "hub"], default="local",
+                        help="Text: local = DATA_DIR/imdb/train.jsonl with a seeded held-out split; hub = "
+                             "stanfordnlp/imdb and its test split")
+    parser.add_argument("--data_dir", default=str(REPO.parent / "shared" / "data"),
+                        help="folder holding imdb/train.jsonl (default: ../shared/data)")
+    parser.add_argument("--dry_run", action="store_true", help="print every stage and its arguments, run nothing")
+    parser.add_argument("--report_only", action="store_true",
+                        help="run nothing: write results.md / results.json / plots from the stages finished so far")
+    args = parser.parse_args(argv)
+    preset = Path(args.preset)
+    if not preset.suffix:
+        preset = REPO / "configs" / "long_range" / f"{args.preset}.json"
+    if not preset.is_file():
+        known = sorted(p.stem for p in (REPO / "configs" / "long_range").glob("*.json"))
+        sys.exit(f"error: no preset {args.preset!r}: use one of {known} or a JSON file")
+    output_dir = Path(args.output_dir or f"outputs/long_range/{preset.stem}")
+    try:
+        run(preset, output_dir, args.tasks, args.models, args.dataset, Path(args.data_dir), args.dry_run,
+            args.report_only, argv=sys.argv[1:] if argv is None else argv, log=lambda s: print(s, flush=True))
+    except UsageError as error:
+        sys.exit(f"error: {error}")
+    if not args.dry_run:
+        print(f"wrote {output_dir}/results.md, results.json, accuracy.png, efficiency.png, copy_task.png")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,190 @@
+"""Long-range evidence (scripts/long_range.py): the tasks against independent references, the model builder, the
+stage records, the errors for bad input, and the smoke preset end to end."""
+
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import REPO_ROOT, SHARED_DATA
+
+from hf_linear_attn.experiments.long_range import load_preset, plan, run, select
+from hf_linear_attn.experiments.long_range.models import (
+    DECODERS, ENCODERS, Dims, build_decoder, build_encoder, check_length, model_dims,
+)
+from hf_linear_attn.experiments.long_range.stages import Stage, run_stages
+from hf_linear_attn.experiments.long_range.tasks import (
+    LISTOPS_VOCAB, copy_batch, decode_bytes, encode_bytes, encode_listops, generate_listops, generate_listops_sized,
+)
+from hf_linear_attn.training.errors import UsageError
+
+PRESETS = REPO_ROOT / "configs" / "long_range"
+IMDB = SHARED_DATA / "imdb" / "train.jsonl"
+needs_imdb = pytest.mark.skipif(not IMDB.is_file() and not os.environ.get("CI"),
+                                reason=f"IMDB not found at {IMDB} (see ../shared/data/README.md)")
+SMALL = Dims(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64)
+
+
+def reference_value(tokens):
+    """Value of a ListOps expression by rewriting it into a Python expression and evaluating that."""
+    import statistics
+
+    functions = {"MAX": lambda *a: max(a), "MIN": lambda *a: min(a), "SM": lambda *a: sum(a) % 10,
+                 "MED": lambda *a: int(statistics.median(a))}
+    text = []
+    for token in tokens:
+        if token.startswith("["):
+            text.append(f"{token[1:]}(")
+        elif token == "]":
+            text.append("),")
+        else:
+            text.append(f"{int(token)},")
+    return eval("".join(text).rstrip(","), {"__builtins__": {}}, functions)  # noqa: S307 - our own tokens
+
+
+@pytest.mark.parametrize("generate", [generate_listops, generate_listops_sized])
+def test_generated_listops_labels_equal_an_independent_evaluator_and_lengths_stay_in_the_window(generate):
+    examples = generate(40, seed=3, min_length=60, max_length=120)
+    assert all(60 <= len(tokens) <= 120 for tokens, _ in examples)
+    assert [label for _, label in examples] == [reference_value(tokens) for tokens, _ in examples]
+    assert any(tokens.count("[MED") for tokens, _ in examples) and any(tokens.count("[SM") for tokens, _ in examples)
+    assert generate(5, seed=3, min_length=60, max_length=120) == examples[:5]  # seeded
+
+
+def test_listops_encoding_maps_every_symbol_to_its_own_id_between_bos_and_eos():
+    tokens, _ = generate_listops_sized(1, seed=0, min_length=50, max_length=60)[0]
+    ids = encode_listops(tokens)
+    assert ids[0] == 0 and ids[-1] == 2 and len(ids) == len(tokens) + 2
+    inverse = {v: k for k, v in LISTOPS_VOCAB.items()}
+    assert [inverse[i] for i in ids[1:-1]] == tokens
+
+
+def test_the_cpu_preset_keeps_listops_inputs_of_at_least_1000_tokens_and_text_at_1024_bytes():
+    cpu, paper = load_preset(PRESETS / "cpu.json"), load_preset(PRESETS / "paper.json")
+    assert cpu["tasks"]["listops"]["min_tokens"] >= 1000 and cpu["tasks"]["text"]["length"] == 1024
+    assert paper["tasks"]["text"]["length"] == 4096
+    assert cpu["tasks"]["efficiency"]["lengths"] == [1024, 2048, 3072, 4096]
+    assert set(cpu["tasks"]["listops"]["models"]) == set(ENCODERS) == set(cpu["tasks"]["text"]["models"])
+    assert set(cpu["tasks"]["copy"]["models"]) == set(DECODERS)
+    assert 128 in [s["length"] for s in cpu["tasks"]["copy"]["settings"]]
+
+
+def test_bytes_round_trip_including_multibyte_characters_and_truncate_to_a_byte_prefix():
+    text = "Ein großartiger Film — 10/10 ★ ça va"
+    ids = encode_bytes(text, 1024)
+    assert ids[0] == 0 and ids[-1] == 2 and all(3 <= i < 259 for i in ids[1:-1])
+    assert decode_bytes(ids) == text
+    assert bytes(i - 3 for i in ids[1:-1]) == text.encode("utf-8")
+    short = encode_bytes(text * 10, 32)
+    assert len(short) == 32 and bytes(i - 3 for i in short[1:-1]) == (text * 10).encode("utf-8")[:30]
+
+
+def test_the_copy_tasks_targets_are_the_inputs_on_the_copied_half():
+    ids, labels = copy_batch(3, 20, torch.Generator().manual_seed(0))
+    half = 9
+    assert ids.shape == labels.shape == (3, 20)
+    assert torch.equal(ids[:, 1 : 1 + half], ids[:, 2 + half :])  # the sequence, then the same again
+    assert (ids[:, 0] == 0).all() and (ids[:, 1 + half] == 0).all()  # separators
+    kept = labels != -100
+    assert torch.equal(labels[kept], ids[kept]) and kept[:, 2 + half :].all() and not kept[:, : 2 + half].any()
+
+
+def test_every_model_of_a_task_has_the_same_width_and_depth_and_bigbird_really_runs_block_sparse():
+    for name in ENCODERS:
+        model = build_encoder(name, SMALL, 256, 20, 10)
+        assert model_dims(model) == (32, 2), name
+    for name in DECODERS:
+        assert model_dims(build_decoder(name, SMALL, 64, 13)) == (32, 2), name
+    for n in (256, 1024):  # the smoke and cpu lengths: no silent fallback to full attention
+        model = build_encoder("bigbird", SMALL, n, 20, 10).eval()
+        with torch.no_grad():
+            model(input_ids=torch.randint(3, 20, (1, n)))
+        assert model.bert.attention_type == "block_sparse"
+
+
+def test_padding_does_not_break_stock_nystromformer_with_landmarks():
+    model = build_encoder("nystromformer", SMALL, 256, 20, 2).eval()
+    ids = torch.randint(3, 20, (2, 256))
+    mask = torch.ones_like(ids)
+    mask[1, 100:] = 0
+    with torch.no_grad():
+        assert torch.isfinite(model(input_ids=ids, attention_mask=mask).logits).all()
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda p: select(p, tasks=["pathfinder"]), "unknown task 'pathfinder'"),
+    (lambda p: select(p, models=["performer"]), "unknown model 'performer'"),
+    (lambda p: check_length("roberta_sdpa", 4096, 2048), "beyond the position table"),
+    (lambda p: check_length("linformer_k256", 128, None), "exceeds the length"),
+    (lambda p: build_encoder("gpt2_sdpa", SMALL, 64, 13, 2), "is a decoder"),
+])
+def test_bad_input_gets_a_usage_error_naming_the_fix(call, message):
+    preset = load_preset(PRESETS / "smoke.json")
+    with pytest.raises(UsageError, match=message):
+        call(preset)
+
+
+def test_a_preset_that_mixes_dimensions_or_a_missing_data_folder_is_refused(tmp_path):
+    preset = json.loads((PRESETS / "smoke.json").read_text())
+    preset["tasks"]["listops"]["models"][0] = {"name": "roberta_sdpa", "hidden_size": 128}
+    (tmp_path / "mixed.json").write_text(json.dumps(preset))
+    with pytest.raises(UsageError, match="mixes dimensions"):
+        load_preset(tmp_path / "mixed.json")
+    with pytest.raises(UsageError, match="--data_dir"):
+        run(PRESETS / "smoke.json", tmp_path / "out", tasks=["text"], data_dir=tmp_path / "nowhere")
+
+
+def test_stages_are_recorded_reused_and_refused_with_other_arguments(tmp_path):
+    calls = []
+
+    def fake(stage):
+        calls.append(stage.key)
+        return {"value": len(calls)}
+
+    stages = [Stage("a/x", "copy", {"steps": 1}), Stage("b/y", "copy", {"steps": 2})]
+    run_stages(stages, fake, tmp_path, "test machine", log=lambda s: None)
+    records = run_stages(stages, fake, tmp_path, "test machine", log=lambda s: None)
+    assert calls == ["a/x", "b/y"] and records["b/y"]["metrics"] == {"value": 2}
+    assert json.loads((tmp_path / "records.json").read_text()).keys() == {"a/x", "b/y"}
+    with pytest.raises(UsageError, match="other arguments"):
+        run_stages([Stage("a/x", "copy", {"steps": 5})], fake, tmp_path, "test machine", log=lambda s: None)
+
+
+def test_a_measurement_recorded_as_contended_is_taken_again_on_the_next_run(tmp_path):
+    results = iter([{"steps_per_second": 1.0, "contended": True}, {"steps_per_second": 3.0}])
+    stage = [Stage("efficiency/x-n8", "efficiency", {"n": 8})]
+    run_stages(stage, lambda s: next(results), tmp_path, "m", log=lambda s: None)
+    records = run_stages(stage, lambda s: next(results), tmp_path, "m", log=lambda s: None)
+    assert records["efficiency/x-n8"]["metrics"] == {"steps_per_second": 3.0}
+
+
+def test_the_paper_preset_plans_every_stage_without_running_any():
+    stages = plan(load_preset(PRESETS / "paper.json"))
+    assert len(stages) == 4 * len(ENCODERS) + 2 * len(DECODERS) + 2 * len(ENCODERS)
+    assert {s.args["dims"]["hidden_size"] for s in stages if s.args.get("task") == "text"} == {256}
+
+
+@pytest.mark.slow
+@needs_imdb
+def test_the_smoke_preset_runs_every_model_end_to_end_and_writes_every_table_and_plot(tmp_path):
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "long_range.py"), "--preset", "smoke",
+                           "--output_dir", str(tmp_path), "--data_dir", str(SHARED_DATA)], capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "results.json").read_text())
+    assert report["finished"] == report["total"] == len(plan(load_preset(PRESETS / "smoke.json")))
+    for task in ("listops", "text"):
+        assert set(m for m, v in report["accuracy"].items() if task in v) == set(ENCODERS)
+    assert set().union(*(v.keys() for v in report["copy"].values())) == set(DECODERS)
+    markdown = (tmp_path / "results.md").read_text()
+    for heading in ("## Accuracy", "## Training efficiency", "## Copy task", "## Goals", "- machine:", "- command:"):
+        assert heading in markdown
+    for png in ("accuracy.png", "efficiency.png", "copy_task.png"):
+        assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
+    again = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "long_range.py"), "--preset", "smoke",
+                            "--output_dir", str(tmp_path), "--report_only"], capture_output=True, text=True,
+                           timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert again.returncode == 0 and "running" not in again.stdout
