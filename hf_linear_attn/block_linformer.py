@@ -222,6 +222,13 @@ def causal_block_linformer_attention(
             [summary_visible[None, None, :, None, :].expand(batch, 1, num_blocks, b, -1), local_visible], dim=-1
         )
         weights = _masked_softmax(torch.cat([summary_scores, local_scores], dim=-1), visible)
+        if need_weights:
+            # The maps returned (B, H, n, S k + b), in the caller's row order, are the very tensor the output is
+            # computed from, so gradients of the output reach them (gradient-based attribution), as with GPT-2.
+            returned = weights.reshape(batch, heads, num_blocks * b, -1)[:, :, :n]
+            returned = _roll_rows(returned, -shift) if shifted else returned
+            weights = _roll_rows(returned, shift) if shifted else returned
+            weights = F.pad(weights, (0, 0, 0, padded)).reshape(batch, heads, num_blocks, b, -1)
         dropped = F.dropout(weights, p=dropout, training=dropout > 0).to(v.dtype)
         summary_part, local_part = dropped.split([num_blocks * proj_k, b], dim=-1)
         output = torch.matmul(summary_part, summary_values.flatten(2, 3).unsqueeze(2)) + torch.matmul(local_part, v_b)
@@ -245,11 +252,7 @@ def causal_block_linformer_attention(
 
     if shifted:
         output = _roll_rows(output, -shift)
-    if need_weights:
-        weights = weights.reshape(batch, heads, num_blocks * b, -1)[:, :, :n]
-        weights = _roll_rows(weights, -shift) if shifted else weights
-        return output, weights, state
-    return output, None, state
+    return output, (returned if need_weights else None), state
 
 
 def block_linformer_step(

@@ -1,4 +1,9 @@
-"""What every configuration of this package shares: the dropout check and the ``auto_map`` of a family."""
+"""What every configuration of this package shares: the dropout and size checks, plain ValueErrors from every
+check, and the ``auto_map`` of a family."""
+
+import functools
+
+from huggingface_hub.errors import StrictDataclassClassValidationError
 
 # Auto class -> class-name suffix of every head a family ships, for the encoders and for the decoders.
 ENCODER_HEADS = {
@@ -22,6 +27,39 @@ def check_dropouts(config, names) -> None:
         value = getattr(config, name)
         if value is not None and not 0 <= value < 1:
             raise ValueError(f"{name} must be a probability in [0, 1), got {value}.")
+
+
+def check_positive(config, names) -> None:
+    """Raise a ValueError naming a size that is not a positive integer."""
+    for name in names:
+        value = getattr(config, name)
+        if value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value}.")
+
+
+def validate_config(config) -> None:
+    """Run every check of ``config`` (again): a value assigned after construction (``config.linformer_k = 0``) is
+    caught where a model is built from it. Raises the failing check's own ValueError."""
+    try:
+        config.validate()
+    except StrictDataclassClassValidationError as error:
+        raise ValueError(str(error.__cause__ or error)) from error.__cause__
+
+
+def plain_value_errors(cls):
+    """Class decorator, above ``@strict``: a config whose checks fail raises their ValueError, as documented, instead
+    of the dataclass library's wrapper (which is not a ValueError)."""
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        try:
+            init(self, *args, **kwargs)
+        except StrictDataclassClassValidationError as error:
+            raise ValueError(str(error.__cause__ or error)) from error.__cause__
+
+    cls.__init__ = __init__
+    return cls
 
 
 def build_auto_map(model_type: str, class_prefix: str, heads: dict[str, str]) -> dict[str, str]:

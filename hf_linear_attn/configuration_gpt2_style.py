@@ -3,7 +3,7 @@
 from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 
-from .configuration_common import check_dropouts
+from .configuration_common import check_dropouts, check_positive
 
 
 @strict
@@ -71,9 +71,11 @@ class GPT2StyleConfig(PreTrainedConfig):
 
     @property
     def head_dim(self) -> int:
+        check_positive(self, ("n_head",))  # read by transformers' own checks before ours
         return self.n_embd // self.n_head
 
     def validate_decoder_shape(self):
+        check_positive(self, ("vocab_size", "n_embd", "n_layer", "n_head"))
         if self.n_embd % self.n_head != 0:
             raise ValueError(f"n_embd ({self.n_embd}) must be a multiple of n_head ({self.n_head}); change one of them.")
         if self.n_positions < 1:

@@ -2,11 +2,12 @@
 
 from huggingface_hub.dataclasses import strict
 
-from .configuration_common import ENCODER_HEADS, build_auto_map
+from .configuration_common import ENCODER_HEADS, build_auto_map, plain_value_errors
 from .configuration_roberta_style import RobertaStyleConfig
 from .feature_maps import check_feature_map_options
 
 
+@plain_value_errors
 @strict
 class LinearRobertaConfig(RobertaStyleConfig):
     r"""

@@ -2,11 +2,12 @@
 
 from huggingface_hub.dataclasses import strict
 
-from .configuration_common import DECODER_HEADS, build_auto_map
+from .configuration_common import DECODER_HEADS, build_auto_map, plain_value_errors
 from .configuration_gpt2_style import GPT2StyleConfig
 from .linformer_projection import check_linformer_options
 
 
+@plain_value_errors
 @strict
 class LinformerGPT2Config(GPT2StyleConfig):
     r"""

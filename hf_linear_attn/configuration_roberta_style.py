@@ -3,7 +3,7 @@
 from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 
-from .configuration_common import check_dropouts
+from .configuration_common import check_dropouts, check_positive
 
 
 @strict
@@ -63,6 +63,7 @@ class RobertaStyleConfig(PreTrainedConfig):
 
     @property
     def head_dim(self) -> int:
+        check_positive(self, ("num_attention_heads",))  # read by transformers' own checks before ours
         return self.hidden_size // self.num_attention_heads
 
     @property
@@ -71,6 +72,8 @@ class RobertaStyleConfig(PreTrainedConfig):
         return self.max_position_embeddings - (self.pad_token_id or 0) - 1
 
     def validate_encoder_shape(self):
+        check_positive(self, ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                              "intermediate_size", "max_position_embeddings"))
         if self.hidden_size % self.num_attention_heads != 0:
             raise ValueError(
                 f"hidden_size ({self.hidden_size}) must be a multiple of num_attention_heads "

@@ -31,6 +31,8 @@ from transformers.models.gpt2.modeling_gpt2 import GPT2MLP
 from transformers.pytorch_utils import Conv1D
 from transformers.utils.generic import can_return_tuple
 
+from .attention_mask import check_padding_mask
+from .configuration_common import validate_config
 from .recurrent_cache import RecurrentStateCache
 from .sequence_classification import sequence_classification_loss
 
@@ -161,6 +163,7 @@ class GPT2StyleModel(GPT2StylePreTrainedModel):
     """The bare decoder: token and position embeddings, blocks, final LayerNorm."""
 
     def __init__(self, config):
+        validate_config(config)  # again: a value assigned after the config was built is checked here
         super().__init__(config)
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.wpe = nn.Embedding(config.n_positions, config.n_embd)
@@ -212,6 +215,7 @@ class GPT2StyleModel(GPT2StylePreTrainedModel):
                     f"the past and new tokens ({batch}, {past_length + n}), as generate() does, since positions count "
                     "each row's real tokens and left padding in the cached part would shift them; or pass position_ids."
                 )
+            check_padding_mask(attention_mask)
             key_mask = attention_mask[:, -n:].bool()
         given = position_ids is not None
         if not given:
@@ -405,9 +409,12 @@ class GPT2StyleForCausalLM(GPT2StylePreTrainedModel, GenerationMixin):
         output_hidden_states: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         num_items_in_batch: int | torch.Tensor | None = None,
+        shift_labels: torch.LongTensor | None = None,
     ) -> CausalLMOutputWithPast | tuple:
         """logits (batch, n, vocab); loss: next-token cross-entropy in float32, labels shifted inside (labels = input_ids,
-        -100 ignored), averaged over the labelled tokens, or summed and divided by ``num_items_in_batch`` if given."""
+        -100 ignored), averaged over the labelled tokens, or summed and divided by ``num_items_in_batch`` if given.
+        ``shift_labels`` (batch, n): the targets already shifted (position t predicts shift_labels[t]), as Transformers'
+        sequence-parallel training passes them; then ``labels`` may be omitted."""
         outputs = self.transformer(
             input_ids, past_key_values=past_key_values, attention_mask=attention_mask, token_type_ids=token_type_ids,
             position_ids=position_ids, inputs_embeds=inputs_embeds, use_cache=use_cache,
@@ -420,9 +427,10 @@ class GPT2StyleForCausalLM(GPT2StylePreTrainedModel, GenerationMixin):
             hidden_states = hidden_states[:, logits_to_keep]
         logits = self.lm_head(hidden_states)
         loss = None
-        if labels is not None:
+        if labels is not None or shift_labels is not None:
             loss = self.loss_function(
-                logits, labels, vocab_size=self.config.vocab_size, num_items_in_batch=num_items_in_batch
+                logits, labels, vocab_size=self.config.vocab_size, num_items_in_batch=num_items_in_batch,
+                shift_labels=shift_labels,
             )
         output = CausalLMOutputWithPast(
             loss=loss, logits=logits, past_key_values=outputs.past_key_values,

@@ -33,6 +33,8 @@ from transformers.models.roberta.modeling_roberta import (
 )
 from transformers.utils.generic import can_return_tuple
 
+from .attention_mask import check_padding_mask
+from .configuration_common import validate_config
 from .sequence_classification import sequence_classification_loss
 
 
@@ -133,6 +135,7 @@ class RobertaStyleModel(RobertaStylePreTrainedModel):
     """The bare encoder: embeddings, layers and (optionally) RoBERTa's pooler."""
 
     def __init__(self, config, add_pooling_layer: bool = True):
+        validate_config(config)  # again: a value assigned after the config was built is checked here
         super().__init__(config)
         self.embeddings = RobertaEmbeddings(config)
         self.encoder = RobertaStyleEncoder(config, self.self_attention_class)
@@ -153,6 +156,7 @@ class RobertaStyleModel(RobertaStylePreTrainedModel):
                 f"attention_mask has shape {tuple(attention_mask.shape)} but the input is {tuple(input_shape)}: "
                 "these encoders take the tokenizer's 2-D 0/1 mask (batch, sequence), not an expanded 4-D mask."
             )
+        check_padding_mask(attention_mask)
         key_mask = attention_mask.bool()
         if not torch.compiler.is_compiling():
             self.check_key_mask(key_mask)

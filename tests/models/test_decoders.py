@@ -302,19 +302,19 @@ def test_training_memory_of_linear_attention_grows_linearly_and_softmax_does_not
 
 def test_bad_configs_are_refused_with_the_option_named():
     # the config's strict-dataclass validation wraps each ValueError, keeping its message
-    with pytest.raises(Exception, match="multiple of n_head"):
+    with pytest.raises(ValueError, match="multiple of n_head"):
         LinearGPT2Config(n_embd=30, n_head=4)
-    with pytest.raises(Exception, match="Unknown feature_map"):
+    with pytest.raises(ValueError, match="Unknown feature_map"):
         LinearGPT2Config(feature_map="softmax")
-    with pytest.raises(Exception, match="linear_attention_chunk_size"):
+    with pytest.raises(ValueError, match="linear_attention_chunk_size"):
         LinearGPT2Config(linear_attention_chunk_size=0)
-    with pytest.raises(Exception, match="linformer_k=16 must be between 1 and linformer_block_size=8"):
+    with pytest.raises(ValueError, match="linformer_k=16 must be between 1 and linformer_block_size=8"):
         LinformerGPT2Config(linformer_k=16, linformer_block_size=8)
-    with pytest.raises(Exception, match="Unknown linformer_sharing"):
+    with pytest.raises(ValueError, match="Unknown linformer_sharing"):
         LinformerGPT2Config(linformer_sharing="blockwise")
-    with pytest.raises(Exception, match="cross-attention"):
+    with pytest.raises(ValueError, match="cross-attention"):
         LinearGPT2Config(add_cross_attention=True)
-    with pytest.raises(Exception, match=r"resid_pdrop must be a probability in \[0, 1\), got 1.5"):
+    with pytest.raises(ValueError, match=r"resid_pdrop must be a probability in \[0, 1\), got 1.5"):
         LinformerGPT2Config(resid_pdrop=1.5)
 
 

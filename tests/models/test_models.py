@@ -254,7 +254,7 @@ def test_torch_compile_runs_and_matches_eager():
     ],
 )
 def test_invalid_linformer_configs_fail_at_config_time(kwargs, message):
-    with pytest.raises(Exception, match=message):
+    with pytest.raises(ValueError, match=message):
         LinformerConfig(**{**TINY, **kwargs})
 
 
@@ -267,7 +267,7 @@ def test_invalid_linformer_configs_fail_at_config_time(kwargs, message):
     ],
 )
 def test_invalid_linear_configs_fail_at_config_time(kwargs, message):
-    with pytest.raises(Exception, match=message):
+    with pytest.raises(ValueError, match=message):
         AutoConfig.for_model("linear_roberta", **{**TINY, **kwargs})
     assert AutoConfig.for_model("linear_roberta", **{**TINY, "linear_attention_eps": 1}).linear_attention_eps == 1
 

@@ -1,0 +1,91 @@
+"""Wrong inputs to the models get a ValueError that names the fix, never a silent wrong answer: configs (also values
+assigned after construction), masks in the other convention or with other values; and two Transformers
+conventions the decoders keep (shift_labels, attention maps that carry gradients)."""
+
+import pytest
+import torch
+from helpers import DECODER_VARIANTS, FAMILY_VARIANTS, TINY_DECODER, causal_lm, random_ids
+from transformers import AutoModel, GPT2Config, GPT2LMHeadModel
+
+ALL_VARIANTS = {**{f"encoder-{k}": v for k, v in FAMILY_VARIANTS.items()},
+                **{f"decoder-{k}": v for k, v in DECODER_VARIANTS.items()}}
+
+
+@pytest.mark.parametrize("variant, bad", [
+    ("encoder-linformer-headwise", dict(linformer_k=0)),
+    ("encoder-linformer-headwise", dict(num_attention_heads=0)),
+    ("encoder-linear-elu", dict(num_hidden_layers=0)),
+    ("encoder-linear-elu", dict(hidden_dropout_prob=1.5)),
+    ("decoder-linear-elu", dict(n_head=0)),
+    ("decoder-linformer-headwise", dict(linformer_block_size=0)),
+])
+def test_a_bad_config_value_is_a_plain_value_error_naming_the_field(variant, bad):
+    with pytest.raises(ValueError, match=next(iter(bad))) as caught:
+        ALL_VARIANTS[variant](**bad)
+    assert type(caught.value) is ValueError  # not the dataclass library's wrapper, which is no ValueError
+
+
+@pytest.mark.parametrize("variant, field, value", [
+    ("encoder-linformer-headwise", "linformer_k", 0),
+    ("encoder-linear-favor", "num_attention_heads", 0),
+    ("decoder-linformer-headwise", "linformer_k", 0),
+    ("decoder-linear-elu", "attn_pdrop", 2.0),
+])
+def test_a_value_assigned_after_construction_is_checked_when_a_model_is_built(variant, field, value):
+    config = ALL_VARIANTS[variant]()
+    setattr(config, field, value)
+    with pytest.raises(ValueError, match=field):
+        AutoModel.from_config(config)
+
+
+@pytest.mark.parametrize("variant", list(ALL_VARIANTS))
+def test_masks_are_one_zero_in_any_dtype_and_other_values_are_refused(variant):
+    torch.manual_seed(0)
+    model = AutoModel.from_config(ALL_VARIANTS[variant]()).eval()
+    ids = random_ids(2, 12)
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, 9:] = 0  # right padding, which every family takes
+    with torch.no_grad():
+        reference = model(ids, attention_mask=mask).last_hidden_state
+        for same in (mask.bool(), mask.float()):
+            torch.testing.assert_close(model(ids, attention_mask=same).last_hidden_state, reference)
+    additive = torch.zeros(2, 12).masked_fill(mask == 0, float("-inf"))  # the other convention: 0 = real token
+    with pytest.raises(ValueError, match="additive mask"):
+        model(ids, attention_mask=additive)
+    twos = mask.clone()
+    twos[0, 3] = 2  # would shift every later position of a decoder
+    with pytest.raises(ValueError, match=r"holds \[2.0\]"):
+        model(ids, attention_mask=twos)
+
+
+@pytest.mark.parametrize("variant", list(DECODER_VARIANTS))
+def test_shift_labels_give_the_loss_of_labels_as_in_stock_gpt2(variant):
+    model = causal_lm(variant)
+    ids = random_ids(2, 10)
+    labels = ids.clone()
+    labels[1, :3] = -100
+    shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:].contiguous()
+    by_labels = model(ids, labels=labels).loss
+    # as stock GPT-2 takes them (with labels present, the shifted targets are the ones used) ...
+    torch.testing.assert_close(model(ids, labels=labels, shift_labels=shifted).loss, by_labels)
+    torch.manual_seed(0)
+    stock = GPT2LMHeadModel(GPT2Config(**TINY_DECODER)).eval()
+    torch.testing.assert_close(stock(ids, labels=labels, shift_labels=shifted).loss, stock(ids, labels=labels).loss)
+    # ... and alone, as sequence-parallel training passes them
+    torch.testing.assert_close(model(ids, shift_labels=shifted).loss, by_labels)
+
+
+@pytest.mark.parametrize("variant", ["linformer-headwise", "linformer-layerwise"])
+def test_the_causal_linformer_attention_maps_receive_gradients_from_the_output(variant):
+    model = causal_lm(variant)
+    ids = random_ids(2, 20)
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0  # a left-padded row: its maps are rolled back into the caller's order
+    out = model(ids, attention_mask=mask, output_attentions=True)
+    for maps in out.attentions:
+        maps.retain_grad()
+    out.logits.sum().backward()
+    assert all(maps.grad is not None and maps.grad.abs().sum() > 0 for maps in out.attentions)
+    with torch.no_grad():  # the maps are still the weights the output was computed with
+        again = model(ids, attention_mask=mask, output_attentions=False).logits
+    torch.testing.assert_close(out.logits, again, atol=1e-5, rtol=1e-5)
