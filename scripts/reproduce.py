@@ -4,7 +4,7 @@ Pretrains a softmax RoBERTa, Linformer variants and the linear-attention encoder
 (WikiText-2) and budget, fine-tunes each on SST-2, IMDB, QNLI and QQP, pretrains softmax / linear / causal-Linformer
 decoders, and writes results.md (Table 2's shape, the paper's figures beside), results.json and results.png.
 
-    python scripts/reproduce.py                          # the demo preset (about 15 minutes on 2 CPU cores)
+    python scripts/reproduce.py                          # the demo preset (about 6 minutes on 2 CPU cores)
     python scripts/reproduce.py --preset cpu             # every variant and task (93 stages, ~12 h on 2 cores)
     python scripts/reproduce.py --preset cpu --records results/reproduction/cpu/records.json  # go on
     python scripts/reproduce.py --preset paper           # RoBERTa-base size, n = 512: under `accelerate launch`

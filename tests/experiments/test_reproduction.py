@@ -36,7 +36,7 @@ def test_presets_exist_and_compare_like_with_like():
                 assert len({getattr(c, key) for c in configs}) == 1, (path.name, group, key)
     # the main command's preset compares with seeds, so the table can call a difference noise
     demo = load_preset(REPO / "configs" / "reproduce" / "demo.json")
-    assert len(demo["encoders"]) == 2 and len(demo["finetune"]) >= 2 and len(finetune_seeds(demo)["sst2"]) >= 3
+    assert len(demo["encoders"]) == 2 and len(finetune_seeds(demo)["sst2"]) >= 3
     cpu = load_preset(REPO / "configs" / "reproduce" / "cpu.json")
     types = [AutoConfig.from_pretrained(REPO / file) for file in cpu["encoders"].values()]
     assert set(cpu["finetune"]) == set(TASKS)
