@@ -14,6 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from hf_linear_attn.experiments import find_preset
 from hf_linear_attn.experiments.long_range import run
 from hf_linear_attn.training.errors import UsageError
 
@@ -35,14 +36,9 @@ def main(argv=None):
     parser.add_argument("--report_only", action="store_true",
                         help="run nothing: write results.md / results.json / plots from the stages finished so far")
     args = parser.parse_args(argv)
-    preset = Path(args.preset)
-    if not preset.suffix:
-        preset = REPO / "configs" / "long_range" / f"{args.preset}.json"
-    if not preset.is_file():
-        known = sorted(p.stem for p in (REPO / "configs" / "long_range").glob("*.json"))
-        sys.exit(f"error: no preset {args.preset!r}: use one of {known} or a JSON file")
-    output_dir = Path(args.output_dir or f"outputs/long_range/{preset.stem}")
     try:
+        preset = find_preset(args.preset, REPO / "configs" / "long_range")
+        output_dir = Path(args.output_dir or f"outputs/long_range/{preset.stem}")
         run(preset, output_dir, args.tasks, args.models, args.dataset, Path(args.data_dir), args.dry_run,
             args.report_only, argv=sys.argv[1:] if argv is None else argv, log=lambda s: print(s, flush=True))
     except UsageError as error:

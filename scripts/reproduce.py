@@ -18,6 +18,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from hf_linear_attn.experiments import find_preset
 from hf_linear_attn.experiments.reproduction import reproduce
 from hf_linear_attn.training.errors import UsageError
 
@@ -43,13 +44,8 @@ def main(argv=None):
     parser.add_argument("--report_only", action="store_true",
                         help="run nothing: write the table from the stages finished so far")
     args = parser.parse_args(argv)
-    preset = Path(args.preset)
-    if not preset.suffix:
-        preset = ROOT / "configs" / "reproduce" / f"{args.preset}.json"
-    if not preset.is_file():
-        known = sorted(p.stem for p in (ROOT / "configs" / "reproduce").glob("*.json"))
-        sys.exit(f"error: no preset {args.preset!r}: use one of {known} or a JSON file")
     try:
+        preset = find_preset(args.preset, ROOT / "configs" / "reproduce")
         reproduce(preset, args.output_dir, args.seeds, args.launcher, args.dry_run, args.report_only,
                   argv=sys.argv[1:] if argv is None else argv, models=args.models,
                   records_file=args.records, root=ROOT)

@@ -12,17 +12,8 @@ from pathlib import Path
 
 import torch
 from huggingface_hub.errors import StrictDataclassClassValidationError
-from transformers import (
-    AutoConfig,
-    AutoModel,
-    AutoModelForCausalLM,
-    AutoModelForMaskedLM,
-    AutoModelForMultipleChoice,
-    AutoModelForQuestionAnswering,
-    AutoModelForSequenceClassification,
-    AutoModelForTokenClassification,
-    AutoTokenizer,
-)
+import transformers
+from transformers import AutoConfig, AutoTokenizer
 
 from hf_linear_attn import MODEL_FAMILIES, FavorFeatureMap, HedgehogFeatureMap, LinformerProjection, family_of
 from hf_linear_attn.training.checkpoints import file_problem
@@ -44,13 +35,13 @@ DECODER_FIELDS = (
 )
 # head name -> Auto class; the source's head is read from its architecture name
 HEADS = {
-    "masked-lm": AutoModelForMaskedLM,
-    "causal-lm": AutoModelForCausalLM,
-    "sequence-classification": AutoModelForSequenceClassification,
-    "token-classification": AutoModelForTokenClassification,
-    "question-answering": AutoModelForQuestionAnswering,
-    "multiple-choice": AutoModelForMultipleChoice,
-    "base": AutoModel,
+    "masked-lm": transformers.AutoModelForMaskedLM,
+    "causal-lm": transformers.AutoModelForCausalLM,
+    "sequence-classification": transformers.AutoModelForSequenceClassification,
+    "token-classification": transformers.AutoModelForTokenClassification,
+    "question-answering": transformers.AutoModelForQuestionAnswering,
+    "multiple-choice": transformers.AutoModelForMultipleChoice,
+    "base": transformers.AutoModel,
 }
 ARCHITECTURE_SUFFIXES = {
     "ForMaskedLM": "masked-lm", "LMHeadModel": "causal-lm", "ForCausalLM": "causal-lm",
