@@ -1,6 +1,7 @@
 """What every configuration of this package shares: the dropout and size checks, plain ValueErrors from every
 check, and the ``auto_map`` of a family."""
 
+import contextlib
 import functools
 
 from huggingface_hub.errors import StrictDataclassClassValidationError
@@ -37,26 +38,30 @@ def check_positive(config, names) -> None:
             raise ValueError(f"{name} must be a positive integer, got {value}.")
 
 
-def validate_config(config) -> None:
-    """Run every check of ``config`` (again): a value assigned after construction (``config.linformer_k = 0``) is
-    caught where a model is built from it. Raises the failing check's own ValueError."""
+@contextlib.contextmanager
+def _plain_value_errors():
+    """A failed check raises its own ValueError, as documented, not the dataclass library's wrapper (no ValueError)."""
     try:
-        config.validate()
+        yield
     except StrictDataclassClassValidationError as error:
         raise ValueError(str(error.__cause__ or error)) from error.__cause__
 
 
+def validate_config(config) -> None:
+    """Run every check of ``config`` (again): a value assigned after construction (``config.linformer_k = 0``) is
+    caught where a model is built from it. Raises the failing check's own ValueError."""
+    with _plain_value_errors():
+        config.validate()
+
+
 def plain_value_errors(cls):
-    """Class decorator, above ``@strict``: a config whose checks fail raises their ValueError, as documented, instead
-    of the dataclass library's wrapper (which is not a ValueError)."""
+    """Class decorator, above ``@strict``: building a config whose checks fail raises their ValueError."""
     init = cls.__init__
 
     @functools.wraps(init)
     def __init__(self, *args, **kwargs):
-        try:
+        with _plain_value_errors():
             init(self, *args, **kwargs)
-        except StrictDataclassClassValidationError as error:
-            raise ValueError(str(error.__cause__ or error)) from error.__cause__
 
     cls.__init__ = __init__
     return cls

@@ -3,7 +3,6 @@ stage records, the errors for bad input, and the smoke preset end to end."""
 
 import json
 import os
-import random
 import subprocess
 import sys
 

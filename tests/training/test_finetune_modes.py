@@ -8,7 +8,7 @@ import csv
 import json
 
 import pytest
-from helpers import CORPUS, TINY
+from helpers import TINY
 from transformers import AutoModelForMaskedLM
 
 from hf_linear_attn import LinformerConfig
