@@ -12,6 +12,7 @@ from hf_linear_attn import family_of
 from hf_linear_attn.training.checkpoints import disk_full_error, is_disk_full
 from hf_linear_attn.training.data import load_text_corpus, pack_corpus
 from hf_linear_attn.training.errors import UsageError
+from hf_linear_attn.training.hub import HubArguments, hub_repo_id, push_folder, write_conversion_card
 from hf_linear_attn.training.pretraining import max_model_length
 
 from .convert import check_target, convert, extend_max_length, load_source, load_source_tokenizer, save_converted
@@ -22,8 +23,8 @@ FAMILY_OPTIONS = ("linformer_k", "linformer_sharing", "linformer_init", "linform
 
 
 @dataclass
-class ConvertArguments:
-    """Arguments of scripts/convert.py."""
+class ConvertArguments(HubArguments):
+    """Arguments of scripts/convert.py; the --push_to_hub flags come from HubArguments."""
 
     model_name_or_path: str = field(metadata={"help": "RoBERTa-family encoder or GPT-2: Hub id or local folder"})
     target: str = field(metadata={"help": "linformer | linear_roberta (from encoders), linear_gpt2 | linformer_gpt2"})
@@ -57,22 +58,27 @@ class ConvertArguments:
 
 
 def _rows(args, tokenizer, objective: str):
-    """Packed train / validation rows of distill_max_length tokens from the distillation corpus."""
+    """(train rows, validation rows, where the validation text came from): rows of distill_max_length tokens
+    packed from the distillation corpus."""
     if args.dataset_name is None and args.train_file is None:
         raise UsageError("Distillation needs text: pass --train_file (e.g. WikiText-2) or --dataset_name.")
-    corpus, _ = load_text_corpus(args.dataset_name, args.dataset_config_name, args.train_file, args.validation_file,
-                                 args.text_column, args.validation_split_percentage, args.seed)
+    corpus, validation_source = load_text_corpus(args.dataset_name, args.dataset_config_name, args.train_file,
+                                                 args.validation_file, args.text_column,
+                                                 args.validation_split_percentage, args.seed)
     packed = pack_corpus(corpus, tokenizer, args.distill_max_length, objective)
     train, validation = (packed[split].with_format("torch")[:]["input_ids"] for split in ("train", "validation"))
-    return train, validation[: args.eval_rows]
+    return train, validation[: args.eval_rows], validation_source
 
 
 def run_conversion(args: ConvertArguments) -> dict:
-    """Convert, distill (optional), extend (optional) and save; returns the report as a dict."""
+    """Convert, distill (optional), extend (optional), save with a model card and push (--push_to_hub); returns
+    the report as a dict (with the Hub commit's URL as hub_commit after a push)."""
     check_target(args.target)  # before the source is loaded
     output_dir = Path(args.output_dir)
     if output_dir.exists() and any(output_dir.iterdir()) and not args.overwrite_output_dir:
         raise UsageError(f"{output_dir} is not empty; choose another --output_dir or pass --overwrite_output_dir.")
+    repo_id = hub_repo_id(args)  # token, Hub, repo name: before the source is loaded
+    validation_source = None
     options = {name: getattr(args, name) for name in FAMILY_OPTIONS if getattr(args, name) is not None}
     teacher, missing = load_source(args.model_name_or_path, args.head)
     torch.manual_seed(args.seed)
@@ -87,7 +93,7 @@ def run_conversion(args: ConvertArguments) -> dict:
             raise UsageError(f"--distill_max_length {args.distill_max_length} exceeds the teacher's longest input "
                                 f"({longest} tokens); lower it.")
         objective = family_of(model).objective
-        train_rows, eval_rows = _rows(args, tokenizer, objective)
+        train_rows, eval_rows, validation_source = _rows(args, tokenizer, objective)
         mode = distillation_mode(model)
         lr = args.distill_lr or (1e-3 if mode == "layer_output" else 1e-2)
         started = time.time()
@@ -117,7 +123,9 @@ def run_conversion(args: ConvertArguments) -> dict:
     shutil.rmtree(partial, ignore_errors=True)
     try:
         save_converted(model, report, partial, tokenizer)
-    except (OSError, RuntimeError) as error:
+        write_conversion_card(partial, args, asdict(report), model.config, repo_id or output_dir.resolve().name,
+                              validation_source)
+    except Exception as error:  # a full disk, or a card that cannot be written: no half checkpoint stays
         shutil.rmtree(partial, ignore_errors=True)
         if is_disk_full(error):
             raise disk_full_error(output_dir.parent, "the converted checkpoint", error) from error
@@ -126,4 +134,9 @@ def run_conversion(args: ConvertArguments) -> dict:
         shutil.rmtree(output_dir)
     partial.rename(output_dir)
     print(f"wrote {output_dir}")
-    return asdict(report)
+    result = asdict(report)
+    if repo_id is not None:
+        result["hub_commit"] = push_folder(output_dir, repo_id, token=args.hub_token, private=args.hub_private_repo,
+                                           commit_message="Upload converted model, tokenizer and model card")
+        print(f"pushed to {result['hub_commit']}")
+    return result

@@ -41,6 +41,7 @@ import hf_linear_attn  # noqa: F401  (registers the package's models with the Au
 from .checkpoints import disk_full_error, fsync_tree, is_disk_full, missing_pieces, replace_folder
 from .data import load_text_corpus, pack_corpus, refuse_sources_inside, train_bpe_tokenizer
 from .errors import UsageError
+from .hub import HUB_ARGUMENTS, SECRET_ARGUMENTS, HubArguments, hub_repo_id, push_folder, write_pretraining_card
 
 CHECKPOINTS = "checkpoints"
 STEP_PREFIX = "step_"
@@ -48,7 +49,8 @@ RUN_ARGS = "run_args.json"
 # Arguments a resumed run may change; any other difference would make the continuation a different run.
 RESUMABLE_CHANGES = {"max_steps",  # may grow: checked by check_output_dir, the schedule change stated in the log
                      "resume", "resume_from_checkpoint", "overwrite_output_dir", "logging_steps", "report_to",
-                     "save_total_limit", "eval_steps", "max_eval_samples", "allow_inexact_resume"}
+                     "save_total_limit", "eval_steps", "max_eval_samples", "allow_inexact_resume",
+                     *HUB_ARGUMENTS}  # where the result is uploaded; the token is never recorded
 # The pieces of state an exact resume needs, each with the file names accelerate may give it (random_states_N.pkl:
 # one per process, added by `checkpoint_pieces`).
 STATE_PIECES = {"step (trainer_state.json)": ["trainer_state.json"],
@@ -57,8 +59,9 @@ STATE_PIECES = {"step (trainer_state.json)": ["trainer_state.json"],
 
 
 @dataclass
-class PretrainArguments:
-    """Arguments of scripts/pretrain.py (every field is a --flag; --config FILE.json gives defaults)."""
+class PretrainArguments(HubArguments):
+    """Arguments of scripts/pretrain.py (every field is a --flag; --config FILE.json gives defaults); the
+    --push_to_hub flags come from HubArguments."""
 
     output_dir: str = field(metadata={"help": "where the model, tokenizer, checkpoints and results go"})
     model_config: str | None = field(default=None, metadata={
@@ -603,6 +606,7 @@ def optimizer_step(accelerator: Accelerator, trained, optimizer, scheduler, micr
 def run_pretraining(args: PretrainArguments) -> dict:
     """Pretrain as `args` say; returns the final metrics (also written to output_dir/train_results.json)."""
     accelerator = make_accelerator(args)
+    repo_id = hub_repo_id(args, accelerator)  # token, Hub, repo name: before any data or model work
     config = load_model_config(args)
     objective = objective_for(config, args.objective)
     check_arguments(args, objective)
@@ -651,7 +655,8 @@ def run_pretraining(args: PretrainArguments) -> dict:
                 (output_dir / RUN_ARGS).write_text(json.dumps({**record, "max_steps": args.max_steps}, indent=2))
     if args.report_to != "none":
         accelerator.init_trackers("pretrain", config={k: v for k, v in asdict(args).items()
-                                                      if isinstance(v, (int, float, str, bool))})
+                                                      if isinstance(v, (int, float, str, bool))
+                                                      and k not in SECRET_ARGUMENTS})
     accelerator.print(f"{objective} pretraining of {type(model).__name__} "
                       f"({sum(p.numel() for p in model.parameters()):,} parameters) on {len(packed['train'])} rows "
                       f"of {args.max_seq_length} tokens, {world} process(es), mixed precision "
@@ -721,4 +726,11 @@ def run_pretraining(args: PretrainArguments) -> dict:
     trained = optimizer = scheduler = stream = stream_source = None
     accelerator.free_memory()
     accelerator.end_training()
+    if accelerator.is_main_process:  # after end_training: no process waits at a barrier through a long upload
+        write_pretraining_card(output_dir, args, repo_id or Path(args.output_dir).resolve().name)
+        if repo_id is not None:
+            results["hub_commit"] = push_folder(
+                output_dir, repo_id, token=args.hub_token, private=args.hub_private_repo,
+                commit_message="Upload pretrained model, tokenizer and model card",
+                ignore=(f"{CHECKPOINTS}/**", "pretrain/**"))  # resume state; accelerate trackers' logs
     return results
