@@ -1,7 +1,7 @@
 """--push_to_hub in scripts/convert.py (issue 27): checked before the source is loaded; the converted checkpoint
 goes up with a card that names `base_model` (a Hub id; a local path only in the text), what was copied and what
 is new, and the distillation's figures when distillation ran. The Hub client is the recording stand-in of
-tests/training/test_hub_push.py; a Hub id is served offline from a local Hub cache, as a downloaded model is."""
+tests/hub_stand_in.py; a Hub id is served offline from a local Hub cache, as a downloaded model is."""
 
 import json
 
@@ -9,7 +9,7 @@ import convert as convert_script  # scripts/convert.py
 import pytest
 import torch
 from helpers import TINY, needs_data
-from training.test_hub_push import TOKEN, front_matter, recorded, use_recording_hub
+from hub_stand_in import TOKEN, front_matter, recorded, use_recording_hub
 from transformers import RobertaConfig, RobertaForMaskedLM
 
 STOCK_ROBERTA = dict(TINY, type_vocab_size=1, layer_norm_eps=1e-5)

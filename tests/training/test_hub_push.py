@@ -11,62 +11,10 @@ import shlex
 import subprocess
 import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
-import yaml
 from helpers import ENV, REPO_ROOT, needs_data, pretrain_args, tiny_preset
-
-TOKEN = "hf_secret_test_token"
-
-
-class RecordingHub:
-    """huggingface_hub.HfApi as the push uses it: whoami answers `answer` (a write token of user `someone`, or an
-    error); whoami, create_repo and upload_folder (with the file filter the real one applies) are appended with the
-    process's rank to the JSON-lines file $HUB_CALLS, which launched processes share."""
-
-    answer = {"name": "someone", "auth": {"accessToken": {"role": "write"}}}
-
-    def __init__(self, token=None):
-        self.token = token
-
-    def _record(self, *call):
-        with open(os.environ["HUB_CALLS"], "a") as handle:
-            handle.write(json.dumps({"rank": int(os.environ.get("RANK", "0")), "call": call}) + "\n")
-
-    def whoami(self):
-        self._record("whoami", self.token)
-        if isinstance(self.answer, Exception):
-            raise self.answer
-        return self.answer
-
-    def create_repo(self, repo_id, private=None, exist_ok=False, repo_type=None):
-        self._record("create_repo", repo_id, private, exist_ok)
-        return f"https://huggingface.co/{repo_id}"
-
-    def upload_folder(self, repo_id, folder_path, commit_message=None, ignore_patterns=None, repo_type=None):
-        from huggingface_hub.utils import filter_repo_objects
-
-        files = sorted(str(p.relative_to(folder_path)) for p in Path(folder_path).rglob("*") if p.is_file())
-        self._record("upload_folder", repo_id, sorted(filter_repo_objects(files, ignore_patterns=ignore_patterns)),
-                     commit_message)
-        return f"https://huggingface.co/{repo_id}/commit/0123abc"
-
-
-def recorded(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
-
-
-def use_recording_hub(tmp_path, monkeypatch) -> Path:
-    """The recording stand-in in place of the Hub client; no token of this machine's user counts. Returns the
-    file the calls are recorded in."""
-    from hf_linear_attn.training import hub as hub_module
-
-    calls = tmp_path / "hub_calls.jsonl"
-    monkeypatch.setenv("HUB_CALLS", str(calls))
-    monkeypatch.setattr(hub_module, "HfApi", RecordingHub)
-    monkeypatch.setattr(hub_module, "get_token", lambda: None)
-    return calls
+from hub_stand_in import TOKEN, RecordingHub, front_matter, recorded, use_recording_hub
 
 
 @pytest.fixture
@@ -78,13 +26,6 @@ def _error(main, argv) -> str:
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
     return str(exit_info.value.code)
-
-
-def front_matter(card_path: Path) -> dict:
-    """The README's YAML header, parsed by a plain YAML reader (what the Hub reads)."""
-    text = card_path.read_text()
-    assert text.startswith("---\n")
-    return yaml.safe_load(text.split("---\n")[1])
 
 
 # ------------------------------------------------------------------------------------------ before any work
@@ -212,7 +153,7 @@ def test_pretraining_pushes_the_model_and_a_card_naming_its_data_and_metrics(cor
 
 SITECUSTOMIZE = """
 import huggingface_hub
-from training.test_hub_push import RecordingHub
+from hub_stand_in import RecordingHub
 
 huggingface_hub.HfApi = RecordingHub  # before hf_linear_attn imports it
 """
