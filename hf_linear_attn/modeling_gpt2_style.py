@@ -523,3 +523,32 @@ class DecoderStateStep(nn.Module):
         hidden_states = transformer.embed(input_ids, None, position_ids)
         hidden_states, new_states, _, _, _ = transformer.run_blocks(hidden_states, None, states, use_cache=True)
         return (self.model.lm_head(hidden_states), *(t for layer_state in new_states for t in layer_state))
+
+
+class DecoderPrefill(nn.Module):
+    """A causal LM's prompt pass returning its state as plain tensors, for ``torch.export`` with a dynamic length.
+
+    ``forward(input_ids (B, n), attention_mask (B, n)) -> (logits (B, n, vocab), *state)``, the state in the order
+    :class:`DecoderStateStep` takes it, so the step continues from it. ``attention_mask`` is the tokenizer's 0/1
+    mask: pads add nothing to the state, and positions count each row's real tokens (a left-padded row gets the
+    positions it has alone; its next position is ``attention_mask.sum(-1)``). Linear attention only: the causal
+    block Linformer's prompt pass keeps as many summary slots as the longest row completed blocks (a value, not a
+    shape); feed its prompt through :class:`DecoderStateStep` instead.
+    """
+
+    def __init__(self, model: GPT2StyleForCausalLM):
+        super().__init__()
+        transformer = model.transformer
+        # The family's fixed state shapes: a family without them raises here, before any export starts.
+        transformer.attention_class.state_shapes(transformer.h[0].attn, 1)
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+        transformer = self.model.transformer
+        check_padding_mask(attention_mask)  # eager only: it reads values
+        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        hidden_states = transformer.embed(input_ids, None, position_ids)
+        hidden_states, new_states, _, _, _ = transformer.run_blocks(
+            hidden_states, attention_mask.bool(), [None] * len(transformer.h), use_cache=True
+        )
+        return (self.model.lm_head(hidden_states), *(t for layer_state in new_states for t in layer_state))
