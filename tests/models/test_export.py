@@ -218,3 +218,152 @@ def test_greedy_decoding_on_onnxruntime_equals_generate(onnx_programs):
     )
     assert got.shape[1] > ids.shape[1] + 3  # several tokens generated, not an early stop
     assert got.tolist() == want.tolist()
+
+
+# ------------------------------------------------------------------ causal block Linformer: fixed-capacity state
+
+def linformer_step_inputs(variant="linformer-headwise", batch=2, n=30):
+    model = causal_lm(variant)
+    step = DecoderStateStep(model).eval()
+    return model, step, random_ids(batch, n)
+
+
+def step_through(step, ids, state, first_position=0):
+    """Feed ``ids`` one token per call; returns the logits (B, n, vocab) and the final state."""
+    logits = []
+    for t in range(ids.shape[1]):
+        out, *state = step(ids[:, t : t + 1], torch.full((ids.shape[0], 1), first_position + t), *state)
+        logits.append(out)
+    return torch.cat(logits, dim=1), state
+
+
+@pytest.mark.parametrize("variant", ["linformer-headwise", "linformer-key-value"])
+def test_the_linformer_step_keeps_fixed_shapes_and_equals_the_model(variant):
+    """30 tokens (several completed blocks) one step at a time from the fixed-capacity state: the logits of the
+    whole-sequence forward at every position, and not one state shape changes on the way."""
+    model, step, ids = linformer_step_inputs(variant)
+    state = step.initial_state(2)
+    capacity = model.config.n_positions // model.config.linformer_block_size
+    assert state[0].shape[2] == capacity and state[2].dtype == torch.bool and state[5].dtype == torch.long
+    with torch.no_grad():
+        logits, final = step_through(step, ids, state)
+        torch.testing.assert_close(logits, model(ids).logits, atol=1e-5, rtol=1e-5)
+    assert [t.shape for t in final] == [t.shape for t in state]
+    assert int(final[2].sum(-1).max()) == 30 // model.config.linformer_block_size  # the completed blocks were stored
+
+
+def test_the_linformer_step_compiles_as_one_graph():
+    model, step, ids = linformer_step_inputs()
+    with torch.no_grad():
+        _, state = step_through(step, ids[:, :10], step.initial_state(2))
+        explanation = torch._dynamo.explain(step)(ids[:, 10:11], torch.full((2, 1), 10), *state)
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1
+
+
+@pytest.mark.slow
+def test_the_linformer_step_exports_with_a_dynamic_batch_and_runs_on_onnxruntime():
+    """torch.export traced mid-block at batch 2; run from the empty state over three blocks at batches 1 to 3 (the
+    block completions happen in the exported program), then the same program through ONNX where installed."""
+    model, step, _ = linformer_step_inputs()
+    ids = random_ids(3, 30, seed=4)
+    with torch.no_grad():
+        _, state = step_through(step, ids[:2, :10], step.initial_state(2))
+        batch = torch.export.Dim("batch", min=1, max=64)
+        program = torch.export.export(
+            step, (ids[:2, 10:11], torch.full((2, 1), 10), *state),
+            dynamic_shapes=({0: batch}, {0: batch}, tuple({0: batch} for _ in state)),
+        )
+        want = model(ids).logits
+        for rows in (3, 1, 2):
+            logits, _ = step_through(program.module(), ids[:rows], step.initial_state(rows))
+            torch.testing.assert_close(logits, want[:rows], atol=1e-5, rtol=1e-5)
+
+    ort = pytest.importorskip("onnxruntime", reason="ONNX parity needs the onnx extra: pip install 'hf-linear-attn[onnx]'")
+    pytest.importorskip("onnxscript", reason="torch.onnx.export(dynamo=True) needs onnxscript (the onnx extra)")
+    session = ort.InferenceSession(
+        torch.onnx.export(program, dynamo=True, verbose=False).model_proto.SerializeToString(),
+        providers=["CPUExecutionProvider"],
+    )
+    names = [node.name for node in session.get_inputs()]
+    state = [t.numpy() for t in step.initial_state(2)]
+    for t in range(30):
+        logits, *state = session.run(None, dict(zip(names, [ids[:2, t : t + 1].numpy(), torch.full((2, 1), t).numpy(), *state])))
+        torch.testing.assert_close(torch.from_numpy(logits)[:, 0], want[:2, t], atol=1e-5, rtol=1e-5)
+
+
+def test_a_full_fixed_capacity_state_is_refused_with_the_fix():
+    from hf_linear_attn.block_linformer import block_linformer_step, empty_block_linformer_state
+
+    g = torch.Generator().manual_seed(0)
+    q = k = v = torch.randn(1, 2, 1, 4, generator=g)
+    projection = torch.randn(1, 2, 3, generator=g)  # blocks of 3 tokens into 2 rows
+    state = empty_block_linformer_state(1, 2, 4, 2, 3, torch.float32, "cpu", capacity=1)
+    for _ in range(3):  # the first block fills the only slot
+        _, state = block_linformer_step(q, k, v, state, projection, projection, grow=False)
+    assert state.summary_valid.tolist() == [[True]]
+    for _ in range(2):
+        _, state = block_linformer_step(q, k, v, state, projection, projection, grow=False)
+    with pytest.raises(ValueError, match="holds 1 block summaries.*capacity"):
+        block_linformer_step(q, k, v, state, projection, projection, grow=False)
+
+
+def test_the_prompt_pass_export_refuses_the_linformer_with_the_fix():
+    with pytest.raises(ValueError, match="Feed the prompt to DecoderStateStep"):
+        DecoderPrefill(causal_lm("linformer-headwise"))
+
+
+# ------------------------------------------------------------------------- generate() with a compile configuration
+
+def test_generate_with_a_compile_config_decodes_with_the_compiled_forward():
+    """generate() compiles the forward for its decoding steps when the cache is compileable (the linear decoder's
+    fixed-shape state cache is). A counting backend proves the compiled graphs ran, fullgraph=True that there was no
+    graph break, and the tokens equal eager greedy decoding."""
+    from transformers import CompileConfig
+
+    model = causal_lm("linear-elu")
+    ids, mask = left_padded_batch([random_ids(1, n, seed=n)[0] for n in (6, 11, 3)])
+    want = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=10, min_new_tokens=10)
+
+    graphs, runs = [], []
+
+    def counting_backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+
+        def run(*args):
+            runs.append(len(graphs))
+            return graph_module.forward(*args)
+
+        return run
+
+    config = CompileConfig(backend=counting_backend, mode=None, fullgraph=True)
+    # transformers compiles on accelerators only; this flag of its CompileConfig (for tests) lifts that on CPU
+    config._compile_all_devices = True
+    torch._dynamo.reset()  # other tests' compilations of the same forward must not count against the recompile limit
+    got = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=10, min_new_tokens=10, compile_config=config)
+    assert got.tolist() == want.tolist()
+    assert len(runs) == 9  # every decoding step after the eager prompt pass ran a compiled graph
+    # one graph for the first step's cache length, one with that length symbolic for every later step: no
+    # recompilation per token
+    assert len(graphs) <= 2
+
+
+
+def test_a_growing_block_linformer_state_still_grows_under_torch_compile():
+    """The generation cache's growing state keeps its value checks when the step is compiled (graph breaks), rather
+    than the fixed-capacity path, which would overwrite the last summary once the slots in use are full."""
+    from hf_linear_attn.block_linformer import block_linformer_step, empty_block_linformer_state
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 7, 4, generator=g) for _ in range(3))
+    projection = torch.randn(1, 2, 3, generator=g)  # blocks of 3 tokens into 2 rows
+    compiled_step = torch.compile(block_linformer_step, backend="eager")
+    torch._dynamo.reset()
+    eager = compiled = empty_block_linformer_state(2, 2, 4, 2, 3, torch.float32, "cpu")
+    for t in range(7):  # blocks complete at tokens 3 and 6
+        token = [x[:, :, t : t + 1] for x in (q, k, v)]
+        want, eager = block_linformer_step(*token, eager, projection, projection)
+        got, compiled = compiled_step(*token, compiled, projection, projection)
+        torch.testing.assert_close(got, want)
+    assert compiled.summary_valid.shape[1] == 2
+    for got, want in zip(compiled, eager, strict=True):
+        torch.testing.assert_close(got, want)
