@@ -203,7 +203,9 @@ def causal_linear_attention(
     ``form``: "scan" visits the chunks in order carrying the state (cache-resident steps, a hand-written backward
     of three more scans that stores nothing but the inputs); "parallel" computes every chunk at once with a prefix
     sum of per-chunk states (few, large kernels; autograd's backward). "auto" (and ``chunk_size=None``) picks both
-    from :data:`CAUSAL_FORM_TABLE`, by device, compute dtype, n and whether gradients are needed.
+    from :data:`CAUSAL_FORM_TABLE`, by device, compute dtype, n and whether gradients are needed. Under
+    ``torch.export`` ``form`` and ``chunk_size`` are set aside for the prefix-sum form (:func:`_prefix_sum_form`),
+    the one whose exported program holds for every n.
     """
     if form not in ("auto", "scan", "parallel"):
         raise ValueError(f"form must be 'auto', 'scan' or 'parallel', got {form!r}.")
