@@ -91,6 +91,24 @@ def test_torch_export_of_the_prompt_pass_serves_every_length_from_one_program(va
                 torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
+
+@pytest.mark.slow
+def test_torch_export_of_the_model_forward_without_cache_serves_every_length():
+    """The causal LM's own forward (use_cache=False: logits only) exports with a dynamic batch and length too."""
+    model = causal_lm("linear-elu")
+    batch = torch.export.Dim("batch", min=1, max=64)
+    length = torch.export.Dim("length", min=1, max=model.config.n_positions)
+    exported = torch.export.export(
+        model, (random_ids(2, 29),), kwargs={"use_cache": False},
+        dynamic_shapes={"input_ids": {0: batch, 1: length}, "use_cache": None},
+    ).module()
+    ids = random_ids(3, 40, seed=3)
+    with torch.no_grad():
+        for rows, n in ((2, 29), (1, 1), (3, 8), (1, 40)):
+            torch.testing.assert_close(
+                exported(ids[:rows, :n], use_cache=False).logits, model(ids[:rows, :n]).logits, atol=1e-5, rtol=1e-5
+            )
+
 def test_the_exported_prompt_pass_leaves_left_padding_out_of_the_state():
     """A left-padded batch through the exported program: each row's logits and state equal the row run alone."""
     model = causal_lm("linear-elu")
