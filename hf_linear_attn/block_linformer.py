@@ -263,12 +263,20 @@ def block_linformer_step(
     key_projection: torch.Tensor,
     value_projection: torch.Tensor,
     key_mask: torch.Tensor | None = None,
+    grow: bool = True,
 ) -> tuple[torch.Tensor, BlockLinformerState]:
     """One decoding step: q, k, v (B, H, 1, d) of one new token per row -> output (B, H, 1, d), new state.
 
     The token joins the current block and attends to it and to the summaries of completed blocks; a block that
     becomes complete is projected into k rows and stored in the row's next summary slot. Rows where ``key_mask``
     (B,) is False hold a pad: their state is left unchanged (and their output is meaningless).
+
+    ``grow``: the state adds a summary slot when a row completes more blocks than it has slots (a generation cache
+    keeps only the slots in use). ``grow=False``: the state has a fixed capacity of slots (see
+    :func:`empty_block_linformer_state`) and keeps its shapes, so that the step has no data-dependent branch under
+    ``torch.compile`` / ``torch.export``: there every step projects the current block, used or not, and writes it
+    where a row completes one; eager mode still skips that when no row completes a block, and raises when a row
+    completes more blocks than the capacity.
     """
     batch, heads, _, head_dim = q.shape
     b = state.block_keys.shape[2]
@@ -295,11 +303,21 @@ def block_linformer_step(
 
     summary_keys, summary_values, valid = state.summary_keys, state.summary_values, state.summary_valid
     complete = fill == b
-    if bool(complete.any()):
+    # Traced with a fixed capacity: no value is read. A growing state keeps its value checks even under
+    # torch.compile (a graph break there): without them a completed block could overwrite the last summary.
+    traced = not grow and torch.compiler.is_compiling()
+    if traced or bool(complete.any()):
         new_keys = project_blocks(block_keys.unsqueeze(2), key_projection).squeeze(2)  # (B, H, k, d)
         new_values = project_blocks(block_values.unsqueeze(2), value_projection).squeeze(2)
         slot_index = valid.sum(-1)  # completed blocks so far = the next free slot of each row
-        if int(slot_index[complete].max()) >= valid.shape[1]:  # first row to complete this block: add a slot
+        if not traced and int(torch.where(complete, slot_index, 0).max()) >= valid.shape[1]:
+            if not grow:
+                raise ValueError(
+                    f"The block Linformer state holds {valid.shape[1]} block summaries, and this step completes one "
+                    "more: size its capacity for the longest sequence (empty_block_linformer_state(..., capacity=...); "
+                    "DecoderStateStep gives room for n_positions tokens)."
+                )
+            # first row to complete this block: add a slot
             summary_keys = F.pad(summary_keys, (0, 0, 0, 0, 0, 1))
             summary_values = F.pad(summary_values, (0, 0, 0, 0, 0, 1))
             valid = F.pad(valid, (0, 1))
@@ -314,13 +332,17 @@ def block_linformer_step(
 
 
 def empty_block_linformer_state(
-    batch: int, heads: int, head_dim: int, proj_k: int, block_size: int, dtype: torch.dtype, device
+    batch: int, heads: int, head_dim: int, proj_k: int, block_size: int, dtype: torch.dtype, device, capacity: int = 0
 ) -> BlockLinformerState:
-    """The state before any token: no summaries and an empty current block."""
+    """The state before any token: no summaries and an empty current block.
+
+    ``capacity``: summary slots allocated ahead (all empty); 0 for a state that grows as blocks complete, at least
+    ``max tokens // block_size`` for the fixed-shape steps of ``block_linformer_step(..., grow=False)``.
+    """
     return BlockLinformerState(
-        torch.zeros(batch, heads, 0, proj_k, head_dim, dtype=dtype, device=device),
-        torch.zeros(batch, heads, 0, proj_k, head_dim, dtype=dtype, device=device),
-        torch.zeros(batch, 0, dtype=torch.bool, device=device),
+        torch.zeros(batch, heads, capacity, proj_k, head_dim, dtype=dtype, device=device),
+        torch.zeros(batch, heads, capacity, proj_k, head_dim, dtype=dtype, device=device),
+        torch.zeros(batch, capacity, dtype=torch.bool, device=device),
         torch.zeros(batch, heads, block_size, head_dim, dtype=dtype, device=device),
         torch.zeros(batch, heads, block_size, head_dim, dtype=dtype, device=device),
         torch.zeros(batch, dtype=torch.long, device=device),

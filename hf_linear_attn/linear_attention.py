@@ -203,7 +203,9 @@ def causal_linear_attention(
     ``form``: "scan" visits the chunks in order carrying the state (cache-resident steps, a hand-written backward
     of three more scans that stores nothing but the inputs); "parallel" computes every chunk at once with a prefix
     sum of per-chunk states (few, large kernels; autograd's backward). "auto" (and ``chunk_size=None``) picks both
-    from :data:`CAUSAL_FORM_TABLE`, by device, compute dtype, n and whether gradients are needed.
+    from :data:`CAUSAL_FORM_TABLE`, by device, compute dtype, n and whether gradients are needed. Under
+    ``torch.export`` ``form`` and ``chunk_size`` are set aside for the prefix-sum form (:func:`_prefix_sum_form`),
+    the one whose exported program holds for every n.
     """
     if form not in ("auto", "scan", "parallel"):
         raise ValueError(f"form must be 'auto', 'scan' or 'parallel', got {form!r}.")
@@ -211,14 +213,21 @@ def causal_linear_attention(
     batch, heads, n, m = phi_q.shape
     d_v = v.shape[-1]
     low = _bf16_compute(precision, phi_q, phi_k, v)
-    if form == "auto" or chunk_size is None:
-        needs_grad = torch.is_grad_enabled() and any(
-            t.requires_grad for t in (phi_q, phi_k, v, *(state if state is not None else ()))
-        )
-        auto_form, auto_chunk = choose_causal_form(phi_q.device.type, low, n, needs_grad)
-        form = auto_form if form == "auto" else form
-        chunk_size = auto_chunk if chunk_size is None else chunk_size
-    c = max(1, min(chunk_size, n))
+    if torch.compiler.is_exporting():
+        # torch.export (and the ONNX exporter, which runs it) traces n as a symbol: the scan's loop over chunks
+        # would unroll for the traced n, and the chunked forms' padding to a whole number of chunks leaves shape
+        # conditions (n a multiple of C? one chunk?) that fix n. The prefix-sum form's shapes are linear in n, so
+        # one exported program serves every length. Eager and torch.compile keep the forms below.
+        form, c = "prefix-sum", None
+    else:
+        if form == "auto" or chunk_size is None:
+            needs_grad = torch.is_grad_enabled() and any(
+                t.requires_grad for t in (phi_q, phi_k, v, *(state if state is not None else ()))
+            )
+            auto_form, auto_chunk = choose_causal_form(phi_q.device.type, low, n, needs_grad)
+            form = auto_form if form == "auto" else form
+            chunk_size = auto_chunk if chunk_size is None else chunk_size
+        c = max(1, min(chunk_size, n))
     with _no_autocast(v):
         if low:
             return _causal_bf16(phi_q, phi_k, v, key_mask, eps, c, state, form)
@@ -233,6 +242,8 @@ def causal_linear_attention(
                 _flat(phi_q), _flat(phi_k), _flat(v1), _flat(state0), c
             )
             out, final = out.view(batch, heads, n, d_v + 1), final.view(batch, heads, m, d_v + 1)
+        elif form == "prefix-sum":
+            out, final = _prefix_sum_form(phi_q, phi_k, v1, state0)
         else:
             out, final = _chunkwise_parallel(phi_q, phi_k, v1, state0, c)
         y = out[..., :d_v] / (out[..., d_v:] + eps)
@@ -281,6 +292,8 @@ def _causal_bf16(phi_q, phi_k, v, key_mask, eps, c, state, form):
     if form == "scan":
         numerator, s_n = _CausalLinearAttentionScan.apply(_flat(phi_q), _flat(phi_k), _flat(v), _flat(s0), c)
         numerator, s_n = numerator.view(batch, heads, n, d_v), s_n.view(batch, heads, m, d_v)
+    elif form == "prefix-sum":
+        numerator, s_n = _prefix_sum_form(phi_q, phi_k, v, s0)
     else:
         numerator, s_n = _chunkwise_parallel(phi_q, phi_k, v, s0, c)
     z_t = torch.cumsum(phi_k.float(), dim=2) + z0  # (B, H, n, m) float32
@@ -312,6 +325,19 @@ def _chunkwise_parallel(q, k, v, state, c: int):
     else:
         out = torch.matmul(scores, v_c) + torch.matmul(q_c, kv_before)
     return out.reshape(batch, heads, n + padded, d)[:, :, :n], kv_before[:, :, -1] + chunk_kv[:, :, -1]
+
+
+def _prefix_sum_form(q, k, v, state):
+    """The same product in float32 with every position's state at once: S_t = S_0 + cumsum_j k_j^T v_j (B, H, n, m, d),
+    O_t = q_t S_t; returns O and S_n. The form torch.export takes (see :func:`causal_linear_attention`).
+
+    Its shapes are n or fixed, with no chunk count, padding or slicing to a multiple of C, so an exported program
+    holds for every n. The cost: the per-position states, O(n m d) memory where the chunked forms hold O(n C + m d)
+    per chunk (m = d = 64: 16 kB per position and head, 200 MB for 12 heads at n = 1,024, freed after the layer).
+    """
+    states = state.float().unsqueeze(2) + torch.cumsum(k.float().unsqueeze(-1) * v.float().unsqueeze(-2), dim=2)
+    out = (q.float().unsqueeze(-1) * states).sum(-2)  # q_t S_t as a broadcast product: no batched matmul over n
+    return out, states[:, :, -1]
 
 
 def recurrent_linear_attention_step(

@@ -44,13 +44,12 @@ class LinearGPT2Attention(GPT2StyleAttention):
             learned_feature_dim=config.learned_feature_dim, causal=True,
         )
 
-    @staticmethod
-    def state_shapes(attention: "LinearGPT2Attention", batch_size: int) -> tuple[tuple[int, ...], ...]:
-        """(S (B, H, m, d), z (B, H, m)), m the feature map's output width."""
-        probe = torch.zeros(1, attention.num_heads, 1, attention.head_dim, device=attention.c_attn.weight.device)
-        features = attention.feature_map(probe, is_query=False).shape[-1]
-        heads, head_dim = attention.num_heads, attention.head_dim
-        return (batch_size, heads, features, head_dim), (batch_size, heads, features)
+    def initial_state(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Zeros (S (B, H, m, d), z (B, H, m)) in float32, m the feature map's output width."""
+        device = self.c_attn.weight.device
+        features = self.feature_map(torch.zeros(1, self.num_heads, 1, self.head_dim, device=device), is_query=False)
+        shape = (batch_size, self.num_heads, features.shape[-1])
+        return torch.zeros(*shape, self.head_dim, device=device), torch.zeros(shape, device=device)
 
     def attend(self, q, k, v, key_mask, state, use_cache, need_tail, output_attentions, shared_projection):
         phi_q, phi_k = self.feature_map.pair(q, k, key_mask)

@@ -7,7 +7,12 @@ generation cache holds those summaries and the current block: it grows by k rows
 
 import torch
 
-from .block_linformer import block_linformer_step, causal_block_linformer_attention
+from .block_linformer import (
+    BlockLinformerState,
+    block_linformer_step,
+    causal_block_linformer_attention,
+    empty_block_linformer_state,
+)
 from .configuration_linformer_gpt2 import LinformerGPT2Config
 from .linformer_projection import (
     LinformerProjection,
@@ -34,10 +39,13 @@ class LinformerGPT2Attention(GPT2StyleAttention):
     """
 
     cache_layer_class = BlockLinformerCacheLayer
+    fixed_shape_prompt_state = False  # the prompt pass keeps one summary slot per completed block
 
     def __init__(self, config: LinformerGPT2Config, layer_idx: int):
         super().__init__(config, layer_idx)
         self.block_size = config.linformer_block_size
+        self.proj_k = config.linformer_k
+        self.max_positions = config.n_positions
         self.sharing = config.linformer_sharing
         self.dropout = config.attn_pdrop
         add_linformer_projections(self, self.sharing, self.num_heads, config.linformer_k, self.block_size)
@@ -47,8 +55,19 @@ class LinformerGPT2Attention(GPT2StyleAttention):
         """The single matrix of layerwise sharing, owned by the base model; None for the other modes."""
         return shared_linformer_projection(config.linformer_sharing, config.linformer_k, config.linformer_block_size)
 
+    def initial_state(self, batch_size: int) -> BlockLinformerState:
+        """An empty state with a fixed capacity of n_positions // block_size summary slots (every block a sequence
+        within the position table can complete), so its shapes never change (see :class:`DecoderStateStep`)."""
+        return empty_block_linformer_state(
+            batch_size, self.num_heads, self.head_dim, self.proj_k, self.block_size,
+            self.c_attn.weight.dtype, self.c_attn.weight.device, capacity=self.max_positions // self.block_size,
+        )
+
     def attend(self, q, k, v, key_mask, state, use_cache, need_tail, output_attentions, shared_projection):
         key_projection, value_projection = linformer_projection_weights(self, self.sharing, shared_projection)
+        # The generation cache holds a BlockLinformerState that adds a slot per completed block; DecoderStateStep
+        # hands the fixed-capacity state of initial_state() over as a plain tuple of tensors.
+        grow = state is None or isinstance(state, BlockLinformerState)
         if state is None:
             output, weights, state = causal_block_linformer_attention(
                 q, k, v, key_projection, value_projection, self.block_size, key_mask,
@@ -56,12 +75,12 @@ class LinformerGPT2Attention(GPT2StyleAttention):
                 return_state=use_cache,
             )
         else:
-            state = state.to(q.device)
+            state = BlockLinformerState(*state).to(q.device)
             outputs = []
             for t in range(q.shape[2]):  # new tokens after a cached prefix: one decoding step each
                 step_output, state = block_linformer_step(
                     q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], state, key_projection, value_projection,
-                    key_mask=None if key_mask is None else key_mask[:, t],
+                    key_mask=None if key_mask is None else key_mask[:, t], grow=grow,
                 )
                 outputs.append(step_output)
             output, weights = torch.cat(outputs, dim=2).to(v.dtype), None
