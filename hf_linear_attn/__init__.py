@@ -35,6 +35,7 @@ from .linformer_projection import (
     pooling_matrix,
     project_sequence,
 )
+from .modeling_gpt2_style import DecoderPrefill, DecoderStateStep
 from .modeling_linear_gpt2 import (
     LinearGPT2ForCausalLM,
     LinearGPT2ForSequenceClassification,
@@ -50,13 +51,6 @@ from .modeling_linear_roberta import (
     LinearRobertaModel,
     LinearRobertaPreTrainedModel,
 )
-from .modeling_linformer_gpt2 import (
-    LinformerGPT2ForCausalLM,
-    LinformerGPT2ForSequenceClassification,
-    LinformerGPT2Model,
-    LinformerGPT2PreTrainedModel,
-)
-from .modeling_gpt2_style import DecoderStateStep
 from .modeling_linformer import (
     LinformerForMaskedLM,
     LinformerForMultipleChoice,
@@ -65,6 +59,12 @@ from .modeling_linformer import (
     LinformerForTokenClassification,
     LinformerModel,
     LinformerPreTrainedModel,
+)
+from .modeling_linformer_gpt2 import (
+    LinformerGPT2ForCausalLM,
+    LinformerGPT2ForSequenceClassification,
+    LinformerGPT2Model,
+    LinformerGPT2PreTrainedModel,
 )
 from .recurrent_cache import BlockLinformerCacheLayer, LinearAttentionStateLayer, RecurrentStateCache
 
@@ -102,6 +102,7 @@ __all__ = [
     "ModelFamily",
     "BlockLinformerCacheLayer",
     "BlockLinformerState",
+    "DecoderPrefill",
     "DecoderStateStep",
     "LinearAttentionStateLayer",
     "LinearGPT2Config",

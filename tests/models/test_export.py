@@ -5,7 +5,7 @@ import pytest
 import torch
 from helpers import causal_lm, left_padded_batch, random_ids
 
-from hf_linear_attn.modeling_gpt2_style import DecoderPrefill, DecoderStateStep
+from hf_linear_attn import DecoderPrefill, DecoderStateStep
 
 
 def prefill_then_step(variant="linear-elu", batch=2, n=10):
