@@ -97,13 +97,26 @@ def test_finetuning_refuses_flags_that_would_train_nothing_or_crash_later(tmp_pa
         (["--max_seq_length", "0"], "--max_seq_length must be at least 1"),
         (["--max_seq_length", "-5"], "--max_seq_length must be at least 1"),
         (["--num_train_epochs", "-1", "--max_steps", "-1"], "nothing to train"),
-        (["--save_steps", "0"], "--save_steps must be positive"),
-        (["--logging_steps", "0"], "logging_steps"),
+        # 0 steps: TrainingArguments turned an --eval_steps of 0 into --logging_steps (500) without a word, Trainer
+        # saved no checkpoint for a --save_steps of 0; each is refused naming the flag and the way to have none
+        (["--eval_steps", "0", "--eval_strategy", "steps"], "--eval_steps must be positive (got 0)"),
+        (["--eval_steps", "0", "--eval_strategy", "steps"], "pass --eval_strategy no"),
+        (["--eval_steps", "0"], "--eval_steps must be positive (got 0)"),
+        (["--eval_steps", "-2", "--eval_strategy", "steps"], "--eval_steps must be positive (got -2)"),
+        (["--save_steps", "0"], "--save_steps must be positive (got 0)"),
+        (["--save_steps", "0"], "pass --save_strategy no"),
+        (["--save_steps", "0", "--save_strategy", "no"], "--save_steps must be positive"),
+        (["--logging_steps", "0"], "--logging_steps must be positive (got 0)"),
+        (["--logging_steps", "0"], "pass --logging_strategy no"),
         (["--max_eval_samples", "0"], "--max_eval_samples must be at least 1"),
     ]
     for extra, expected in cases:
         assert expected in _error(main, [*sst2, *extra]), extra
         assert not (tmp_path / "out").exists(), extra
+    config = tmp_path / "finetune.json"  # the same from a --config file
+    config.write_text(json.dumps({"eval_strategy": "steps", "eval_steps": 0}))
+    assert "--eval_steps must be positive (got 0)" in _error(main, [*sst2, "--config", str(config)])
+    assert "must be positive" not in _error(main, [*sst2, "--eval_steps", "0.25", "--eval_strategy", "steps"])
     # a length that fits only the special tokens: <s></s> would be all the model sees
     data, _ = load_task_data(get_task("sst2"), train_file=str(GLUE / "sst2" / "dev.tsv"))
     with pytest.raises(UsageError, match="leaves no room for text"):
