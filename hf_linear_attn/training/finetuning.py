@@ -199,8 +199,9 @@ def resolve_resume(value: str | None, output_dir: Path, world_size: int, allow_i
             for skipped, why in damaged:
                 print(f"warning: skipping the incomplete checkpoint {skipped} ({why}); it is left in place")
             if problems:
-                print(f"warning: resuming from {folder} without {', '.join(problems.values())} "
-                      "(--allow_inexact_resume): the continuation differs from an uninterrupted run")
+                print(f"warning: resuming from {folder} without its {', '.join(problems)} "
+                      f"({'; '.join(problems.values())}; --allow_inexact_resume): the continuation differs from an "
+                      "uninterrupted run")
             return str(folder)
         damaged.append((folder, "; ".join(f"{piece}: {what}" for piece, what in problems.items())))
     listing = "\n  ".join(f"{folder}: {why}" for folder, why in damaged)
