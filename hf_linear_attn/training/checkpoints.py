@@ -1,8 +1,9 @@
 """Checkpoints that are whole or ignored: file checks, atomic folder replacement, full-disk reporting.
 
 Both scripts write checkpoints into a temporary folder and rename it into place when complete, so a kill or a full
-disk never leaves a half-written checkpoint under a checkpoint's name; `remove_folder` deletes one the same way round. A folder damaged some other way (a file
-deleted or truncated by hand, a checkpoint of an older version) is found by `missing_pieces` and skipped by name.
+disk never leaves a half-written checkpoint under a checkpoint's name; `remove_folder` deletes one the same way
+round. A folder damaged some other way (a file deleted or truncated by hand, a checkpoint of an older version) is
+found by `missing_pieces` and skipped by name.
 """
 
 import errno

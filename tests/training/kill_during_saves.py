@@ -5,7 +5,7 @@ One parent process imports torch, transformers, accelerate and the package once,
 the child runs scripts/<script> as __main__ with the attempt's arguments. It holds no training state (only the
 imports are shared, and no torch operation has run in the parent), so it starts as a fresh process would, without
 the seconds of imports each fresh process pays. Requests and answers are JSON lines:
-  -> {"script": "finetune.py", "argv": [...], "kill": [save, phase, n] or null, "log": PATH, "output": PATH}
+  -> {"script": "finetune.py", "argv": [...], "kill": [save, phase, n, how] or null, "log": PATH, "output": PATH}
   <- {"status": exit code, or -9 for a SIGKILL}
 
 What counts as an event: every file operation made while a checkpoint is being saved (inside
@@ -15,10 +15,13 @@ save_file, which open their files in C++ / Rust and are wrapped here. Its phase 
 inside Trainer._save_checkpoint or Accelerator.save_state, "script" in the package's own code around them (the
 temporary folder, the rename into place, the rotation of old checkpoints). Every event is logged to "log" as a
 JSON line; at the event "kill" names (the n-th event of that phase in the attempt's save number `save`, from 1) the
-child logs it and sends itself SIGKILL: before a rename, removal or open, and half-way through a torch / safetensors
-file (its first half is written, as when a kill lands during the write).
+child logs it and, with how = "kill", sends itself SIGKILL: before a rename, removal or open, and half-way through a
+torch / safetensors file (its first half is written, as when a kill lands during the write). With how = "full" the
+disk is full there instead: that operation fails with ENOSPC (a file after its first half), and the script carries on
+as it would.
 """
 
+import errno
 import io
 import json
 import os
@@ -38,7 +41,8 @@ class SaveKiller:
     """Counts the file operations of checkpoint saves and kills this process at the chosen one."""
 
     def __init__(self, kill, log_path: str):
-        self.kill = tuple(kill) if kill else None
+        self.kill = tuple(kill[:3]) if kill else None
+        self.how = kill[3] if kill else None
         self.log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self.saves = 0  # outer saves begun in this process
         self.phase = None  # None outside a save, else "script" or "library"
@@ -57,7 +61,10 @@ class SaveKiller:
         os.write(self.log, (json.dumps(record) + "\n").encode())  # a syscall: on disk for the test after the kill
         return chosen
 
-    def die(self):
+    def die(self, path):
+        if self.how == "full":
+            self.busy = False
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
         os.kill(os.getpid(), signal.SIGKILL)
 
     def audit(self, name, args):
@@ -71,7 +78,7 @@ class SaveKiller:
         else:
             path = args[0]
         if self.event(name, path):
-            self.die()  # audit hooks run before the operation: it never happens
+            self.die(path)  # audit hooks run before the operation: it never happens (an exception aborts it)
 
     def wrap_writer(self, real, serialize, kind):
         """torch.save / safetensors save_file: an event; at the kill, half of the file's bytes, then SIGKILL."""
@@ -83,7 +90,7 @@ class SaveKiller:
                     with open(target, "wb") as handle:
                         handle.write(data[: len(data) // 2])
                         handle.flush()
-                self.die()
+                self.die(target)
             return real(obj, target, *args, **kwargs)
         return writer
 
@@ -168,7 +175,7 @@ def serve():
     import torch  # noqa: F401
     import transformers  # noqa: F401
 
-    import hf_linear_attn.training.finetuning  # noqa: F401
+    import hf_linear_attn.training.finetuning
     import hf_linear_attn.training.pretraining  # noqa: F401
 
     for line in sys.stdin:

@@ -1,15 +1,15 @@
-"""Issue 30: SIGKILL at seeded-random moments of checkpoint saves, in a loop, and the same command run again each
-time: the run always finishes, in one attempt more than there were kills; no retry fails to find a checkpoint; no
-incomplete folder ever carries a checkpoint's name, and those a resume passes over are named and left in place;
-older whole checkpoints stay byte for byte as written (only the rotation to --save_total_limit removes one); the
-final weights equal those of an uninterrupted run, bit for bit (the README promises it for pretraining; fine-tuning
-resumes Trainer's own RNG, data order and optimizer state on CPU, and is found exact too).
+"""Issue 30: SIGKILL (and once a full disk) at seeded-random moments of checkpoint saves, in a loop, and the same
+command run again each time: the run always finishes, in one attempt more than there were stops; no retry fails to
+find a checkpoint; no incomplete folder ever carries a checkpoint's name, and those a resume passes over are named
+and left in place; older whole checkpoints stay byte for byte as written (only the rotation to --save_total_limit
+removes one); the final weights equal those of an uninterrupted run, bit for bit (the README promises it for
+pretraining; fine-tuning resumes Trainer's own RNG, data order and optimizer state on CPU, and is found exact too).
 
 Each attempt is a process forked from one that imported the libraries (tests/training/kill_during_saves.py), which
-kills itself at the n-th file operation of one phase of one save: inside the library's save (a weights or optimizer
-file half written), while the package finishes a save (the rename into place, the clean-up), or while it deletes an
-old checkpoint. Where in that phase is drawn from a seeded generator (KILL_LOOP_SEED, default 0: set it to try
-other moments); which operation each kill hit is in the assertion messages.
+kills itself (or finds the disk full) at the n-th file operation of one phase of one save: inside the library's
+save (a weights or optimizer file half written), while the package finishes a save (the rename into place, the
+clean-up), or while it deletes an old checkpoint. Where in that phase is drawn from a seeded generator
+(KILL_LOOP_SEED, default 0: set it to try other moments); the operation each stop hit is in the assertion messages.
 """
 
 import hashlib
@@ -24,14 +24,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import CORPUS, ENV, REPO_ROOT, TINY, needs_data, pretrain_args, tiny_preset, weights
+from helpers import CORPUS, ENV, TINY, needs_data, pretrain_args, tiny_preset, weights
 from safetensors.torch import load_file
 
 SEED = int(os.environ.get("KILL_LOOP_SEED", "0"))
-# (save of the attempt, where in it): a kill inside the library's own save of the first checkpoint (nothing whole on
-# disk yet), one while the third save deletes the oldest checkpoint, one while a resumed run puts its first save in
-# place
-KILLS = [(1, "writing"), (3, "rotation"), (1, "finishing")]
+# (save of the attempt, where in it, kill or full disk): a kill inside the library's own save of the first checkpoint
+# (nothing whole on disk yet), one while the third save deletes the oldest checkpoint, a full disk in the middle of a
+# file, a kill while a resumed run puts its first save in place
+STOPS = [(1, "writing", "kill"), (3, "rotation", "kill"), (2, "writing", "full"), (1, "finishing", "kill")]
 CANNOT_RESUME = "Can't find a valid checkpoint"
 
 
@@ -178,6 +178,26 @@ def check_attempt(folder: Folder, before: dict, after: dict, events: list[dict],
             assert "skipping the incomplete checkpoint" in output and name in output, where
 
 
+def stopped_attempt(attempts: "Attempts", script: str, argv: list, folder: "Folder", census: dict, stop: tuple,
+                    rng: random.Random, attempt: int):
+    """Run one attempt stopped at a moment of `stop` drawn by `rng`; check it stopped there as a kill or a full disk
+    stops a run. Returns (folder before, folder after, its operations, its output, a description for messages)."""
+    save, where, how = stop
+    before = folder.snapshot()
+    newest = folder.newest_whole(before)
+    start = folder.step(newest) if newest else 0
+    kill = [*choose_kill(census[start + save], save, where, rng), how]
+    status, output, events = attempts.run(script, argv, kill=kill)
+    context = f"attempt {attempt}, seed {SEED}, {how} at {killed_where(events)}"
+    after = folder.snapshot()
+    if how == "kill":
+        assert status == -9, f"{context}: not killed (exit {status}):\n{output[-3000:]}"
+    else:  # the error names the full disk; the save's temporary folder is gone, the older checkpoints stay
+        assert status == 1 and "error: the disk is full" in output, f"{context}:\n{output[-3000:]}"
+        assert not [n for n, (k, _) in after.items() if k == "temporary" and step_named(n) == start + save], context
+    return before, after, events, output, context
+
+
 def killed_where(events: list[dict]) -> str:
     hit = next((e for e in events if e["kill"]), None)
     if hit is None:
@@ -226,17 +246,12 @@ def test_finetuning_killed_in_saves_again_and_again_ends_as_an_uninterrupted_run
     folder = Folder(run, r"^checkpoint-(\d+)$", TRAINER_FILES)
     rng = random.Random(SEED)
     planted = set()
-    for attempt, (save, where) in enumerate(KILLS, start=1):
-        before = folder.snapshot()
+    for attempt, stop in enumerate(STOPS, start=1):
+        before, after, events, output, context = stopped_attempt(attempts, "finetune.py", argv(run), folder, census,
+                                                                 stop, rng, attempt)
         newest = folder.newest_whole(before)
-        start = folder.step(newest) if newest else 0
-        kill = choose_kill(census[start + save], save, where, rng)
-        status, output, events = attempts.run("finetune.py", argv(run), kill=kill)
-        context = f"attempt {attempt}, seed {SEED}, killed at {killed_where(events)}"
-        assert status == -9, f"{context}: not killed (exit {status}):\n{output[-3000:]}"
         said = "resuming from " + str(run / newest) if newest else "holds no checkpoint yet; training from the start"
         assert said in output, f"{context}: did not resume from the newest whole checkpoint {newest}"
-        after = folder.snapshot()
         check_attempt(folder, before, after, events, output, keep, planted, context)
         if attempt == 2:
             # a checkpoint-N damaged some other way (an older version, a file deleted by hand), newer than all
@@ -290,17 +305,12 @@ def test_pretraining_killed_in_saves_again_and_again_ends_bit_exact(corpus, tmp_
     folder = Folder(run / "checkpoints", r"^step_(\d+)$", ACCELERATE_FILES)
     rng = random.Random(SEED)
     flags = []  # the first attempt starts the run
-    for attempt, (save, where) in enumerate(KILLS, start=1):
-        before = folder.snapshot()
+    for attempt, stop in enumerate(STOPS, start=1):
+        before, after, events, output, context = stopped_attempt(attempts, "pretrain.py", argv(run, *flags), folder,
+                                                                 census, stop, rng, attempt)
         newest = folder.newest_whole(before)
-        start = folder.step(newest) if newest else 0
-        kill = choose_kill(census[start + save], save, where, rng)
-        status, output, events = attempts.run("pretrain.py", argv(run, *flags), kill=kill)
-        context = f"attempt {attempt}, seed {SEED}, killed at {killed_where(events)}"
-        assert status == -9, f"{context}: not killed (exit {status}):\n{output[-3000:]}"
         if newest:
             assert f"resumed from {run / 'checkpoints' / newest}" in output, context
-        after = folder.snapshot()
         # --overwrite_output_dir replaces the run: nothing from before it is to be kept
         check_attempt(folder, {} if "--overwrite_output_dir" in flags else before, after, events, output, keep,
                       set(), context, half_deleted_ok=PRETRAINING_DELETES_IN_PLACE)
