@@ -4,9 +4,30 @@ import json
 import sys
 from pathlib import Path
 
-from transformers import HfArgumentParser
+from transformers import HfArgumentParser, TrainingArguments
 
 from .errors import UsageError
+
+# 0 steps means something else to each layer: TrainingArguments.__post_init__ turns an --eval_steps of 0 into
+# --logging_steps (every 500 steps by default) without a word, Trainer saves no checkpoint at all for a --save_steps
+# of 0, and TrainingArguments refuses a --logging_steps of 0 without naming the fix. So the three are checked on the
+# parsed flags, before the dataclass is built: {flag: (what it counts, how to have none)}.
+TRAINER_INTERVALS = {
+    "eval_steps": ("evaluations", "--eval_strategy no (with --do_eval, the model is evaluated once after training)"),
+    "save_steps": ("checkpoints", "--save_strategy no (the model is still saved once after training)"),
+    "logging_steps": ("logged losses", "--logging_strategy no"),
+}
+
+
+def check_trainer_intervals(namespace) -> None:
+    """Refuse a zero or negative --eval_steps / --save_steps / --logging_steps, naming the flag and the fix, whatever
+    the strategy: 0 is never a number of steps, and TrainingArguments would replace some of them without a word."""
+    for flag, (what, off) in TRAINER_INTERVALS.items():
+        value = getattr(namespace, flag, None)
+        if value is not None and value <= 0:
+            raise UsageError(f"--{flag} must be positive (got {value:g}): the number of update steps between "
+                             f"{what}, or a share of all steps if below 1 (0.1: every tenth of the run); to have "
+                             f"none during training pass {off}")
 
 
 def parse_arguments(dataclass_types, argv=None):
@@ -42,6 +63,8 @@ def parse_arguments(dataclass_types, argv=None):
             elif value is not None:
                 file_args += [f"--{key}", str(value)]
         argv = file_args + argv
+    if any(isinstance(t, type) and issubclass(t, TrainingArguments) for t in dataclass_types):
+        check_trainer_intervals(parser.parse_known_args(args=argv)[0])  # before __post_init__ rewrites them
     try:
         *parsed, rest = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
     except UsageError:

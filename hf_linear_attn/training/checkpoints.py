@@ -1,8 +1,9 @@
 """Checkpoints that are whole or ignored: file checks, atomic folder replacement, full-disk reporting.
 
 Both scripts write checkpoints into a temporary folder and rename it into place when complete, so a kill or a full
-disk never leaves a half-written checkpoint under a checkpoint's name. A folder damaged some other way (a file
-deleted or truncated by hand, a checkpoint of an older version) is found by `missing_pieces` and skipped by name.
+disk never leaves a half-written checkpoint under a checkpoint's name; `remove_folder` deletes one the same way
+round. A folder damaged some other way (a file deleted or truncated by hand, a checkpoint of an older version) is
+found by `missing_pieces` and skipped by name.
 """
 
 import errno
@@ -78,6 +79,17 @@ def replace_folder(partial: Path, final: Path) -> None:
         os.replace(final, stale)
     os.replace(partial, final)
     shutil.rmtree(stale, ignore_errors=True)
+
+
+def remove_folder(folder: Path) -> None:
+    """Delete `folder` so that a kill half-way never leaves part of it under its own name: it is renamed to
+    .deleting-NAME first (a name no checkpoint listing matches), then removed. What earlier kills left half deleted
+    beside it goes too (a whole checkpoint's worth of disk, else kept for good)."""
+    for leftover in folder.parent.glob(".deleting-*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+    doomed = folder.with_name(f".deleting-{folder.name}")
+    os.replace(folder, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 def is_disk_full(error: BaseException) -> bool:

@@ -25,11 +25,11 @@ from transformers import (
     TrainingArguments,
     set_seed,
 )
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 import hf_linear_attn  # noqa: F401  (registers the package's models with the Auto classes)
 
-from .checkpoints import disk_full_error, fsync_tree, is_disk_full, missing_pieces, replace_folder
+from .checkpoints import disk_full_error, fsync_tree, is_disk_full, missing_pieces, remove_folder, replace_folder
 from .data import (
     custom_task, encode_task, get_task, load_task_data, parse_text_columns, read_task_files, refuse_sources_inside,
     require_split_sources,
@@ -86,6 +86,7 @@ class FinetuneArguments:
 
 
 CHECKPOINT_NAME = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
+INTERRUPTED_SAVE = (".partial-", ".stale-", ".deleting-")  # temporary folders a killed save can leave
 
 
 class AtomicCheckpointTrainer(Trainer):
@@ -112,8 +113,7 @@ class AtomicCheckpointTrainer(Trainer):
                 fsync_tree(staging)
                 replace_folder(staging / name, final)
                 shutil.rmtree(staging, ignore_errors=True)
-                rotate_checkpoints(output_dir=str(run_dir), save_total_limit=self.args.save_total_limit,
-                                   best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+                self._keep_newest_checkpoints(run_dir, final)
         except (OSError, RuntimeError) as error:
             if self.args.should_save:
                 shutil.rmtree(staging, ignore_errors=True)
@@ -123,6 +123,28 @@ class AtomicCheckpointTrainer(Trainer):
         finally:
             self._get_output_dir = get_output_dir
         self.accelerator.wait_for_everyone()
+
+    def _keep_newest_checkpoints(self, run_dir: Path, saved: Path) -> None:
+        """Keep the --save_total_limit newest whole checkpoints (and the one just saved, and the best one).
+
+        Not Trainer's rotate_checkpoints: it orders by modification time and deletes in place, so a kill during a
+        deletion left a half-deleted checkpoint-N whose folder was now the newest by time; the next rotation kept
+        it and deleted whole, newer ones. Here the order is the step (as for resuming), incomplete folders are
+        neither counted nor deleted (they are skipped by name and kept), and each deletion is atomic."""
+        limit = self.args.save_total_limit
+        if limit is None or limit <= 0:
+            return
+        whole = [p for p in checkpoint_folders(run_dir) if not trainer_checkpoint_problems(p, self.args.world_size)]
+        protected = {saved}
+        if self.state.best_model_checkpoint:
+            protected.add(Path(self.state.best_model_checkpoint))
+        excess = len(whole) - max(limit, len(protected))
+        for folder in whole:  # oldest first
+            if excess <= 0:
+                break
+            if folder not in protected:
+                remove_folder(folder)
+                excess -= 1
 
 
 def trainer_checkpoint_problems(folder: Path, world_size: int) -> dict[str, str]:
@@ -137,6 +159,13 @@ def trainer_checkpoint_problems(folder: Path, world_size: int) -> dict[str, str]
     return missing_pieces(folder, pieces)
 
 
+def checkpoint_folders(output_dir: Path) -> list[Path]:
+    """The checkpoint-N folders of output_dir, oldest step first (temporary .partial- / .stale- / .deleting- folders
+    are not matched; whether a folder is whole is `trainer_checkpoint_problems`' question)."""
+    found = [p for p in output_dir.glob(f"{PREFIX_CHECKPOINT_DIR}-*") if p.is_dir() and CHECKPOINT_NAME.match(p.name)]
+    return sorted(found, key=lambda p: int(CHECKPOINT_NAME.match(p.name).group(1)))
+
+
 def resolve_resume(value: str | None, output_dir: Path, world_size: int, allow_inexact: bool) -> str | None:
     """The checkpoint --resume_from_checkpoint means: a folder (checked whole), or with True / latest the newest
     whole checkpoint-N of output_dir, each incomplete one skipped by name (and kept). An error names what a
@@ -144,11 +173,21 @@ def resolve_resume(value: str | None, output_dir: Path, world_size: int, allow_i
     if value is None or str(value).lower() in ("", "false", "none"):
         return None
     if str(value).lower() in ("true", "latest"):
-        found = [p for p in output_dir.glob(f"{PREFIX_CHECKPOINT_DIR}-*") if p.is_dir() and CHECKPOINT_NAME.match(p.name)]
-        candidates = sorted(found, key=lambda p: int(CHECKPOINT_NAME.match(p.name).group(1)), reverse=True)
+        candidates = checkpoint_folders(output_dir)[::-1]
         if not candidates:
-            raise UsageError(f"--resume_from_checkpoint {value}: {output_dir} holds no {PREFIX_CHECKPOINT_DIR}-N "
-                             "folder to resume from")
+            # A run killed before its first checkpoint was whole leaves nothing, or only the temporary folder of
+            # that save: the same command then starts the run (so one command serves a first try and every retry).
+            # A folder holding anything else is another run's.
+            present = sorted(p.name for p in output_dir.iterdir()) if output_dir.is_dir() else []
+            others = [name for name in present if not name.startswith(INTERRUPTED_SAVE)]
+            if others:
+                raise UsageError(f"--resume_from_checkpoint {value}: {output_dir} holds no {PREFIX_CHECKPOINT_DIR}-N "
+                                 f"folder to resume from, but other files ({', '.join(others[:5])}): another run's "
+                                 "output? Choose another --output_dir, or --overwrite_output_dir without "
+                                 "--resume_from_checkpoint to replace it")
+            print(f"warning: --resume_from_checkpoint {value}: {output_dir} holds no checkpoint yet; training from "
+                  "the start")
+            return None
     else:
         candidates = [Path(value)]
         if not candidates[0].is_dir():
@@ -160,8 +199,9 @@ def resolve_resume(value: str | None, output_dir: Path, world_size: int, allow_i
             for skipped, why in damaged:
                 print(f"warning: skipping the incomplete checkpoint {skipped} ({why}); it is left in place")
             if problems:
-                print(f"warning: resuming from {folder} without {', '.join(problems.values())} "
-                      "(--allow_inexact_resume): the continuation differs from an uninterrupted run")
+                print(f"warning: resuming from {folder} without its {', '.join(problems)} "
+                      f"({'; '.join(problems.values())}; --allow_inexact_resume): the continuation differs from an "
+                      "uninterrupted run")
             return str(folder)
         damaged.append((folder, "; ".join(f"{piece}: {what}" for piece, what in problems.items())))
     listing = "\n  ".join(f"{folder}: {why}" for folder, why in damaged)
@@ -379,6 +419,8 @@ def run_finetuning(args: FinetuneArguments, training: TrainingArguments, argv=No
                                       data_collator=DataCollatorWithPadding(tokenizer), compute_metrics=compute_metrics)
     metrics = {}
     if do_train:
+        if resume_from is not None and trainer.is_world_process_zero():
+            print(f"resuming from {resume_from}")  # Trainer says so only at INFO level
         train_result = trainer.train(resume_from_checkpoint=resume_from)
         try:
             trainer.save_model(str(output_dir))  # weights, config, model code (save_pretrained) and tokenizer

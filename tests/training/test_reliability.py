@@ -3,8 +3,11 @@ input. Checkpoints are whole or skipped by name, resumes are exact or refused, a
 
 import errno
 import json
+import os
 import re
 import shutil
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -97,13 +100,26 @@ def test_finetuning_refuses_flags_that_would_train_nothing_or_crash_later(tmp_pa
         (["--max_seq_length", "0"], "--max_seq_length must be at least 1"),
         (["--max_seq_length", "-5"], "--max_seq_length must be at least 1"),
         (["--num_train_epochs", "-1", "--max_steps", "-1"], "nothing to train"),
-        (["--save_steps", "0"], "--save_steps must be positive"),
-        (["--logging_steps", "0"], "logging_steps"),
+        # 0 steps: TrainingArguments turned an --eval_steps of 0 into --logging_steps (500) without a word, Trainer
+        # saved no checkpoint for a --save_steps of 0; each is refused naming the flag and the way to have none
+        (["--eval_steps", "0", "--eval_strategy", "steps"], "--eval_steps must be positive (got 0)"),
+        (["--eval_steps", "0", "--eval_strategy", "steps"], "pass --eval_strategy no"),
+        (["--eval_steps", "0"], "--eval_steps must be positive (got 0)"),
+        (["--eval_steps", "-2", "--eval_strategy", "steps"], "--eval_steps must be positive (got -2)"),
+        (["--save_steps", "0"], "--save_steps must be positive (got 0)"),
+        (["--save_steps", "0"], "pass --save_strategy no"),
+        (["--save_steps", "0", "--save_strategy", "no"], "--save_steps must be positive"),
+        (["--logging_steps", "0"], "--logging_steps must be positive (got 0)"),
+        (["--logging_steps", "0"], "pass --logging_strategy no"),
         (["--max_eval_samples", "0"], "--max_eval_samples must be at least 1"),
     ]
     for extra, expected in cases:
         assert expected in _error(main, [*sst2, *extra]), extra
         assert not (tmp_path / "out").exists(), extra
+    config = tmp_path / "finetune.json"  # the same from a --config file
+    config.write_text(json.dumps({"eval_strategy": "steps", "eval_steps": 0}))
+    assert "--eval_steps must be positive (got 0)" in _error(main, [*sst2, "--config", str(config)])
+    assert "must be positive" not in _error(main, [*sst2, "--eval_steps", "0.25", "--eval_strategy", "steps"])
     # a length that fits only the special tokens: <s></s> would be all the model sees
     data, _ = load_task_data(get_task("sst2"), train_file=str(GLUE / "sst2" / "dev.tsv"))
     with pytest.raises(UsageError, match="leaves no room for text"):
@@ -266,3 +282,71 @@ def test_trainer_checkpoints_are_whole_or_skipped_and_a_full_disk_is_named(tmp_p
     for name, value in resumed.model.state_dict().items():
         torch.testing.assert_close(value, expected[name], rtol=0, atol=0, msg=name)
     assert json.loads((out / "checkpoint-4" / "trainer_state.json").read_text())["global_step"] == 4
+
+
+def test_resume_latest_starts_a_run_killed_before_its_first_checkpoint_and_refuses_another_runs_folder(tmp_path,
+                                                                                                      capsys):
+    """One command for the first try and every retry: with nothing to resume from yet (no folder, or only the
+    temporary folder of a save the kill interrupted), --resume_from_checkpoint True starts the run, saying so."""
+    from hf_linear_attn.training.finetuning import resolve_resume
+
+    out = tmp_path / "out"
+    assert resolve_resume("True", out, 1, allow_inexact=False) is None
+    assert "holds no checkpoint yet; training from the start" in capsys.readouterr().out
+    (out / ".partial-checkpoint-1" / "checkpoint-1").mkdir(parents=True)  # killed during the first save
+    assert resolve_resume("latest", out, 1, allow_inexact=False) is None
+    assert (out / ".partial-checkpoint-1" / "checkpoint-1").is_dir()
+    (out / "model.safetensors").write_bytes(b"weights")  # a run saved without checkpoints: not to be trained over
+    with pytest.raises(UsageError, match=r"no checkpoint-N folder to resume from, but other files \(model.safet"):
+        resolve_resume("True", out, 1, allow_inexact=False)
+
+
+def test_the_rotation_keeps_the_newest_whole_checkpoints_by_step_and_no_incomplete_one_is_deleted(tmp_path):
+    """Trainer's rotate_checkpoints orders by modification time and deletes in place: a kill part-way through
+    deleting checkpoint-1 left it half deleted and, its folder just changed, the newest by time, so the next
+    rotations kept it and deleted the whole checkpoint-2 and checkpoint-3 (save_total_limit 2 left one whole).
+    Now the newest whole ones by step are kept, the incomplete one is left alone, and a deletion is a rename first."""
+    out = tmp_path / "out"
+    _trainer(tmp_path, out, max_steps=2).train()
+    half = out / "checkpoint-1"
+    (half / "optimizer.pt").unlink()
+    later = time.time() + 3600
+    os.utime(half, (later, later))
+    left = _listing(half)
+    (out / ".deleting-checkpoint-0").mkdir()  # what a kill during an atomic deletion leaves: swept at the next one
+    (out / ".deleting-checkpoint-0" / "model.safetensors").write_bytes(b"part")
+    _trainer(tmp_path, out, max_steps=4).train(resume_from_checkpoint=str(out / "checkpoint-2"))
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-1", "checkpoint-3", "checkpoint-4"]
+    assert _listing(half) == left
+
+
+class _Killed(BaseException):
+    """Stands for SIGKILL in-process: no `except Exception` or `except OSError` of the code under test catches it."""
+
+
+@pytest.mark.xfail(strict=True, reason="pretraining.save_checkpoint deletes old checkpoints with shutil.rmtree in "
+                   "place; deleting through checkpoints.remove_folder (as fine-tuning does) is the fix. Then remove "
+                   "this mark and set test_kill_loop.PRETRAINING_DELETES_IN_PLACE to False")
+def test_a_kill_while_pretraining_deletes_an_old_checkpoint_leaves_no_part_of_it_under_its_name(tmp_path, monkeypatch):
+    from hf_linear_attn.training.pretraining import checkpoints_in, save_checkpoint
+
+    accelerator = _tiny_accelerated()
+    for step in (1, 2):
+        save_checkpoint(accelerator, tmp_path, step, keep=2)
+    whole = sorted(p.name for p in checkpoints_in(tmp_path)[0].iterdir())
+    real_rmtree = shutil.rmtree
+
+    def killed_part_way(path, *args, **kwargs):  # deletes one file of a checkpoint, then the process is gone
+        files = sorted(p for p in Path(path).rglob("*") if p.is_file()) if Path(path).is_dir() else []
+        if not files or Path(path).name.startswith(".partial-"):
+            return real_rmtree(path, *args, **kwargs)
+        files[0].unlink()
+        raise _Killed
+
+    monkeypatch.setattr(shutil, "rmtree", killed_part_way)
+    with pytest.raises(_Killed):
+        save_checkpoint(accelerator, tmp_path, 3, keep=2)  # its rotation deletes step 1
+    monkeypatch.undo()
+    assert [p.name for p in checkpoints_in(tmp_path)][-2:] == ["step_0000002", "step_0000003"]
+    for folder in checkpoints_in(tmp_path):  # every folder named step_N holds all its files
+        assert sorted(p.name for p in folder.iterdir()) == whole, folder.name
