@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from datasets import Dataset, DatasetDict, Value, load_dataset
-from tokenizers import ByteLevelBPETokenizer
+from tokenizers import AddedToken, ByteLevelBPETokenizer
 from tokenizers.processors import RobertaProcessing, TemplateProcessing
 from transformers import PreTrainedTokenizerFast
 
@@ -168,21 +168,34 @@ def load_text_corpus(dataset_name=None, dataset_config_name=None, train_file=Non
     return carve_validation(raw, validation_split_percentage, seed), f"{validation_split_percentage}% of train (seed {seed})"
 
 
-def train_bpe_tokenizer(lines, vocab_size: int, style: str, model_max_length: int) -> PreTrainedTokenizerFast:
-    """A byte-level BPE tokenizer trained on `lines`: RoBERTa's special tokens (style "roberta") or GPT-2's."""
+def train_bpe_tokenizer(lines, vocab_size: int, style: str, model_max_length: int,
+                        mask_lstrip: bool = True) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer trained on `lines`: RoBERTa's special tokens (style "roberta") or GPT-2's.
+
+    `mask_lstrip` (style "roberta"; GPT-2's has no mask token): `<mask>` takes the space before it, declared as
+    RoBERTa's own tokenizer declares it (lstrip, no rstrip, not normalized). Then "in <mask>" is "in" + `<mask>`,
+    the two tokens pretraining shows where it masks "Ġthe" after "in"; without it, it is "in" + "Ġ" + `<mask>`, a
+    sequence pretraining never shows, and fill-mask predicts off-distribution. False keeps the tokenizer that the
+    recorded reproduction presets were trained with (configs/reproduce: "mask_lstrip"): its tokenizer.json, whose
+    digest their records check, stays byte for byte the same. Only added-token matching changes: the vocabulary,
+    the merges and the ids of any text without a literal "<mask>" are the same either way.
+    """
     bpe = ByteLevelBPETokenizer()
+    # a plain string when off: exactly the token (and tokenizer.json) of the tokenizers trained before the option
+    mask = AddedToken("<mask>", lstrip=True, rstrip=False, normalized=False, special=True) if mask_lstrip else "<mask>"
     if style == "roberta":
-        specials = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
+        specials = ["<s>", "<pad>", "</s>", "<unk>", mask]
     elif style == "gpt2":
         specials = ["<|endoftext|>", "<pad>"]
     else:
         raise UsageError(f"unknown tokenizer style {style!r}: use 'roberta' or 'gpt2'")
+    # the trainer adds the special tokens to the backend with their flags: lstrip lands in tokenizer.json
     bpe.train_from_iterator(lines, vocab_size=vocab_size, min_frequency=2, special_tokens=specials, show_progress=False)
     backend = bpe._tokenizer
     if style == "roberta":
         backend.post_processor = RobertaProcessing(("</s>", 2), ("<s>", 0))
         return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-                                       pad_token="<pad>", mask_token="<mask>", cls_token="<s>", sep_token="</s>",
+                                       pad_token="<pad>", mask_token=mask, cls_token="<s>", sep_token="</s>",
                                        model_max_length=model_max_length)
     # GPT-2 adds no special tokens to a single text; a pair is joined by <|endoftext|> so the model sees the boundary.
     backend.post_processor = TemplateProcessing(single="$A", pair="$A <|endoftext|> $B",

@@ -13,7 +13,7 @@ from hf_linear_attn.training.errors import UsageError
 TASKS = ("sst2", "imdb", "qnli", "qqp")  # Table 2's column order
 TASK_TITLES = {"sst2": "SST-2", "imdb": "IMDB", "qnli": "QNLI", "qqp": "QQP"}
 PRESET_KEYS = {"description", "output_dir", "launcher", "seeds", "pretrain", "encoders",
-               "baseline", "finetune", "decoder_pretrain", "decoders", "decoder_baseline"}
+               "baseline", "finetune", "decoder_pretrain", "decoders", "decoder_baseline", "mask_lstrip"}
 
 
 class ReproductionError(UsageError):
@@ -90,6 +90,10 @@ def load_preset(path, root=None) -> dict:
                                   or not all(isinstance(seed, int) for seed in seeds)):
             raise ReproductionError(f"{path}: 'seeds' of {where} must be a non-empty list of distinct integers "
                                     f"(got {seeds!r})")
+    if not isinstance(preset.get("mask_lstrip", True), bool):
+        raise ReproductionError(f"{path}: 'mask_lstrip' must be true or false (got {preset['mask_lstrip']!r}): "
+                                "false keeps the shared tokenizer's <mask> without RoBERTa's lstrip, as recorded "
+                                "runs were made")
     if len({slug(name) for name in preset.get("encoders", {})}) != len(preset.get("encoders", {})):
         raise ReproductionError(f"{path}: two encoder names give the same folder name")
     return preset

@@ -146,7 +146,14 @@ def folder_digest(path: Path) -> str:
 def shared_tokenizers(preset: dict, output_dir: Path, train: bool) -> dict:
     """{"mlm": folder, "clm": folder} for each objective whose config names no tokenizer: a byte-level BPE trained
     once on that config's corpus (when `train`), shared by every model of the objective. Configs that name a
-    tokenizer (the paper preset: RoBERTa's / GPT-2's) pass it themselves."""
+    tokenizer (the paper preset: RoBERTa's / GPT-2's) pass it themselves.
+
+    The preset's "mask_lstrip" (default true) is passed to `train_bpe_tokenizer`: false keeps `<mask>` without
+    RoBERTa's lstrip, the tokenizer that the committed records of the cpu and demo presets were made with. It is no
+    stage argument: only the tokenizer it gives enters the stages' inputs (its folder digest), and with false that
+    tokenizer.json is byte for byte the one the records hold, so they stay valid. A tokenizer folder already trained
+    with the other setting is refused rather than silently kept."""
+    mask_lstrip = preset.get("mask_lstrip", True)
     tokenizers = {}
     for key, part, models, style in (("mlm", "pretrain", "encoders", "roberta"),
                                      ("clm", "decoder_pretrain", "decoders", "gpt2")):
@@ -157,18 +164,35 @@ def shared_tokenizers(preset: dict, output_dir: Path, train: bool) -> dict:
             continue
         folder = output_dir / f"tokenizer-{key}"
         tokenizers[key] = str(folder)
-        if not train or (folder / "tokenizer.json").is_file():
+        if (folder / "tokenizer.json").is_file():
+            if style == "roberta":
+                _check_mask_lstrip(folder, mask_lstrip)
+            continue
+        if not train:
             continue
         corpus, _ = load_text_corpus(merged.get("dataset_name"), merged.get("dataset_config_name"),
                                      merged.get("train_file"), merged.get("validation_file"),
                                      merged.get("text_column", "text"),
                                      merged.get("validation_split_percentage", 5.0), merged.get("seed", 42))
         tokenizer = train_bpe_tokenizer(corpus["train"]["text"], merged.get("tokenizer_vocab_size", 8000), style,
-                                        merged.get("max_seq_length", 128))
+                                        merged.get("max_seq_length", 128), mask_lstrip=mask_lstrip)
         partial = folder.with_name(folder.name + ".partial")
         tokenizer.save_pretrained(partial)
         partial.replace(folder)
     return tokenizers
+
+
+def _check_mask_lstrip(folder: Path, wanted: bool) -> None:
+    """An error when the tokenizer already in `folder` declares `<mask>` with the other lstrip than the preset's
+    "mask_lstrip" (e.g. a folder trained before the option, run again with a preset that leaves it at true)."""
+    added = _read_json(folder / "tokenizer.json", "the shared tokenizer").get("added_tokens", [])
+    found = next((token.get("lstrip", False) for token in added if token.get("content") == "<mask>"), None)
+    if found is not None and found != wanted:
+        raise ReproductionError(
+            f"{folder} holds a tokenizer whose <mask> has lstrip={str(found).lower()}, but the preset asks for "
+            f"\"mask_lstrip\": {str(wanted).lower()}; set \"mask_lstrip\": {str(found).lower()} in the preset to "
+            "go on with the stages trained on it, or remove the folder and the stages that used it (or use another "
+            "--output_dir) to train them again")
 
 
 def plan(preset: dict, output_dir: Path, seeds: list[int] | None = None,
