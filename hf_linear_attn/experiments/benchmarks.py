@@ -22,13 +22,16 @@ from pathlib import Path
 
 import torch
 
-# "smoke" is for the test suite: the smallest shapes, seconds in all.
+# "smoke" is for the test suite: the smallest shapes and one of each kind of row (every configuration costs a fresh
+# process, about 5 s of importing transformers on 2 cores, so it runs 18 rather than the full grid).
 PRESETS = {
-    "smoke": dict(encoder_n=[64, 128], encoder_k=[16], decoder_n=[64], generation_context=[32, 96],
+    "smoke": dict(encoder_n=[128], encoder_k=[16], decoder_n=[64], generation_context=[32, 96],
                   kernel_n=[256], encoder_dims=dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
                                                     intermediate_size=128),
                   decoder_dims=dict(n_embd=64, n_layer=2, n_head=2, n_inner=128), vocab_size=512,
-                  ffn_chunk=32, new_tokens=4, repeats=2, timeout=300, kernel_form_dtypes=("float32",)),
+                  ffn_chunk=32, new_tokens=4, repeats=2, timeout=300, kernel_dtypes=("float32",),
+                  kernel_form_dtypes=("float32",), kernel_forms=(("scan", 64), ("parallel", 64)),
+                  kernel_train_modes=(True,), kernel_peers=("fla chunk (torch)", "fast-transformers (C++)")),
     "quick": dict(encoder_n=[512, 1024, 2048], encoder_k=[128, 256], decoder_n=[1024, 2048],
                   generation_context=[256, 1024, 4096], kernel_n=[2048, 8192],
                   encoder_dims=dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
@@ -345,6 +348,7 @@ def peer_kernel(name: str):
 
 
 PEERS = ("fla chunk (torch)", "fast-transformers (C++)", "performer-pytorch (torch)", "linear-attention-transformer")
+KERNEL_FORMS = (("scan", 64), ("scan", 256), ("parallel", 64), ("parallel", 256))  # (form, chunk) rows
 
 
 def _kernel(spec, device):
@@ -471,16 +475,16 @@ def configurations(preset: dict, dtype: str = "float32") -> list[dict]:
         base = {"kind": "kernel", "repeats": preset["repeats"], "n": n, "heads": heads, "head_dim": head_dim,
                 "chunk": 64}
         for form in ("causal", "bidirectional"):
-            for dtype in ("float32", "bfloat16"):
+            for dtype in preset.get("kernel_dtypes", ("float32", "bfloat16")):
                 specs.append({**base, "form": form, "dtype": dtype, "method": f"{form} {dtype}"})
         # causal forms and peers side by side, forward and training (forward + backward), one process each
-        for train in (False, True):
+        for train in preset.get("kernel_train_modes", (False, True)):
             for dtype in preset.get("kernel_form_dtypes", ("float32", "bfloat16")):
                 mode = "fwd+bwd" if train else "fwd"
-                for kernel_form, chunk in (("scan", 64), ("scan", 256), ("parallel", 64), ("parallel", 256)):
+                for kernel_form, chunk in preset.get("kernel_forms", KERNEL_FORMS):
                     specs.append({**base, "form": "causal", "dtype": dtype, "train": train, "kernel_form": kernel_form,
                                   "chunk": chunk, "method": f"causal {kernel_form} C={chunk} {dtype} {mode}"})
-                for peer in PEERS:
+                for peer in preset.get("kernel_peers", PEERS):
                     specs.append({**base, "form": "causal", "dtype": dtype, "train": train, "peer": peer,
                                   "method": f"peer: {peer} {dtype} {mode}"})
     return specs
