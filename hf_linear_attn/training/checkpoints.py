@@ -66,7 +66,7 @@ def sharded_folder_problem(folder: Path) -> str | None:
         ends = {}
         for item in storage.values():
             ends[item.relative_path] = max(ends.get(item.relative_path, 0), item.offset + item.length)
-    except Exception as error:  # a truncated pickle fails in many ways; any of them makes the folder unusable
+    except Exception as error:  # noqa: BLE001  (a truncated pickle fails in many ways; each makes it unusable)
         return f"has an unreadable .metadata ({type(error).__name__})"
     for name, end in sorted(ends.items()):
         if not (folder / name).is_file():
