@@ -23,6 +23,8 @@ def file_problem(path: Path) -> str | None:
     torch.save files (.bin, .pt, .pth, .pkl) are zip archives whose directory sits at the end, so a truncated one
     is no zip; a safetensors file must be as long as its header says; JSON must parse.
     """
+    if path.is_dir():  # an FSDP shard set (torch.distributed.checkpoint folder)
+        return sharded_folder_problem(path)
     if not path.is_file():
         return "missing"
     size = path.stat().st_size
@@ -52,8 +54,31 @@ def file_problem(path: Path) -> str | None:
     return None
 
 
+def sharded_folder_problem(folder: Path) -> str | None:
+    """Why a torch.distributed.checkpoint folder (FSDP's sharded model or optimizer) is not whole, or None: its
+    .metadata must load and every shard file it names must reach the last byte it records there."""
+    if not (folder / ".metadata").is_file():
+        return "holds no .metadata"
+    try:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        storage = FileSystemReader(str(folder)).read_metadata().storage_data
+        ends = {}
+        for item in storage.values():
+            ends[item.relative_path] = max(ends.get(item.relative_path, 0), item.offset + item.length)
+    except Exception as error:  # noqa: BLE001  (a truncated pickle fails in many ways; each makes it unusable)
+        return f"has an unreadable .metadata ({type(error).__name__})"
+    for name, end in sorted(ends.items()):
+        if not (folder / name).is_file():
+            return f"lacks {name}"
+        if (folder / name).stat().st_size < end:
+            return f"has a truncated {name} (shorter than its .metadata says)"
+    return None
+
+
 def missing_pieces(folder: Path, pieces: dict[str, list[str]]) -> dict[str, str]:
-    """{piece: "file: problem"} for each piece of state ({piece: alternative file names}) with no whole file."""
+    """{piece: "file: problem"} for each piece of state ({piece: alternative file or shard-folder names}) with no
+    whole file."""
     found = {}
     for piece, names in pieces.items():
         problems = [(name, file_problem(folder / name)) for name in names]

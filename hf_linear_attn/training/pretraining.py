@@ -9,8 +9,11 @@ Exactness on `--resume` rests on three choices:
   folder that is renamed into place only when complete, so the newest checkpoint is never half written;
 - a resume starts only from a checkpoint holding every one of those pieces (`choose_checkpoint`), since accelerate
   skips a missing RNG file without a word (--allow_inexact_resume accepts that, saying so).
+Under FSDP (`accelerate launch --config_file configs/accelerate/fsdp-*.yaml`, see fsdp.py) the same checkpoints hold
+the model and optimizer as one shard per process; the final model is gathered and saved whole.
 """
 
+import copy
 import json
 import math
 import os
@@ -22,7 +25,7 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import DistributedType, set_seed
 from torch.utils.data import DataLoader, StackDataset, Subset
 from tqdm.auto import tqdm
 from transformers import (
@@ -41,6 +44,10 @@ import hf_linear_attn  # noqa: F401  (registers the package's models with the Au
 from .checkpoints import disk_full_error, fsync_tree, is_disk_full, missing_pieces, replace_folder
 from .data import load_text_corpus, pack_corpus, refuse_sources_inside, train_bpe_tokenizer
 from .errors import UsageError
+from .fsdp import (
+    FSDP_STATE_PIECES, check_wrap_classes, checkpoint_layout, fsdp_requested, gathered_state_dict, original_class,
+    use_fsdp_on_cpu,
+)
 from .hub import HUB_ARGUMENTS, SECRET_ARGUMENTS, HubArguments, hub_repo_id, push_folder, write_pretraining_card
 
 CHECKPOINTS = "checkpoints"
@@ -172,10 +179,11 @@ def checkpoints_in(output_dir: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name[len(STEP_PREFIX):]))
 
 
-def checkpoint_problems(folder: Path, world_size: int) -> dict[str, str]:
-    """{piece of state: what is wrong} for a checkpoint folder; empty when an exact resume can start from it."""
+def checkpoint_problems(folder: Path, world_size: int, layout: str | None = None) -> dict[str, str]:
+    """{piece of state: what is wrong} for a checkpoint folder; empty when an exact resume can start from it.
+    `layout`: the run's fsdp_state_dict_type (model and optimizer in FSDP's files), None without FSDP."""
     rng = {f"RNG state of process {i}": [f"random_states_{i}.pkl"] for i in range(world_size)}
-    return missing_pieces(folder, {**STATE_PIECES, **rng})
+    return missing_pieces(folder, {**STATE_PIECES, **FSDP_STATE_PIECES.get(layout, {}), **rng})
 
 
 def trainer_state(step: int, max_steps: int, log_history: list, args: PretrainArguments, world: int) -> dict:
@@ -200,7 +208,9 @@ def save_checkpoint(accelerator: Accelerator, output_dir: Path, step: int, keep:
             partial.mkdir(parents=True)
         accelerator.wait_for_everyone()
         # weights as model.safetensors (accelerate drops the tied copies, safetensors' load_model restores them);
-        # optimizer, scheduler and RNG states stay torch files, read back by accelerate with weights_only=True
+        # optimizer, scheduler and RNG states stay torch files, read back by accelerate with weights_only=True.
+        # Under FSDP with sharded state dicts every process writes its shard of model and optimizer here too
+        # (pytorch_model_fsdp_0/, optimizer_0/), so the rename below publishes all shards at once.
         accelerator.save_state(str(partial), safe_serialization=True)
         if accelerator.is_main_process:
             (partial / "trainer_state.json").write_text(json.dumps(state or {"global_step": step, "step": step},
@@ -221,17 +231,21 @@ def save_checkpoint(accelerator: Accelerator, output_dir: Path, step: int, keep:
     return final
 
 
-def _run_record(args: PretrainArguments, world_size: int) -> dict:
-    """What defines a run: the arguments a resumed run must share, and the number of processes (max_steps is
-    recorded too, but a resumed run may raise it)."""
-    return {**{k: v for k, v in asdict(args).items() if k not in RESUMABLE_CHANGES}, "num_processes": world_size,
-            "max_steps": args.max_steps}
+def _run_record(args: PretrainArguments, world_size: int, layout: str | None = None) -> dict:
+    """What defines a run: the arguments a resumed run must share, the number of processes and, under FSDP, the
+    checkpoint layout (max_steps is recorded too, but a resumed run may raise it)."""
+    record = {**{k: v for k, v in asdict(args).items() if k not in RESUMABLE_CHANGES}, "num_processes": world_size,
+              "max_steps": args.max_steps}
+    if layout is not None:  # only under FSDP, so the records of earlier runs still match
+        record["fsdp_state_dict_type"] = layout
+    return record
 
 
-def check_output_dir(args: PretrainArguments, world_size: int) -> Path | None:
-    """Check the output folder against this run (nothing is written); return the checkpoint to resume from."""
+def check_output_dir(args: PretrainArguments, world_size: int, layout: str | None = None) -> Path | None:
+    """Check the output folder against this run (nothing is written); return the checkpoint to resume from.
+    `layout`: this launch's fsdp_state_dict_type (`fsdp.checkpoint_layout`), None without FSDP."""
     output_dir = Path(args.output_dir)
-    recorded = _run_record(args, world_size)
+    recorded = _run_record(args, world_size, layout)
     run_file = output_dir / RUN_ARGS
     if args.resume or args.resume_from_checkpoint:
         if not run_file.is_file():
@@ -244,13 +258,21 @@ def check_output_dir(args: PretrainArguments, world_size: int) -> Path | None:
                              f"{previous['max_steps']} or more")
         changed = sorted(k for k in set(previous) | set(recorded)
                          if k != "max_steps" and previous.get(k) != recorded.get(k))
+        if "fsdp_state_dict_type" in changed:  # sharded and whole checkpoints cannot stand in for each other
+            def launch(kind):
+                return f"under FSDP ({kind})" if kind else "without FSDP"
+            raise UsageError(f"the run in {output_dir} was trained {launch(previous.get('fsdp_state_dict_type'))} "
+                             f"and this launch is {launch(layout)}: its checkpoints are read only by a launch like "
+                             "the one that wrote them (FSDP: accelerate launch --config_file "
+                             "configs/accelerate/fsdp-encoder.yaml or fsdp-decoder.yaml, the same "
+                             "fsdp_state_dict_type)")
         if changed:
             raise UsageError(f"--resume with different arguments than the run in {output_dir}: "
                                 + ", ".join(f"{k}: {previous.get(k)!r} -> {recorded.get(k)!r}" for k in changed))
         candidates = ([Path(args.resume_from_checkpoint)] if args.resume_from_checkpoint
                       else checkpoints_in(output_dir)[::-1])
         return choose_checkpoint(candidates, output_dir, world_size, args.allow_inexact_resume,
-                                 explicit=bool(args.resume_from_checkpoint))
+                                 explicit=bool(args.resume_from_checkpoint), layout=layout)
     if output_dir.exists() and any(output_dir.iterdir()) and not args.overwrite_output_dir:
         raise UsageError(f"{output_dir} is not empty (it holds another run): pass --resume to continue it, "
                             "--overwrite_output_dir to replace it, or choose another --output_dir")
@@ -262,13 +284,13 @@ def check_output_dir(args: PretrainArguments, world_size: int) -> Path | None:
 
 
 def choose_checkpoint(candidates: list[Path], output_dir: Path, world_size: int, allow_inexact: bool,
-                      explicit: bool) -> Path:
+                      explicit: bool, layout: str | None = None) -> Path:
     """The first checkpoint of `candidates` (newest first) that holds every piece of state; each one skipped is
     named (and kept). Without a whole one: one missing only RNG states with `allow_inexact`, else an error naming
     what is missing and the flag."""
     damaged = []
     for folder in candidates:
-        problems = checkpoint_problems(folder, world_size)
+        problems = checkpoint_problems(folder, world_size, layout)
         if not problems:
             for skipped, why in damaged:
                 print(f"warning: skipping the incomplete checkpoint {skipped} ({why}); it is left in place")
@@ -278,7 +300,7 @@ def choose_checkpoint(candidates: list[Path], output_dir: Path, world_size: int,
         raise UsageError(f"no complete checkpoint in {output_dir / CHECKPOINTS} to resume from; start again with "
                          "--overwrite_output_dir")
     for folder, _ in damaged:
-        problems = checkpoint_problems(folder, world_size)
+        problems = checkpoint_problems(folder, world_size, layout)
         if allow_inexact and all(piece.startswith("RNG state") for piece in problems):
             print(f"warning: resuming from {folder} without {', '.join(problems.values())} "
                   "(--allow_inexact_resume): dropout and masks differ from an uninterrupted run")
@@ -296,7 +318,7 @@ def claim_output_dir(args: PretrainArguments, accelerator: Accelerator) -> dict:
     --overwrite_output_dir) is moved aside, not deleted, until the run is set up: `release_output_dir` puts it back
     when the run is refused on the way, `drop_replaced_run` deletes it once training starts."""
     output_dir = Path(args.output_dir)
-    recorded = _run_record(args, accelerator.num_processes)
+    recorded = _run_record(args, accelerator.num_processes, checkpoint_layout(accelerator))
     claim = {"existed": output_dir.exists(), "moved_to": None}
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
@@ -434,8 +456,12 @@ class MaskedTokensLoss(torch.nn.Module):
     def supports(model) -> bool:
         return isinstance(getattr(model, "lm_head", None), torch.nn.Module) and model.base_model is not model
 
-    def forward(self, input_ids, labels, attention_mask=None):
-        """input_ids, labels (batch, n) -> MaskedLMOutput with the loss only."""
+    def forward(self, input_ids, labels=None, attention_mask=None):
+        """input_ids, labels (batch, n) -> MaskedLMOutput with the loss only; without labels the model's own output
+        (every token's logits), which is how evaluation runs under FSDP: only the root module's forward gathers the
+        sharded weights outside the layers (embeddings, LM head)."""
+        if labels is None:
+            return self.model(input_ids=input_ids, attention_mask=attention_mask)
         hidden = self.model.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
         picked = labels != -100
         logits = self.model.lm_head(hidden[picked])  # (masked tokens, vocab)
@@ -525,11 +551,27 @@ def evaluate_perplexity(model, accelerator: Accelerator, rows: dict, batch_size:
 
 
 def make_accelerator(args: PretrainArguments) -> Accelerator:
-    """The run's Accelerator: mixed precision and trackers as `args` say."""
+    """The run's Accelerator: mixed precision and trackers as `args` say; FSDP when the launcher asks for it, on
+    GPUs by accelerate itself, without GPUs by `use_fsdp_on_cpu` (accelerate would run plain data parallel)."""
     # Without cpu=True accelerate treats several launched processes on a CPU-only machine as independent runs.
     on_cpu = not (torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available()))
-    return Accelerator(cpu=on_cpu, mixed_precision=resolve_mixed_precision(args.mixed_precision),
-                       log_with=None if args.report_to == "none" else args.report_to, project_dir=args.output_dir)
+    accelerator = Accelerator(cpu=on_cpu, mixed_precision=resolve_mixed_precision(args.mixed_precision),
+                              log_with=None if args.report_to == "none" else args.report_to,
+                              project_dir=args.output_dir)
+    if on_cpu and fsdp_requested() and accelerator.distributed_type == DistributedType.MULTI_CPU:
+        use_fsdp_on_cpu(accelerator)
+    return accelerator
+
+
+def check_fsdp_wrapping(accelerator: Accelerator, config, objective: str, args: PretrainArguments) -> None:
+    """Under FSDP, the accelerate config's layer classes checked against a weightless (meta-device) copy of the
+    model, before any data is read or anything written."""
+    if accelerator.distributed_type != DistributedType.FSDP:
+        return
+    auto = AutoModelForMaskedLM if objective == "mlm" else AutoModelForCausalLM
+    with torch.device("meta"):
+        skeleton = auto.from_config(copy.deepcopy(config), trust_remote_code=args.trust_remote_code)
+    check_wrap_classes(accelerator, skeleton)
 
 
 def prepare_model_and_data(args: PretrainArguments, accelerator: Accelerator, config, objective: str,
@@ -610,7 +652,8 @@ def run_pretraining(args: PretrainArguments) -> dict:
     config = load_model_config(args)
     objective = objective_for(config, args.objective)
     check_arguments(args, objective)
-    resume_from = check_output_dir(args, accelerator.num_processes)
+    check_fsdp_wrapping(accelerator, config, objective, args)
+    resume_from = check_output_dir(args, accelerator.num_processes, checkpoint_layout(accelerator))
     output_dir = Path(args.output_dir)
     set_seed(args.seed)
     tokenizer, model, packed, validation_source, claim = prepare_model_and_data(args, accelerator, config,
@@ -625,6 +668,8 @@ def run_pretraining(args: PretrainArguments) -> dict:
         raise
     drop_replaced_run(accelerator, claim)
     world = accelerator.num_processes
+    # Under FSDP the weights outside the layers are gathered only by the prepared (root) module's forward
+    evaluated = trained if accelerator.distributed_type == DistributedType.FSDP else model
 
     start_step, log_history = 0, []
     if resume_from is not None:
@@ -692,7 +737,8 @@ def run_pretraining(args: PretrainArguments) -> dict:
             accelerator.log(logs, step=done)
             log_history.append({**logs, "step": done})
         if done % args.eval_steps == 0 or done == args.max_steps:
-            metrics = evaluate_perplexity(model, accelerator, eval_rows, args.per_device_eval_batch_size, objective)
+            metrics = evaluate_perplexity(evaluated, accelerator, eval_rows, args.per_device_eval_batch_size,
+                                          objective)
             accelerator.log(metrics, step=done)
             log_history.append({**metrics, "step": done})
             if accelerator.is_main_process:
@@ -708,9 +754,12 @@ def run_pretraining(args: PretrainArguments) -> dict:
                "train_rows": len(packed["train"]), "num_processes": world,
                "mixed_precision": accelerator.mixed_precision,
                "seconds_this_session": round(time.perf_counter() - started, 1)}
+    full_state = gathered_state_dict(accelerator, trained, model)  # FSDP: every process sends its shards
     if accelerator.is_main_process:
         try:
-            model.save_pretrained(output_dir)  # the module inside `trained`, trained in place
+            # the module inside `trained`, trained in place; under FSDP its whole weights gathered above
+            with original_class(model):
+                model.save_pretrained(output_dir, state_dict=full_state)
             tokenizer.model_max_length = max_model_length(model.config)  # the model's limit, not this run's length
             tokenizer.save_pretrained(output_dir)
             (output_dir / "train_results.json").write_text(json.dumps(results, indent=2))
@@ -723,7 +772,7 @@ def run_pretraining(args: PretrainArguments) -> dict:
     accelerator.wait_for_everyone()
     # end_training destroys the process group: the DDP wrapper (its reducer holds the group) goes first. Freed after
     # the group, the reducer joined gloo threads that never ended: a 2-process run hung there at exit (seen once).
-    trained = optimizer = scheduler = stream = stream_source = None
+    trained = evaluated = optimizer = scheduler = stream = stream_source = None
     accelerator.free_memory()
     accelerator.end_training()
     if accelerator.is_main_process:  # after end_training: no process waits at a barrier through a long upload
