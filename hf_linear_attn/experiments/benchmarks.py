@@ -444,6 +444,7 @@ def resolve_dtype(choice: str) -> str:
 def configurations(preset: dict, dtype: str = "float32", data_dir=None, output_dir=None) -> list[dict]:
     """Every configuration of a preset, in the order they run; model suites in `dtype` (kernels: both dtypes). The
     decoding suites read WikiText-2 under data_dir and cache their trained models under output_dir."""
+    decoding = decoding_benchmarks.configurations(preset, dtype, data_dir, output_dir)  # before the kernels' dtype loop
     common = {"repeats": preset["repeats"], "vocab_size": preset["vocab_size"], "dtype": dtype,
               "budget": preset.get("budget")}
     specs = []
@@ -488,7 +489,7 @@ def configurations(preset: dict, dtype: str = "float32", data_dir=None, output_d
                 for peer in PEERS:
                     specs.append({**base, "form": "causal", "dtype": dtype, "train": train, "peer": peer,
                                   "method": f"peer: {peer} {dtype} {mode}"})
-    return specs + decoding_benchmarks.configurations(preset, dtype, data_dir, output_dir)
+    return specs + decoding
 
 
 # Below this, a CPU memory figure is within the resident-set probe's noise (page-level reuse by the allocator):
@@ -608,7 +609,7 @@ def run_suite(preset_name: str, output_dir: Path, only: list[str] | None = None,
     for spec in configurations(preset, dtype, data_dir, output_dir):
         if only and spec["kind"] not in only:
             continue
-        measured = run_isolated(spec, preset["timeout"])
+        measured = run_isolated(spec, spec.get("timeout", preset["timeout"]))  # assisted: longer, it trains first
         results.append({**{k: v for k, v in spec.items() if k not in ("dims",)}, **measured})
         print(f"{spec['kind']:14s} {spec.get('n', spec.get('context')):>6} {spec['method']:34s} {measured}", flush=True)
     report = {"preset": preset_name, "machine": describe_machine(), "command": " ".join(sys.argv),

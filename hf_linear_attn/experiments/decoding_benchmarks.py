@@ -44,7 +44,7 @@ PRESETS = {
         peak_size=256,
         images=dict(lengths={16: 2}, dims=dict(n_embd=32, n_head=2, n_inner=64), batch_sizes=[1, 2],
                     linformer_k=4, linformer_block=8, budget=20, repeats=1, memory_cap_gb=4),
-        assisted=dict(contexts=[24], new_tokens=12, repeats=2, prompt_lookup_num_tokens=3,
+        assisted=dict(contexts=[24], new_tokens=12, repeats=2, prompt_lookup_num_tokens=3, timeout=300,
                       target=dict(n_embd=64, n_layer=2, n_head=2, n_inner=128),
                       draft=dict(n_embd=64, n_layer=1, n_head=2, n_inner=128),
                       training=dict(vocab_size=512, train_lines=2000, valid_lines=200, batch_size=8,
@@ -55,25 +55,25 @@ PRESETS = {
     "quick": dict(
         peak_size=2048,
         images=dict(lengths={784: 8, 3072: 16}, dims=dict(n_embd=256, n_head=8, n_inner=1024), batch_sizes=[1, 16],
-                    linformer_k=32, linformer_block=128, budget=60, repeats=2, memory_cap_gb=16),
-        assisted=dict(contexts=[256, 4096], new_tokens=64, repeats=3, prompt_lookup_num_tokens=10,
+                    linformer_k=32, linformer_block=128, budget=240, repeats=2, memory_cap_gb=16),
+        assisted=dict(contexts=[256, 4096], new_tokens=64, repeats=3, prompt_lookup_num_tokens=10, timeout=3600,
                       target=dict(n_embd=256, n_layer=12, n_head=4, n_inner=1024),
                       draft=dict(n_embd=256, n_layer=2, n_head=4, n_inner=1024),
                       training=dict(vocab_size=8000, train_lines=None, valid_lines=None, batch_size=2,
-                                    target_steps=40, draft_steps=40, learning_rate=1e-3, eval_rows=8)),
+                                    target_steps=24, draft_steps=24, learning_rate=1e-3, eval_rows=8)),
         compiled_step=dict(batch_sizes=[1, 16], context=128, warmup=4, steps=32, vocab_size=50257,
                            dims=dict(n_embd=768, n_layer=12, n_head=12, n_inner=3072)),
     ),
     "full": dict(
         peak_size=2048,
         images=dict(lengths={784: 8, 3072: 16}, dims=dict(n_embd=256, n_head=8, n_inner=1024),
-                    batch_sizes=[1, 8, 64, 512], linformer_k=32, linformer_block=128, budget=300, repeats=3,
+                    batch_sizes=[1, 8, 64, 512], linformer_k=32, linformer_block=128, budget=600, repeats=2,
                     memory_cap_gb=64),
-        assisted=dict(contexts=[256, 4096], new_tokens=128, repeats=5, prompt_lookup_num_tokens=10,
+        assisted=dict(contexts=[256, 4096], new_tokens=128, repeats=5, prompt_lookup_num_tokens=10, timeout=4 * 3600,
                       target=dict(n_embd=256, n_layer=12, n_head=4, n_inner=1024),
                       draft=dict(n_embd=256, n_layer=2, n_head=4, n_inner=1024),
                       training=dict(vocab_size=8000, train_lines=None, valid_lines=None, batch_size=2,
-                                    target_steps=200, draft_steps=200, learning_rate=1e-3, eval_rows=16)),
+                                    target_steps=150, draft_steps=150, learning_rate=1e-3, eval_rows=16)),
         compiled_step=dict(batch_sizes=[1, 16, 64], context=128, warmup=8, steps=64, vocab_size=50257,
                            dims=dict(n_embd=768, n_layer=12, n_head=12, n_inner=3072)),
     ),
@@ -144,7 +144,9 @@ def _assisted_configurations(sizes: dict, dtype: str, data_dir, output_dir) -> l
     assisted = sizes["assisted"]
     positions = max(assisted["contexts"]) + assisted["new_tokens"]  # both models are trained at this length
     problem = data_problem(data_dir)
+    # the first context's process trains both models (unless cached): it may run past the preset's usual timeout
     common = {"kind": "assisted", "method": "greedy / assisted / prompt lookup", "dtype": dtype,
+              "timeout": assisted["timeout"],
               "new_tokens": assisted["new_tokens"], "repeats": assisted["repeats"],
               "prompt_lookup_num_tokens": assisted["prompt_lookup_num_tokens"], "assistant": ASSISTANT_SETTINGS,
               "target": {**assisted["target"], "n_positions": positions},
@@ -434,14 +436,14 @@ def _assisted(spec: dict, device: str) -> dict:
 
     import hf_linear_attn  # noqa: F401  (registers the models)
 
-    training = trained_models(spec)
+    trained = trained_models(spec)
     dtype = getattr(torch, spec["dtype"])
-    target = AutoModelForCausalLM.from_pretrained(training["target"]["folder"]).to(device, dtype).eval()
-    draft = AutoModelForCausalLM.from_pretrained(training["draft"]["folder"]).to(device, dtype).eval()
+    target = AutoModelForCausalLM.from_pretrained(trained["target"]["folder"]).to(device, dtype).eval()
+    draft = AutoModelForCausalLM.from_pretrained(trained["draft"]["folder"]).to(device, dtype).eval()
     draft.generation_config.update(**spec["assistant"])
-    tokenizer = AutoTokenizer.from_pretrained(training["target"]["folder"])
+    tokenizer = AutoTokenizer.from_pretrained(trained["target"]["folder"])
     context, new = spec["context"], spec["new_tokens"]
-    prompt = torch.tensor([held_out_prompt(tokenizer, Path(training["target"]["data"]["validation"]), context)],
+    prompt = torch.tensor([held_out_prompt(tokenizer, Path(trained["target"]["data"]["validation"]), context)],
                           device=device)
     # min_new_tokens: every method writes exactly `new` tokens (an end-of-text token would stop one early)
     common = dict(attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=new, min_new_tokens=new,
@@ -473,7 +475,7 @@ def _assisted(spec: dict, device: str) -> dict:
     for row in methods:
         row["speedup"] = row["tokens_per_second"] / greedy["tokens_per_second"]
         row["speedup_after_prompt"] = row["tokens_per_second_after_prompt"] / greedy["tokens_per_second_after_prompt"]
-    return {"prefill_seconds": prefill_seconds, "methods": methods, "training": training,
+    return {"prefill_seconds": prefill_seconds, "methods": methods, "trained": trained,
             "greedy_distinct_fraction": len(set(reference)) / len(reference),
             "greedy_text": tokenizer.decode(reference)[:300]}
 
@@ -621,7 +623,7 @@ def _assisted_tables(rows: list[dict]) -> list[str]:
                        f"{m['speedup']:.2f}x | {m['tokens_per_second_after_prompt']:.1f} | "
                        f"{m['speedup_after_prompt']:.2f}x | {acceptance} | {counts} | {m.get('verifications', '-')} | "
                        f"{equal} |")
-    trained = next((r["training"] for r in rows if "training" in r), None)
+    trained = next((r["trained"] for r in rows if "trained" in r), None)
     if trained:
         out += ["", "What was trained (scripts/pretrain.py's code, run in the benchmark's process, cached under the "
                 "output folder and reused by later runs; linear attention, elu feature map, no dropout):", ""]
@@ -636,9 +638,9 @@ def _assisted_tables(rows: list[dict]) -> list[str]:
                        f"`{record['command']}`")
         samples = [r for r in rows if "greedy_text" in r]
         if samples:
-            out += ["", "Models this small and this briefly trained write repetitive text, which a draft and a lookup "
-                    "predict more easily than real text: the acceptance rates are an upper end, not what a "
-                    "well-trained pair would show. Share of distinct tokens in the greedy continuation: "
+            out += ["", "Small, briefly trained models write repetitive text, which a draft and a lookup predict more "
+                    "easily than varied text: read the acceptance rates with that in mind. Share of distinct tokens "
+                    "in the greedy continuation: "
                     + ", ".join(f"{r['greedy_distinct_fraction']:.0%} (context {r['context']})" for r in samples)
                     + f". Greedy continuation at context {samples[-1]['context']}: "
                     f"`{samples[-1]['greedy_text'][:160]!r}`"]
@@ -651,8 +653,9 @@ def _compiled_step_tables(rows: list[dict]) -> list[str]:
            f"{first['vocab_size']}), eager vs `torch.compile(fullgraph=True)`", "",
            f"Per-token latency: one step adds a token to each of the batch's sequences; median over {first['steps']} "
            f"steps after {first['warmup']} warm-up steps, from the same state after a {first['context']}-token "
-           "prefill; tokens / s: batch over that latency; compile s: the first compiled call; difference: largest "
-           "|compiled - eager| of the logits over their largest |value| (same inputs).", "",
+           "prefill; tokens / s: batch over that latency; compile s: the first compiled call (shorter when "
+           "Inductor's on-disk cache already holds the graph); difference: largest |compiled - eager| of the logits "
+           "over their largest |value| (same inputs).", "",
            "| context | batch | eager ms / step | compiled ms / step | speed-up | tokens / s eager | tokens / s "
            "compiled | compile s | difference |", "|---" * 9 + "|"]
     for r in rows:
