@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from helpers import ENV, REPO_ROOT, SHARED_DATA, causal_lm, needs_data, random_ids
 
 from hf_linear_attn.experiments import benchmarks, decoding_benchmarks
@@ -90,6 +91,18 @@ def test_the_guard_stops_a_generation_over_its_budget_and_says_why():
     model.generate(random_ids(1, 4), max_new_tokens=30, do_sample=False, pad_token_id=1,
                    stopping_criteria=StoppingCriteriaList([guard]))
     assert guard.stopped.startswith("resident set over")
+
+
+def test_the_guard_stops_a_run_whose_pace_projects_past_the_budget_and_no_other():
+    ticks = iter(range(10_000))  # a clock advancing 1 s per reading
+    ids, scores = torch.zeros(2, 1, dtype=torch.long), None
+    guard = GenerationGuard(budget=100.0, memory_cap=None, device="cpu", new_tokens=1000, clock=lambda: next(ticks))
+    stops = [bool(guard(ids, scores).all()) for _ in range(60)]
+    # 1 s a token for 1,000 tokens: projected 1,000 s from the 50th token (5%) on, not before
+    assert stops.index(True) == 49 and guard.stopped.startswith("projected 1000 s at the pace of its first 50 tokens")
+    ticks = iter(range(10_000))
+    guard = GenerationGuard(budget=2000.0, memory_cap=None, device="cpu", new_tokens=1000, clock=lambda: next(ticks))
+    assert not any(bool(guard(ids, scores).all()) for _ in range(999)) and guard.stopped is None  # it fits: no stop
 
 
 def test_image_ratios_are_each_models_images_per_second_over_gpt2s_at_the_same_length():
