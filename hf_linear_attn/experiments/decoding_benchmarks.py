@@ -36,8 +36,8 @@ PAPER_SETUP_NOTE = (
     "The paper's models, as we read its setup (approximate, from memory of the paper): 8 layers for MNIST and 16 "
     "for CIFAR-10, 8 heads, width 256, feed-forward 1024, a mixture of 10 logistics per pixel (here a 256-way "
     "softmax), timed on one GPU at the largest batch that fits. Whether its softmax baseline cached keys and values "
-    "is not something we can confirm; ours does (GPT-2's own cache), which makes softmax generation linear per "
-    "token instead of quadratic, so ratios far below the paper's are expected, most of all on CPUs.")
+    "is not something we can confirm; ours does (GPT-2's own cache), so each new token costs it work linear in the "
+    "prefix rather than quadratic, and ratios far below the paper's are expected, most of all on CPUs.")
 
 PRESETS = {
     "smoke": dict(
