@@ -161,7 +161,8 @@ def _compiled_step_configurations(sizes: dict, dtype: str) -> list[dict]:
     step = sizes["compiled_step"]
     return [{"kind": "compiled_step", "context": step["context"], "batch": batch, "model": "linear_gpt2",
              "method": "DecoderStateStep: eager vs torch.compile(fullgraph=True)", "dtype": dtype,
-             "dims": step["dims"], "n_layer": step["dims"]["n_layer"], "n_embd": step["dims"]["n_embd"],
+             "dims": {**step["dims"], "bos_token_id": None, "eos_token_id": None},  # random tokens, no text
+             "n_layer": step["dims"]["n_layer"], "n_embd": step["dims"]["n_embd"],
              "vocab_size": step["vocab_size"], "dropout": False, "warmup": step["warmup"], "steps": step["steps"],
              "peak_size": sizes["peak_size"]} for batch in step["batch_sizes"]]
 
@@ -358,8 +359,10 @@ def trained_models(spec: dict) -> dict:
     files = _data_slice(wikitext_files(spec["data_dir"]), training, cache_dir)
     records, tokenizer = {}, None
     for role in ("target", "draft"):
+        # the special ids of the tokenizer pretrain.py trains (<s> 0, <pad> 1, </s> 2); it sets them again itself
         config = {"model_type": "linear_gpt2", "feature_map": "elu", "vocab_size": training["vocab_size"],
-                  "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, **spec[role]}
+                  "bos_token_id": 0, "pad_token_id": 1, "eos_token_id": 2, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
+                  "attn_pdrop": 0.0, **spec[role]}
         folder = cache_dir / _folder_name(role, config, {**training, "files": [str(f) for f in files.values()]})
         steps = training[f"{role}_steps"]
         model_config = cache_dir / f"{folder.name}.json"
