@@ -1,4 +1,5 @@
-"""Benchmarks against softmax attention: encoder inference, decoder training, generation, kernel efficiency.
+"""Benchmarks against softmax attention: encoder inference, decoder training, generation, kernel efficiency, and the
+decoding suites of decoding_benchmarks.py (image-length generation throughput, assisted decoding, compiled steps).
 
 Each configuration runs in a fresh Python process (`python -m hf_linear_attn.experiments.benchmarks --one SPEC`), so
 one configuration's memory never inflates another's and an out-of-memory kill costs only that configuration.
@@ -22,8 +23,10 @@ from pathlib import Path
 
 import torch
 
+from hf_linear_attn.experiments import decoding_benchmarks
+
 # "smoke" is for the test suite: the smallest shapes and one of each kind of row (every configuration costs a fresh
-# process, about 5 s of importing transformers on 2 cores, so it runs 18 rather than the full grid).
+# process, about 5 s of importing transformers on 2 cores, so it runs few rather than the full grid).
 PRESETS = {
     "smoke": dict(encoder_n=[128], encoder_k=[16], decoder_n=[64], generation_context=[32, 96],
                   kernel_n=[256], encoder_dims=dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
@@ -405,7 +408,8 @@ def _kernel(spec, device):
             "error_vs_float64": error}
 
 
-KINDS = {"encoder": _encoder, "decoder_train": _decoder_train, "generation": _generation, "kernel": _kernel}
+KINDS = {"encoder": _encoder, "decoder_train": _decoder_train, "generation": _generation, "kernel": _kernel,
+         **decoding_benchmarks.KINDS}  # images, assisted, compiled_step: decoding_benchmarks.py
 
 
 def run_one(spec: dict) -> dict:
@@ -441,8 +445,10 @@ def resolve_dtype(choice: str) -> str:
     return "bfloat16" if resolve_mixed_precision("auto") == "bf16" else "float32"
 
 
-def configurations(preset: dict, dtype: str = "float32") -> list[dict]:
-    """Every configuration of a preset, in the order they run; model suites in `dtype` (kernels: both dtypes)."""
+def configurations(preset: dict, dtype: str = "float32", data_dir=None, output_dir=None) -> list[dict]:
+    """Every configuration of a preset, in the order they run; model suites in `dtype` (kernels: both dtypes). The
+    decoding suites read WikiText-2 under data_dir and cache their trained models under output_dir."""
+    decoding = decoding_benchmarks.configurations(preset, dtype, data_dir, output_dir)  # before the kernels' dtype loop
     common = {"repeats": preset["repeats"], "vocab_size": preset["vocab_size"], "dtype": dtype,
               "budget": preset.get("budget")}
     specs = []
@@ -487,7 +493,7 @@ def configurations(preset: dict, dtype: str = "float32") -> list[dict]:
                 for peer in preset.get("kernel_peers", PEERS):
                     specs.append({**base, "form": "causal", "dtype": dtype, "train": train, "peer": peer,
                                   "method": f"peer: {peer} {dtype} {mode}"})
-    return specs
+    return specs + decoding
 
 
 # Below this, a CPU memory figure is within the resident-set probe's noise (page-level reuse by the allocator):
@@ -557,7 +563,7 @@ def tables(results: list[dict]) -> str:
             cells = [c[2](r[c[0]]) if c[0] in r else _failure(r, c[0]) for c in columns]
             out.append(f"| {r[size]} | {r['method']} | " + " | ".join(cells) + " |")
         out.append("")
-    return "\n".join(out)
+    return "\n".join(out) + decoding_benchmarks.tables(results)
 
 
 def plots(results: list[dict], folder: Path) -> list[Path]:
@@ -594,19 +600,20 @@ def plots(results: list[dict], folder: Path) -> list[Path]:
         figure.savefig(path, dpi=120)
         plt.close(figure)
         written.append(path)
-    return written
+    return written + decoding_benchmarks.plots(results, folder)
 
 
-def run_suite(preset_name: str, output_dir: Path, only: list[str] | None = None, dtype: str = "auto") -> dict:
+def run_suite(preset_name: str, output_dir: Path, only: list[str] | None = None, dtype: str = "auto",
+              data_dir: str | None = None) -> dict:
     """Run every configuration of a preset; write results.json, results.md and the plots into output_dir."""
     preset = PRESETS[preset_name]
     dtype = resolve_dtype(dtype)
     output_dir.mkdir(parents=True, exist_ok=True)
     results = []
-    for spec in configurations(preset, dtype):
+    for spec in configurations(preset, dtype, data_dir, output_dir):
         if only and spec["kind"] not in only:
             continue
-        measured = run_isolated(spec, preset["timeout"])
+        measured = run_isolated(spec, spec.get("timeout", preset["timeout"]))  # assisted: longer, it trains first
         results.append({**{k: v for k, v in spec.items() if k not in ("dims",)}, **measured})
         print(f"{spec['kind']:14s} {spec.get('n', spec.get('context')):>6} {spec['method']:34s} {measured}", flush=True)
     report = {"preset": preset_name, "machine": describe_machine(), "command": " ".join(sys.argv),
@@ -642,6 +649,8 @@ def main(argv=None):
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                         help="model suites: inference in this dtype, training under autocast to it (auto: bfloat16 "
                              "where the hardware computes in bf16 natively, as the training scripts decide)")
+    parser.add_argument("--data_dir", default=decoding_benchmarks.DEFAULT_DATA_DIR,
+                        help="folder holding wikitext-2/ (the assisted suite pretrains its target and draft on it)")
     parser.add_argument("--rewrite_report", action="store_true",
                         help="only rewrite results.md and the plots in --output_dir from its results.json")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: measure one configuration, print JSON
@@ -652,7 +661,9 @@ def main(argv=None):
     if args.rewrite_report:
         rewrite_report(Path(args.output_dir))
         return None
-    report = run_suite(args.preset, Path(args.output_dir), args.only, args.dtype)
+    if args.only and "assisted" in args.only and decoding_benchmarks.data_problem(args.data_dir):
+        parser.error(decoding_benchmarks.data_problem(args.data_dir))  # asked for by name: refuse before any work
+    report = run_suite(args.preset, Path(args.output_dir), args.only, args.dtype, args.data_dir)
     print(f"\n{tables(report['results'])}\nwrote {args.output_dir}/results.json, results.md and PNG plots")
     return report
 
