@@ -41,7 +41,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_N
 
 import hf_linear_attn  # noqa: F401  (registers the package's models with the Auto classes)
 
-from .checkpoints import disk_full_error, fsync_tree, is_disk_full, missing_pieces, replace_folder
+from .checkpoints import disk_full_error, fsync_tree, is_disk_full, missing_pieces, remove_folder, replace_folder
 from .data import load_text_corpus, pack_corpus, refuse_sources_inside, train_bpe_tokenizer
 from .errors import UsageError
 from .fsdp import (
@@ -220,7 +220,7 @@ def save_checkpoint(accelerator: Accelerator, output_dir: Path, step: int, keep:
             fsync_tree(partial)
             replace_folder(partial, final)  # a crash leaves either no step_N or a whole one
             for old in checkpoints_in(output_dir)[:-keep] if keep > 0 else []:
-                shutil.rmtree(old)
+                remove_folder(old)  # renamed first: a kill mid-deletion leaves no part of it under its name
     except (OSError, RuntimeError) as error:
         if accelerator.is_main_process:
             shutil.rmtree(partial, ignore_errors=True)
@@ -271,6 +271,10 @@ def check_output_dir(args: PretrainArguments, world_size: int, layout: str | Non
                                 + ", ".join(f"{k}: {previous.get(k)!r} -> {recorded.get(k)!r}" for k in changed))
         candidates = ([Path(args.resume_from_checkpoint)] if args.resume_from_checkpoint
                       else checkpoints_in(output_dir)[::-1])
+        if not candidates:  # killed before its first checkpoint was whole: the same command starts it again
+            print(f"warning: {output_dir} holds this run but no checkpoint yet; --resume starts it from step 0",
+                  flush=True)
+            return None
         return choose_checkpoint(candidates, output_dir, world_size, args.allow_inexact_resume,
                                  explicit=bool(args.resume_from_checkpoint), layout=layout)
     if output_dir.exists() and any(output_dir.iterdir()) and not args.overwrite_output_dir:

@@ -150,20 +150,13 @@ class Folder:
 
 
 def check_attempt(folder: Folder, before: dict, after: dict, events: list[dict], output: str, keep: int,
-                  planted: set, where: str, half_deleted_ok: bool = False):
-    """What must hold across one attempt, killed or not. `half_deleted_ok`: an old checkpoint that a rotation was
-    deleting in place (in this attempt, or left so before it) may be half deleted under its name, if a newer one is
-    whole (pretraining's rotation, for now)."""
+                  planted: set, where: str):
+    """What must hold across one attempt, killed or not."""
     assert CANNOT_RESUME not in output, where
     removed_by_saves = {Path(e["path"]).name for e in events if e["kind"] in ("shutil.rmtree", "os.rmdir", "os.rename")}
     newest = folder.newest_whole(before)
-    newest_after = folder.newest_whole(after)
     for name, (kind, _) in after.items():
         # a kill never leaves part of a checkpoint under a checkpoint's name
-        left_before = name in removed_by_saves or before.get(name, ("",))[0] == "incomplete"
-        if half_deleted_ok and kind == "incomplete" and left_before and name not in planted:
-            assert newest_after and folder.step(name) < folder.step(newest_after), f"{where}: {name} is incomplete"
-            continue
         assert kind != "incomplete" or name in planted, f"{where}: {name} is incomplete"
     for name, (kind, content) in before.items():
         if kind == "whole" and name in after:
@@ -278,11 +271,6 @@ def test_finetuning_killed_in_saves_again_and_again_ends_as_an_uninterrupted_run
 
 # -------------------------------------------------------------------------------------------------- pretraining
 
-# pretraining.save_checkpoint deletes old checkpoints with shutil.rmtree in place, so a kill part-way leaves the older
-# step half deleted under its name. It is harmless to resuming (a newer whole one exists, and the next rotation
-# finishes the deletion) but breaks "whole or not named a checkpoint"; deleting through checkpoints.remove_folder, as
-# fine-tuning does, ends it. test_reliability.py's xfail test of the rotation says when that is done: then set False.
-PRETRAINING_DELETES_IN_PLACE = True
 ACCELERATE_FILES = ["trainer_state.json", "model.safetensors", "optimizer.bin", "scheduler.bin",
                     "random_states_0.pkl"]
 
@@ -311,23 +299,16 @@ def test_pretraining_killed_in_saves_again_and_again_ends_bit_exact(corpus, tmp_
         newest = folder.newest_whole(before)
         if newest:
             assert f"resumed from {run / 'checkpoints' / newest}" in output, context
-        # --overwrite_output_dir replaces the run: nothing from before it is to be kept
-        check_attempt(folder, {} if "--overwrite_output_dir" in flags else before, after, events, output, keep,
-                      set(), context, half_deleted_ok=PRETRAINING_DELETES_IN_PLACE)
-        flags = ["--resume"]
-        if folder.newest_whole(after) is None:
-            # killed before the first checkpoint was whole: --resume is refused, naming what to do instead (the
-            # one retry that needs another command; fine-tuning's --resume_from_checkpoint True starts over)
-            status, output, _ = attempts.run("pretrain.py", argv(run, "--resume"))
-            assert status == 1 and "no complete checkpoint" in output and "--overwrite_output_dir" in output, output
-            assert folder.snapshot() == after  # the refusal touched nothing
-            flags = ["--overwrite_output_dir"]
+        elif flags:  # killed before its first checkpoint was whole: the same --resume starts the run again
+            assert "no checkpoint yet; --resume starts it from step 0" in output, context
+        # a run started again replaces its folder (temporary folders of the killed saves go with it)
+        check_attempt(folder, {} if flags and not newest else before, after, events, output, keep, set(), context)
+        flags = ["--resume"]  # one command for every retry, as with fine-tuning's --resume_from_checkpoint True
 
     before = folder.snapshot()
     status, output, events = attempts.run("pretrain.py", argv(run, "--resume"))
     assert status == 0, output[-3000:]
-    check_attempt(folder, before, folder.snapshot(), events, output, keep, set(), "the last attempt",
-                  half_deleted_ok=PRETRAINING_DELETES_IN_PLACE)
+    check_attempt(folder, before, folder.snapshot(), events, output, keep, set(), "the last attempt")
     straight, resumed = weights(tmp_path / "straight"), weights(run)
     assert straight.keys() == resumed.keys()
     for name in straight:

@@ -324,9 +324,6 @@ class _Killed(BaseException):
     """Stands for SIGKILL in-process: no `except Exception` or `except OSError` of the code under test catches it."""
 
 
-@pytest.mark.xfail(strict=True, reason="pretraining.save_checkpoint deletes old checkpoints with shutil.rmtree in "
-                   "place; deleting through checkpoints.remove_folder (as fine-tuning does) is the fix. Then remove "
-                   "this mark and set test_kill_loop.PRETRAINING_DELETES_IN_PLACE to False")
 def test_a_kill_while_pretraining_deletes_an_old_checkpoint_leaves_no_part_of_it_under_its_name(tmp_path, monkeypatch):
     from hf_linear_attn.training.pretraining import checkpoints_in, save_checkpoint
 
