@@ -554,11 +554,11 @@ def run_finetuning(args: FinetuneArguments, training: TrainingArguments, argv=No
                          ("test", args.max_predict_samples)):
         if split in data:
             data[split] = _subset(data[split], count, hub, training.seed)
-    train_labels = ({i for row in data["train"]["labels"] for i in row} if token_level else
-                    set(data["train"]["label"])) if do_train and not task.regression else None
-    if train_labels is not None and len(train_labels) < 2:
-        raise UsageError(f"every training row of {task.name} has the same label: a classifier cannot learn from "
-                            "them (a local file sorted by label, cut by --max_train_samples? shuffle the file)")
+    if do_train and not task.regression:
+        seen = {i for row in data["train"]["labels"] for i in row} if token_level else set(data["train"]["label"])
+        if len(seen) < 2:
+            raise UsageError(f"every training row of {task.name} has the same label: a classifier cannot learn "
+                             "from them (a local file sorted by label, cut by --max_train_samples? shuffle the file)")
 
     tokenizer, config = _load_tokenizer_and_config(args, task, train=do_train)
     if token_level:
