@@ -1,7 +1,9 @@
 """Fine-tuning with the Transformers Trainer at run_glue.py's conventions: --do_train / --do_eval / --do_predict,
 train / validation / test files or a Hub dataset, the four paper tasks (SST-2, QNLI, QQP, IMDB) as presets or any
 text and label columns (classification with any number of labels, or regression); results files as Transformers'
-examples write them, predictions, model card, Hub push (checked before training)."""
+examples write them, predictions, model card, Hub push (checked before training). `--task_type
+token_classification` trains a label per word instead, at run_ner.py's conventions (CoNLL-style rows: a list of
+words and a list of labels; entity precision / recall / F1)."""
 
 import json
 import platform
@@ -19,7 +21,9 @@ from datasets import ClassLabel, Value
 from transformers import (
     AutoConfig,
     AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
     AutoTokenizer,
+    DataCollatorForTokenClassification,
     DataCollatorWithPadding,
     Trainer,
     TrainingArguments,
@@ -28,15 +32,18 @@ from transformers import (
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 import hf_linear_attn  # noqa: F401  (registers the package's models with the Auto classes)
+from hf_linear_attn import MODEL_FAMILIES, family_of
 
 from .checkpoints import disk_full_error, fsync_tree, is_disk_full, missing_pieces, remove_folder, replace_folder
 from .data import (
-    custom_task, encode_task, get_task, load_task_data, parse_text_columns, read_task_files, refuse_sources_inside,
-    require_split_sources,
+    TokenTask, custom_task, encode_task, encode_token_task, get_task, load_task_data, load_token_data,
+    parse_text_columns, prepare_tokenizer_for_words, read_task_files, read_token_files, refuse_sources_inside,
+    require_split_sources, token_label_names,
 )
 from .errors import UsageError
 from .hub import DEFAULT_TEMPLATE, check_push_target, check_template, push_folder, write_model_card
 from .metrics import load_task_metric
+from .metrics.entities import has_entity_scheme
 from .pretraining import max_model_length
 
 
@@ -61,7 +68,21 @@ class FinetuneArguments:
                 "question,sentence)"})
     label_column: str | None = field(default=None, metadata={
         "help": "without --task_name: the label column (default 'label'); text or integer labels are classes, "
-                "float labels mean regression"})
+                "float labels mean regression. Token classification: the column of per-word labels (default "
+                "'ner_tags'); its words are the one column --text_columns names (default 'tokens')"})
+    task_type: str = field(default="sequence_classification", metadata={
+        "help": "sequence_classification: a label (or a number) per text; token_classification: a label per word "
+                "(NER, POS, chunking) from rows of a word list and a label list, as run_ner.py",
+        "choices": ["sequence_classification", "token_classification"]})
+    label_list: str | None = field(default=None, metadata={
+        "help": "token classification: every label name in id order, comma-separated (e.g. O,B-PER,I-PER): names "
+                "integer labels and fixes the ids; default: the names of a ClassLabel column, else the train "
+                "labels sorted"})
+    label_all_tokens: bool = field(default=False, metadata={
+        "help": "token classification: train every sub-token of a word on its label (B-X as I-X after the "
+                "first) instead of the first sub-token only; evaluation and predictions stay one label per word"})
+    return_entity_level_metrics: bool = field(default=False, metadata={
+        "help": "token classification: report precision / recall / F1 / number of each entity type too"})
     validation_split_percentage: float = field(default=10.0)
     max_seq_length: int = field(default=128)
     head_fraction: float = field(default=0.25, metadata={
@@ -268,9 +289,10 @@ def _load_tokenizer_and_config(args: FinetuneArguments, task, train: bool = True
         if train:
             labels = {} if task.regression else {"id2label": dict(enumerate(label_names)),
                                                  "label2id": {n: i for i, n in enumerate(label_names)}}
+            if not isinstance(task, TokenTask):  # a sequence head's loss reads it; a token head's is cross-entropy
+                labels["problem_type"] = "regression" if task.regression else "single_label_classification"
             config = AutoConfig.from_pretrained(
-                args.model_name_or_path, num_labels=num_labels, trust_remote_code=args.trust_remote_code,
-                problem_type="regression" if task.regression else "single_label_classification", **labels)
+                args.model_name_or_path, num_labels=num_labels, trust_remote_code=args.trust_remote_code, **labels)
         else:
             config = AutoConfig.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code)
     except Exception as error:
@@ -334,6 +356,140 @@ def _resolve_task(args: FinetuneArguments, raw, train: bool):
     return custom_task(columns, label, source.unique(label), regression, args.dataset_name, args.dataset_config_name)
 
 
+# ------------------------------------------------------------------------------------------ token classification
+
+TOKEN_FLAGS = ("label_list", "label_all_tokens", "return_entity_level_metrics")
+
+
+def _parse_label_names(value: str | None) -> tuple[str, ...]:
+    """--label_list "O,B-PER,I-PER" -> ("O", "B-PER", "I-PER")."""
+    if value is None:
+        return ()
+    names = tuple(n.strip() for n in value.split(","))
+    if not names or any(not n for n in names) or len(set(names)) != len(names):
+        raise UsageError(f"--label_list must list distinct, non-empty label names in id order, comma-separated "
+                         f"(got {value!r}), e.g. --label_list O,B-PER,I-PER,B-LOC,I-LOC")
+    return names
+
+
+def _check_task_type(args: FinetuneArguments) -> None:
+    """Flags that belong to the other task type are refused (rather than ignored), before any data is read."""
+    if args.task_type != "token_classification":
+        given = [f"--{flag}" for flag in TOKEN_FLAGS if getattr(args, flag) not in (None, False)]
+        if given:
+            raise UsageError(f"{', '.join(given)} apply to token classification: add --task_type "
+                             "token_classification, or leave them out")
+        return
+    if args.task_name is not None:
+        raise UsageError(f"--task_name {args.task_name} is a sequence-classification preset; for token "
+                         "classification name the columns of your data with --text_columns (the words, default "
+                         "'tokens') and --label_column (default 'ner_tags'), or leave out --task_type")
+    if args.text_columns and len(parse_text_columns(args.text_columns)) != 1:
+        raise UsageError(f"token classification reads one column of words (a list of strings per row), not "
+                         f"{args.text_columns!r}: pass --text_columns tokens (or your column's name)")
+    _parse_label_names(args.label_list)
+
+
+def _require_token_head(args: FinetuneArguments) -> None:
+    """An error, before any data is read, for a model without a token-classification head (this package's
+    decoders have none: a causal model sees no word after the one it labels)."""
+    try:
+        config = AutoConfig.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code)
+    except Exception as error:
+        raise UsageError(f"cannot read a model config from {args.model_name_or_path}: {error}") from error
+    family = family_of(config)
+    encoders = sorted(t for t, f in MODEL_FAMILIES.items() if "AutoModelForTokenClassification" in f.models)
+    if family is not None:
+        has_head = "AutoModelForTokenClassification" in family.models
+    else:
+        has_head = (type(config) in AutoModelForTokenClassification._model_mapping
+                    or "AutoModelForTokenClassification" in (getattr(config, "auto_map", None) or {}))
+    if not has_head:
+        kind = f"a {family.kind} ({config.model_type})" if family is not None else f"a {config.model_type} model"
+        raise UsageError(f"{args.model_name_or_path} is {kind} without a token-classification head: token "
+                         f"classification needs an encoder of this package ({', '.join(encoders)}) or a "
+                         "Transformers model with one (RoBERTa, BERT)")
+
+
+def _resolve_token_task(args: FinetuneArguments, raw, train: bool) -> TokenTask:
+    """The token-classification task: its words and labels columns, and its label names: --label_list, a
+    ClassLabel's names or the train labels when training; the checkpoint's own (config.id2label) otherwise."""
+    tokens_column = parse_text_columns(args.text_columns)[0] if args.text_columns else "tokens"
+    label_column = args.label_column or "ner_tags"
+    given = _parse_label_names(args.label_list)
+    name = f"{args.dataset_name} token classification" if args.dataset_name else "token classification"
+    task = TokenTask(name, tokens_column, label_column, (), args.dataset_name, args.dataset_config_name)
+    if not train:
+        config = AutoConfig.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code)
+        heads = [a for a in (config.architectures or []) if a.endswith("ForTokenClassification")]
+        if not heads:
+            raise UsageError(f"{args.model_name_or_path} is not fine-tuned for token classification (its "
+                             f"architectures: {config.architectures}): its head would be random; train it with "
+                             "--do_train, or evaluate a checkpoint that fine-tuning wrote")
+        names = tuple(str(config.id2label[i]) for i in range(config.num_labels))
+        if given and given != names:
+            raise UsageError(f"--label_list {list(given)} differ from the labels {list(names)} that "
+                             f"{args.model_name_or_path} was trained with: leave --label_list out")
+        return replace_task(task, label_names=names)
+    source = raw["train"]
+    for column, flag in ((tokens_column, "--text_columns"), (label_column, "--label_column")):
+        if column not in source.column_names:
+            raise UsageError(f"the train data has no column {column!r} ({flag}) for token classification; its "
+                             f"columns are {source.column_names}")
+    names, ids = token_label_names(source, label_column, given)
+    if not names:
+        raise UsageError(f"the train column {label_column!r} holds no labels")
+    if not ids and names and all(n.lstrip("-").isdigit() for n in names):
+        print(f"note: the labels of {label_column!r} are integers without names, so they are scored as plain "
+              "tags; pass --label_list (e.g. O,B-PER,I-PER, in id order) for entity scores")
+    return replace_task(task, label_names=names, accept_label_ids=ids)
+
+
+def _token_metric_function(task: TokenTask, metric, entity_level: bool):
+    """compute_metrics for Trainer: the words' predicted and true labels (the positions whose label is not -100:
+    one per word, see `encode_token_task`) scored by the seqeval metric; run_ner.py's keys (precision, recall,
+    f1, accuracy) and with `entity_level` those of each entity type. Labels without a B- / I- / E- / S- scheme
+    (POS tags) are scored as one-word entities, so precision / recall / F1 count words."""
+    schemed = has_entity_scheme(task.label_names)
+    names = [n if schemed or n == "O" else f"B-{n}" for n in task.label_names]
+
+    def compute_metrics(prediction):
+        logits = prediction.predictions[0] if isinstance(prediction.predictions, tuple) else prediction.predictions
+        guesses, labels = np.argmax(logits, axis=-1), prediction.label_ids
+        kept = [row != -100 for row in labels]
+        predictions = [[names[i] for i in guess[keep]] for guess, keep in zip(guesses, kept)]
+        references = [[names[i] for i in label[keep]] for label, keep in zip(labels, kept)]
+        scores = metric.compute(predictions=predictions, references=references)
+        result = {k: float(scores[f"overall_{k}"]) for k in ("precision", "recall", "f1", "accuracy")}
+        if entity_level:
+            for kind, values in scores.items():
+                if isinstance(values, dict):
+                    result.update({f"{kind}_{k}": v for k, v in values.items()})
+        return result
+
+    return compute_metrics
+
+
+def _write_token_predictions(path: Path, logits: np.ndarray, word_starts, task: TokenTask) -> None:
+    """run_ner.py's predict_results.txt: for each input row one line, its words' predicted labels separated by
+    spaces (the label of each word's first sub-token; words cut by --max_seq_length have none)."""
+    guesses = np.argmax(logits, axis=-1)
+    lines = [" ".join(task.label_names[int(guesses[row, p])] for p in starts) for row, starts in enumerate(word_starts)]
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+
+
+def _warn_cut_rows(data, encoded, max_seq_length: int) -> None:
+    """A warning naming how many evaluated / predicted rows are longer than --max_seq_length (their last words
+    are neither scored nor predicted)."""
+    for split in ("validation", "test"):
+        if split in encoded:
+            cut = sum(len(s) < len(w) for s, w in zip(encoded[split]["word_starts"], data[split]["tokens"]))
+            if cut:
+                print(f"warning: {cut} of {len(encoded[split])} {split} rows are longer than --max_seq_length "
+                      f"{max_seq_length} tokens: their last words are neither scored nor predicted (raise "
+                      "--max_seq_length)")
+
+
 def _regression_metrics(predictions, references) -> dict:
     predictions, references = np.asarray(predictions, dtype=np.float64), np.asarray(references, dtype=np.float64)
     pearson = float(np.corrcoef(predictions, references)[0, 1]) if len(references) > 1 else float("nan")
@@ -358,9 +514,13 @@ def run_finetuning(args: FinetuneArguments, training: TrainingArguments, argv=No
     do_train, do_eval, do_predict = training.do_train, training.do_eval, training.do_predict
     if not (do_train or do_eval or do_predict):
         raise UsageError("nothing to do: pass --do_train, --do_eval and / or --do_predict")
+    token_level = args.task_type == "token_classification"
+    _check_task_type(args)
     if args.task_name is not None:
         get_task(args.task_name)
     _check_arguments(args, training)
+    if token_level:
+        _require_token_head(args)
     output_dir = Path(training.output_dir)
     push, repo_id = training.push_to_hub, training.hub_model_id or output_dir.name
     if push:
@@ -379,44 +539,64 @@ def run_finetuning(args: FinetuneArguments, training: TrainingArguments, argv=No
     hub_config = args.dataset_config_name if args.dataset_config_name is not None or preset is None else preset.hub_config
     wanted = {s: f for s, f in (("train", args.train_file), ("validation", args.validation_file),
                                 ("test", args.test_file)) if s in splits}
-    raw = read_task_files(args.dataset_name, hub_config, wanted.get("train"), wanted.get("validation"),
-                          wanted.get("test"))
-    task = _resolve_task(args, raw, do_train)
-    data, eval_split = load_task_data(task, args.dataset_name, hub_config, args.train_file, args.validation_file,
-                                      args.validation_split_percentage, training.seed, test_file=args.test_file,
-                                      splits=splits, raw=raw)
+    read = read_token_files if token_level else read_task_files
+    raw = read(args.dataset_name, hub_config, wanted.get("train"), wanted.get("validation"), wanted.get("test"))
+    if token_level:
+        task = _resolve_token_task(args, raw, do_train)
+        data, eval_split = load_token_data(task, raw, args.dataset_name, args.train_file, args.validation_file,
+                                           args.test_file, args.validation_split_percentage, training.seed, splits)
+    else:
+        task = _resolve_task(args, raw, do_train)
+        data, eval_split = load_task_data(task, args.dataset_name, hub_config, args.train_file, args.validation_file,
+                                          args.validation_split_percentage, training.seed, test_file=args.test_file,
+                                          splits=splits, raw=raw)
     for split, count in (("train", args.max_train_samples), ("validation", args.max_eval_samples),
                          ("test", args.max_predict_samples)):
         if split in data:
             data[split] = _subset(data[split], count, hub, training.seed)
-    if do_train and not task.regression and len(set(data["train"]["label"])) < 2:
-        raise UsageError(f"every training row of {task.name} has the same label: a classifier cannot learn from "
-                            "them (a local file sorted by label, cut by --max_train_samples? shuffle the file)")
+    if do_train and not task.regression:
+        seen = {i for row in data["train"]["labels"] for i in row} if token_level else set(data["train"]["label"])
+        if len(seen) < 2:
+            raise UsageError(f"every training row of {task.name} has the same label: a classifier cannot learn "
+                             "from them (a local file sorted by label, cut by --max_train_samples? shuffle the file)")
 
     tokenizer, config = _load_tokenizer_and_config(args, task, train=do_train)
+    if token_level:
+        tokenizer = prepare_tokenizer_for_words(tokenizer, args.tokenizer_name_or_path or args.model_name_or_path)
     # The classification head is new: seed before it is drawn (torch's own start seed is random), so a seed
     # names one run, as in Trainer's model_init path
     set_seed(training.seed)
+    auto_class = AutoModelForTokenClassification if token_level else AutoModelForSequenceClassification
     try:
-        model = AutoModelForSequenceClassification.from_pretrained(
-            args.model_name_or_path, config=config, trust_remote_code=args.trust_remote_code)
+        model = auto_class.from_pretrained(args.model_name_or_path, config=config,
+                                           trust_remote_code=args.trust_remote_code)
     except Exception as error:
-        raise UsageError(f"cannot load {args.model_name_or_path} for sequence classification: {error}") from error
-    encoded = encode_task(data, task, tokenizer, args.max_seq_length, args.head_fraction)
+        raise UsageError(f"cannot load {args.model_name_or_path} for {args.task_type.replace('_', ' ')}: "
+                         f"{error}") from error
     metric = None if task.regression else load_task_metric(task, args.metric_source)
+    if token_level:
+        encoded = encode_token_task(data, task, tokenizer, args.max_seq_length, args.label_all_tokens)
+        _warn_cut_rows(data, encoded, args.max_seq_length)
+        word_starts = encoded["test"]["word_starts"] if "test" in encoded else None
+        encoded = encoded.remove_columns("word_starts")  # only for reading predictions back per word
+        compute_metrics = _token_metric_function(task, metric, args.return_entity_level_metrics)
+        collator = DataCollatorForTokenClassification(tokenizer)  # pads labels with -100
+    else:
+        encoded = encode_task(data, task, tokenizer, args.max_seq_length, args.head_fraction)
+        collator = DataCollatorWithPadding(tokenizer)
 
-    def compute_metrics(prediction):
-        logits = prediction.predictions[0] if isinstance(prediction.predictions, tuple) else prediction.predictions
-        if task.regression:
-            return _regression_metrics(np.squeeze(logits, -1), prediction.label_ids)
-        return metric.compute(predictions=np.argmax(logits, axis=-1), references=prediction.label_ids)
+        def compute_metrics(prediction):
+            logits = prediction.predictions[0] if isinstance(prediction.predictions, tuple) else prediction.predictions
+            if task.regression:
+                return _regression_metrics(np.squeeze(logits, -1), prediction.label_ids)
+            return metric.compute(predictions=np.argmax(logits, axis=-1), references=prediction.label_ids)
 
     if replace and training.process_index == 0:  # every input is valid: only now is the old run removed
         shutil.rmtree(output_dir)
     training.push_to_hub = False  # one upload at the end (model, code, card), not Trainer's per-save pushes
     trainer = AtomicCheckpointTrainer(model=model, args=training, train_dataset=encoded.get("train"),
                                       eval_dataset=encoded.get("validation"), processing_class=tokenizer,
-                                      data_collator=DataCollatorWithPadding(tokenizer), compute_metrics=compute_metrics)
+                                      data_collator=collator, compute_metrics=compute_metrics)
     metrics = {}
     if do_train:
         if resume_from is not None and trainer.is_world_process_zero():
@@ -444,16 +624,18 @@ def run_finetuning(args: FinetuneArguments, training: TrainingArguments, argv=No
         metrics.update(eval_metrics)
     if do_predict:
         test = encoded["test"]
-        labelled = "label" in test.column_names
+        labelled = bool({"label", "labels"} & set(test.column_names))
         output = trainer.predict(test, metric_key_prefix="predict")
         logits = output.predictions[0] if isinstance(output.predictions, tuple) else output.predictions
-        predictions = np.squeeze(logits, -1) if task.regression else np.argmax(logits, axis=-1)
         predict_metrics = {k: v for k, v in output.metrics.items()
                            if labelled or not k.startswith("predict_loss")}
         predict_metrics["predict_samples"] = len(test)
         trainer.log_metrics("predict", predict_metrics)
         trainer.save_metrics("predict", predict_metrics)  # predict_results.json and all_results.json
-        if trainer.is_world_process_zero():
+        if trainer.is_world_process_zero() and token_level:
+            _write_token_predictions(output_dir / "predict_results.txt", logits, word_starts, task)
+        elif trainer.is_world_process_zero():
+            predictions = np.squeeze(logits, -1) if task.regression else np.argmax(logits, axis=-1)
             _write_predictions(output_dir / "predict_results.txt", predictions, task)
         metrics.update(predict_metrics)
     if not do_train:
@@ -464,11 +646,16 @@ def run_finetuning(args: FinetuneArguments, training: TrainingArguments, argv=No
     single = len(task.text_columns) == 1
     rule = (f"Longer texts keep their first {args.head_fraction:.0%} of tokens and their last tokens (head + tail)."
             if single else "Longer pairs are truncated longest-first.")
+    if token_level:
+        rule = ("Each word is labelled on its first sub-token; the words of longer sentences past the limit are cut "
+                "(neither trained on nor labelled).")
     command = "python scripts/finetune.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     hyper = {"learning rate": training.learning_rate, "epochs": training.num_train_epochs,
              "batch size": training.per_device_train_batch_size * training.gradient_accumulation_steps,
              "warmup (steps, or a share of all steps if < 1)": training.warmup_steps,
              "weight decay": training.weight_decay, "seed": training.seed}
+    if token_level:
+        hyper["label all sub-tokens"] = args.label_all_tokens
     machine = f"{platform.machine()} {'CUDA' if torch.cuda.is_available() else 'CPU'}, torch {torch.__version__}"
     if trainer.is_world_process_zero():
         dataset_id = args.dataset_name or task.hub_dataset
@@ -476,7 +663,8 @@ def run_finetuning(args: FinetuneArguments, training: TrainingArguments, argv=No
                          task=task, metrics=metrics, eval_split=eval_split or "none", dataset_id=dataset_id,
                          command=command, data_description=data_description, truncation_rule=rule,
                          max_seq_length=args.max_seq_length, hyperparameters=hyper, machine=machine,
-                         template=Path(args.model_card_template))
+                         template=Path(args.model_card_template),
+                         pipeline_tag="token-classification" if token_level else "text-classification")
         if push:  # uploads the card and the results files with the model
             metrics["hub_commit"] = push_folder(output_dir, repo_id, token=training.hub_token,
                                                 private=training.hub_private_repo)

@@ -69,31 +69,40 @@ def render_card(template: Path, card_data: ModelCardData, **variables) -> ModelC
     return ModelCard(content)
 
 
+PERCENT_METRICS = ("accuracy", "f1", "precision", "recall")  # shown as percentages in the card's table
+
+
 def write_model_card(output_dir: Path, *, repo_id: str, config, base_model: str, task, metrics: dict,
                      eval_split: str, dataset_id: str, command: str, data_description: str, truncation_rule: str,
-                     max_seq_length: int, hyperparameters: dict, machine: str, template: Path = DEFAULT_TEMPLATE):
-    """README.md with `model-index` results (one EvalResult per metric) from the template (default: model_card_template.md in this package)."""
+                     max_seq_length: int, hyperparameters: dict, machine: str, template: Path = DEFAULT_TEMPLATE,
+                     pipeline_tag: str = "text-classification"):
+    """README.md with `model-index` results (one EvalResult per metric) from the template (default: model_card_template.md in this package).
+
+    `pipeline_tag`: "text-classification" (a label or score per text) or "token-classification" (a label per
+    word): the card's task type, tags and usage example."""
     if not Path(template).is_file():
         raise UsageError(f"model card template not found: {template}")
-    names = [k for k in ("accuracy", "f1", "mse", "pearson") if f"eval_{k}" in metrics]
+    names = [k for k in ("accuracy", "f1", "mse", "pearson", "precision", "recall") if f"eval_{k}" in metrics]
     task_title = {"sst2": "GLUE SST-2", "qnli": "GLUE QNLI", "qqp": "GLUE QQP", "imdb": "IMDB"}.get(task.name,
                                                                                                      task.name)
-    results = [EvalResult(task_type="text-classification", dataset_type=dataset_id or "local", dataset_name=task_title,
+    results = [EvalResult(task_type=pipeline_tag, dataset_type=dataset_id or "local", dataset_name=task_title,
                           dataset_config=task.hub_config, dataset_split=eval_split, metric_type=name,
                           metric_value=round(float(metrics[f"eval_{name}"]), 4)) for name in names]
     card_data = ModelCardData(model_name=repo_id.split("/")[-1], base_model=hub_base_model(base_model),
                               library_name="transformers", license="apache-2.0", language="en",
-                              tags=["hf-linear-attn", config.model_type, "text-classification"],
+                              tags=["hf-linear-attn", config.model_type, pipeline_tag],
                               datasets=[dataset_id] if dataset_id else None, metrics=names,
-                              pipeline_tag="text-classification", eval_results=results or None)
+                              pipeline_tag=pipeline_tag, eval_results=results or None)
     architecture, attention = describe_architecture(config)
     example = '"a gripping, beautifully acted film"' if len(task.text_columns) == 1 else (
         '{"text": "How do I learn Python?", "text_pair": "What is the best way to learn Python?"}')
+    if pipeline_tag == "token-classification":
+        example = '"Ada Lovelace wrote the first program in London."'  # a pipeline takes text, not word lists
     card = render_card(
         template, card_data, model_name=repo_id.split("/")[-1], repo_id=repo_id,
         architecture=architecture, attention_description=attention, base_model=base_model, task_title=task_title,
         eval_split=eval_split, eval_samples=metrics.get("eval_samples", "?"), metric_names=" | ".join(names),
-        metric_values=" | ".join(f"{100 * metrics[f'eval_{n}']:.2f}" if n in ("accuracy", "f1") else
+        metric_values=" | ".join(f"{100 * metrics[f'eval_{n}']:.2f}" if n in PERCENT_METRICS else
                                 f"{metrics[f'eval_{n}']:.4f}" for n in names), machine=machine,
         example_input=example, command=without_token(command), data_description=data_description,
         truncation_rule=truncation_rule,
