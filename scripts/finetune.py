@@ -1,5 +1,6 @@
 """Fine-tune, evaluate and predict with the Transformers Trainer, at run_glue.py's conventions: a preset task
-(SST-2, QNLI, QQP, IMDB) or any CSV / TSV / JSON / parquet files or Hub dataset with --text_columns / --label_column.
+(SST-2, QNLI, QQP, IMDB) or any CSV / TSV / JSON / parquet files or Hub dataset with --text_columns / --label_column;
+token classification (run_ner.py's conventions) with --task_type token_classification.
 
     python scripts/finetune.py --config configs/finetune/cpu-sst2.json \
         --model_name_or_path outputs/pretrain/linformer-k32 --output_dir outputs/finetune/linformer-k32-sst2
@@ -9,6 +10,8 @@
         --model_name_or_path outputs/finetune/linformer-k32-sst2 --output_dir outputs/predict/sst2
     python scripts/finetune.py --task_name sst2 --dataset_name nyu-mll/glue --model_name_or_path ... \
         --output_dir ... --push_to_hub --hub_model_id me/linformer-sst2
+    python scripts/finetune.py --task_type token_classification --train_file train.jsonl \
+        --validation_file dev.jsonl --model_name_or_path ... --output_dir ...   # "tokens" / "ner_tags" per row
 
 --do_train / --do_eval / --do_predict choose what runs; without any of them the script trains and evaluates.
 Arguments: this package's (see --help) and every TrainingArguments flag; --config FILE.json gives defaults that
