@@ -142,7 +142,10 @@ def _image_configurations(sizes: dict, dtype: str) -> list[dict]:
 
 def _assisted_configurations(sizes: dict, dtype: str, data_dir, output_dir) -> list[dict]:
     assisted = sizes["assisted"]
-    positions = max(assisted["contexts"]) + assisted["new_tokens"]  # both models are trained at this length
+    # both models are trained at this length: the longest prompt, the new tokens, and the candidates a draft or a
+    # lookup proposes past the last new token before the target verifies them (a quick run at 4,096 hit that)
+    overshoot = max(ASSISTANT_SETTINGS["num_assistant_tokens"], assisted["prompt_lookup_num_tokens"])
+    positions = max(assisted["contexts"]) + assisted["new_tokens"] + overshoot
     problem = data_problem(data_dir)
     # the first context's process trains both models (unless cached): it may run past the preset's usual timeout
     common = {"kind": "assisted", "method": "greedy / assisted / prompt lookup", "dtype": dtype,
