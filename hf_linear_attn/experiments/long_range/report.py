@@ -142,6 +142,8 @@ def render_markdown(meta: dict, summary: dict) -> str:
                 "threads, after three tries): not comparable, left out of the goals."]
     if copy:
         out += ["", "## Copy task (\"Transformers are RNNs\" 4.1; loss curves in copy_task.png, Figure 2's shape)", "",
+                "Steps/s here is the stage's wall clock, with no check that the cores were free (some stages shared "
+                "them with other jobs): compare speed in the efficiency table above, not here.", "",
                 "| length | model | final train loss | eval loss | eval token accuracy (copied half) | steps/s |",
                 "|---|---|---|---|---|---|"]
         for length in sorted(copy):
