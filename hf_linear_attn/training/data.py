@@ -325,12 +325,18 @@ def read_task_files(dataset_name=None, dataset_config_name=None, train_file=None
     """The raw splits (train / validation / test, those given) of a Hub dataset or of local files."""
     if dataset_name is not None:
         return _load_hub(dataset_name, dataset_config_name)
+    files = _split_files(train_file, validation_file, test_file, "CSV, TSV, JSON lines or parquet")
+    return _load_local(files, allowed=("json", "parquet", "csv"))
+
+
+def _split_files(train_file, validation_file, test_file, formats: str) -> dict[str, str]:
+    """{split: path} of the files given; an error naming the flags and `formats` when none is."""
     files = {split: path for split, path in (("train", train_file), ("validation", validation_file),
                                              ("test", test_file)) if path}
     if not files:
-        raise UsageError("no data: pass --dataset_name (Hub) or --train_file / --validation_file / --test_file "
-                         "(CSV, TSV, JSON lines or parquet)")
-    return _load_local(files, allowed=("json", "parquet", "csv"))
+        raise UsageError(f"no data: pass --dataset_name (Hub) or --train_file / --validation_file / --test_file "
+                         f"({formats})")
+    return files
 
 
 def require_split_sources(splits, train_file=None, validation_file=None, test_file=None) -> None:
@@ -387,11 +393,16 @@ def load_task_data(task: Task, dataset_name=None, dataset_config_name=None, trai
     raw = DatasetDict({s: d.select_columns([*task.text_columns, *(["label"] if "label" in d.column_names else [])])
                        for s, d in raw.items()})
     if "validation" in splits and "validation" not in raw:
-        carved = carve_validation(DatasetDict(train=raw["train"]), validation_split_percentage, seed)
-        raw["train"], raw["validation"] = carved["train"], carved["validation"]
         source = Path(train_file).name if train_file else f"{dataset_name} train"
-        eval_split = f"{validation_split_percentage:g}% of {source} held out (seed {seed})"
+        eval_split = hold_out_validation(raw, validation_split_percentage, seed, source)
     return raw, eval_split
+
+
+def hold_out_validation(data: DatasetDict, percentage: float, seed: int, source: str) -> str:
+    """Carve a seeded validation split out of data["train"] in place; its description for the results."""
+    carved = carve_validation(DatasetDict(train=data["train"]), percentage, seed)
+    data["train"], data["validation"] = carved["train"], carved["validation"]
+    return f"{percentage:g}% of {source} held out (seed {seed})"
 
 
 def encode_task(dataset: DatasetDict, task: Task, tokenizer, max_length: int, head_fraction: float = 0.25):
@@ -461,11 +472,8 @@ def read_token_files(dataset_name=None, dataset_config_name=None, train_file=Non
     hold a list of words and a list of labels."""
     if dataset_name is not None:
         return _load_hub(dataset_name, dataset_config_name)
-    files = {split: path for split, path in (("train", train_file), ("validation", validation_file),
-                                             ("test", test_file)) if path}
-    if not files:
-        raise UsageError("no data: pass --dataset_name (Hub) or --train_file / --validation_file / --test_file "
-                         "(JSON lines or parquet, one sentence a row: a list of words and a list of labels)")
+    files = _split_files(train_file, validation_file, test_file,
+                         "JSON lines or parquet, one sentence a row: a list of words and a list of labels")
     for path in files.values():
         if TEXT_BUILDERS.get(Path(path).suffix.lower()) not in TOKEN_FILE_BUILDERS:
             raise UsageError(f"cannot read {path} for token classification: each row needs a list of words and a "
@@ -584,10 +592,8 @@ def load_token_data(task: TokenTask, raw: DatasetDict, dataset_name=None, train_
                              f"'ner_tags'); its columns are {part.column_names}")
     data = DatasetDict({s: normalise_token_labels(part, task, s, sources[s]) for s, part in parts.items()})
     if "validation" in splits and "validation" not in data:
-        carved = carve_validation(DatasetDict(train=data["train"]), validation_split_percentage, seed)
-        data["train"], data["validation"] = carved["train"], carved["validation"]
         source = Path(train_file).name if train_file else f"{dataset_name} train"
-        eval_split = f"{validation_split_percentage:g}% of {source} held out (seed {seed})"
+        eval_split = hold_out_validation(data, validation_split_percentage, seed, source)
     return data, eval_split
 
 
