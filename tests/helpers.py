@@ -163,3 +163,10 @@ def run_pretrain(args, launcher=(sys.executable,), check=True):
 def weights(folder):
     """The state dict of a saved model folder."""
     return load_file(str(folder / "model.safetensors"))
+
+
+def script_error(main, argv) -> str:
+    """The message a script's main(argv) stops with (its sys.exit("error: ...")); fails the test if it runs on."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    return str(exit_info.value.code)

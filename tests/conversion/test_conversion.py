@@ -7,7 +7,8 @@ import sys
 import convert as convert_script  # scripts/convert.py
 import pytest
 import torch
-from helpers import ENV, GLUE, REPO_ROOT, TINY, TINY_DECODER, needs_data, pretrain_args, random_ids, run_pretrain, tiny_preset
+from helpers import (ENV, GLUE, REPO_ROOT, TINY, TINY_DECODER, needs_data, pretrain_args, random_ids, run_pretrain,
+                     script_error, tiny_preset)
 from safetensors.torch import load_file, save_file
 from transformers import (
     AutoModelForMaskedLM,
@@ -222,7 +223,7 @@ def test_a_damaged_weights_file_is_refused_by_name_and_a_full_disk_reported(robe
     data = (folder / "model.safetensors").read_bytes()
     for damaged, why in ((data[: len(data) // 2], "truncated"), (b"\xff" * 64 + data[64:], "unreadable header")):
         (folder / "model.safetensors").write_bytes(damaged)
-        message = _convert_error(["--model_name_or_path", str(folder), "--target", "linformer", "--linformer_k", "8",
+        message = script_error(convert_script.main, ["--model_name_or_path", str(folder), "--target", "linformer", "--linformer_k", "8",
                                   "--output_dir", str(tmp_path / "out")])
         assert "model.safetensors is" in message and why in message and not (tmp_path / "out").exists()
     (folder / "model.safetensors").write_bytes(data)
@@ -231,14 +232,10 @@ def test_a_damaged_weights_file_is_refused_by_name_and_a_full_disk_reported(robe
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr("hf_linear_attn.conversion.cli.save_converted", full_disk)
-    message = _convert_error(["--model_name_or_path", str(folder), "--target", "linformer", "--linformer_k", "8",
+    message = script_error(convert_script.main, ["--model_name_or_path", str(folder), "--target", "linformer", "--linformer_k", "8",
                               "--output_dir", str(tmp_path / "out")])
     assert "the disk is full" in message and str(tmp_path) in message
     assert not (tmp_path / "out").exists() and not (tmp_path / ".partial-out").exists()
     assert issubclass(DiskFullError, UsageError)
 
 
-def _convert_error(argv):
-    with pytest.raises(SystemExit) as exit_info:
-        convert_script.main(argv)
-    return str(exit_info.value.code)

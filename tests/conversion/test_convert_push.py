@@ -8,7 +8,7 @@ import json
 import convert as convert_script  # scripts/convert.py
 import pytest
 import torch
-from helpers import TINY, needs_data
+from helpers import TINY, needs_data, script_error
 from hub_stand_in import TOKEN, front_matter, recorded, use_recording_hub
 from transformers import RobertaConfig, RobertaForMaskedLM
 
@@ -43,20 +43,14 @@ def hub_model(tmp_path, monkeypatch, tokenizer):
     return "someone/tiny-roberta"
 
 
-def _error(argv) -> str:
-    with pytest.raises(SystemExit) as exit_info:
-        convert_script.main(argv)
-    return str(exit_info.value.code)
-
-
 def test_convert_refuses_a_bad_push_target_before_loading_the_source(tmp_path, hub):
     """The source does not exist: an error naming it would mean the Hub was checked too late."""
     out = tmp_path / "out"
     run = ["--model_name_or_path", str(tmp_path / "absent"), "--target", "linformer", "--output_dir", str(out),
            "--push_to_hub"]
-    assert "Cannot read a model config" in _error(run[:-1])  # without the push: what would fail next
-    assert "--push_to_hub needs a Hub token" in _error(run)
-    assert "not a valid Hub repo name" in _error([*run, "--hub_token", TOKEN, "--hub_model_id", "me/x y"])
+    assert "Cannot read a model config" in script_error(convert_script.main, run[:-1])  # without the push: what would fail next
+    assert "--push_to_hub needs a Hub token" in script_error(convert_script.main, run)
+    assert "not a valid Hub repo name" in script_error(convert_script.main, [*run, "--hub_token", TOKEN, "--hub_model_id", "me/x y"])
     assert not out.exists() and not recorded(hub)
 
 

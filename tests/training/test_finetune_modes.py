@@ -8,7 +8,7 @@ import csv
 import json
 
 import pytest
-from helpers import TINY
+from helpers import TINY, script_error
 from transformers import AutoModelForMaskedLM
 
 from hf_linear_attn import LinformerConfig
@@ -50,11 +50,6 @@ def common(model, out):
             "--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "4", "--max_steps", "3",
             "--save_strategy", "no", "--report_to", "none", "--logging_steps", "1", "--use_cpu", "True"]
 
-
-def _error(main, argv):
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    return str(exit_info.value.code)
 
 
 def test_do_train_eval_predict_are_honoured_and_write_the_example_scripts_files(tmp_path, base_model, review_files):
@@ -118,29 +113,29 @@ def test_new_finetuning_flags_refuse_bad_values(tmp_path, base_model, review_fil
     train, dev, test = review_files
     base = common(base_model, tmp_path / "out")
     columns = ["--text_columns", "review", "--label_column", "verdict"]
-    assert "--text_columns must name one text column or two" in _error(
+    assert "--text_columns must name one text column or two" in script_error(
         main, [*base, "--do_train", "--text_columns", "a,b,c", "--train_file", str(train)])
-    assert "no task: pass --task_name" in _error(main, [*base, "--do_train", "--train_file", str(train)])
-    message = _error(main, [*base, "--do_train", "--task_name", "sst2", *columns, "--train_file", str(train)])
+    assert "no task: pass --task_name" in script_error(main, [*base, "--do_train", "--train_file", str(train)])
+    message = script_error(main, [*base, "--do_train", "--task_name", "sst2", *columns, "--train_file", str(train)])
     assert "--text_columns / --label_column are for data without a preset" in message
-    message = _error(main, [*base, "--do_eval", *columns, "--train_file", str(train)])
+    message = script_error(main, [*base, "--do_eval", *columns, "--train_file", str(train)])
     assert "--do_eval needs validation data: pass --validation_file" in message
-    message = _error(main, [*base, "--do_predict", *columns, "--validation_file", str(dev)])
+    message = script_error(main, [*base, "--do_predict", *columns, "--validation_file", str(dev)])
     assert "--do_predict needs test data: pass --test_file" in message
-    message = _error(main, [*base, "--do_train", "--text_columns", "review", "--train_file", str(train)])
+    message = script_error(main, [*base, "--do_train", "--text_columns", "review", "--train_file", str(train)])
     assert "no label column 'label'" in message and "'verdict'" in message
-    message = _error(main, [*base, "--do_train", "--text_columns", "text", "--label_column", "verdict",
+    message = script_error(main, [*base, "--do_train", "--text_columns", "text", "--label_column", "verdict",
                             "--train_file", str(train)])
     assert "needs the columns ['text']" in message
-    assert "--max_predict_samples must be at least 1" in _error(
+    assert "--max_predict_samples must be at least 1" in script_error(
         main, [*base, "--do_predict", *columns, "--test_file", str(test), "--max_predict_samples", "0"])
     # labels of the validation file that training never saw
     odd = write_rows(tmp_path / "odd.csv", [("review", "verdict"), ("fine", "neutral")])
-    message = _error(main, [*base, "--do_train", "--do_eval", *columns, "--train_file", str(train),
+    message = script_error(main, [*base, "--do_train", "--do_eval", *columns, "--train_file", str(train),
                             "--validation_file", str(odd)])
     assert "labels ['neutral']" in message and "['bad', 'good']" in message
     # a preset's columns are checked in evaluation-only runs too
-    message = _error(main, [*base, "--do_eval", "--task_name", "sst2", "--validation_file", str(dev)])
+    message = script_error(main, [*base, "--do_eval", "--task_name", "sst2", "--validation_file", str(dev)])
     assert "needs the columns ['sentence']" in message
     assert not (tmp_path / "out").exists()  # every refusal came before anything was written
 
@@ -175,14 +170,14 @@ def test_push_to_hub_is_checked_before_any_training(tmp_path, base_model, review
     out = tmp_path / "out"
     run = [*common(base_model, out), "--text_columns", "review", "--label_column", "verdict", "--train_file",
            str(train), "--validation_file", str(dev), "--push_to_hub"]
-    assert "--push_to_hub needs a Hub token" in _error(main, run)
-    assert "not a valid Hub repo name" in _error(main, [*run, "--hub_token", "hf_x", "--hub_model_id", "a/b/c"])
+    assert "--push_to_hub needs a Hub token" in script_error(main, run)
+    assert "not a valid Hub repo name" in script_error(main, [*run, "--hub_token", "hf_x", "--hub_model_id", "a/b/c"])
     HubStandIn.answer = OSError("Cannot reach https://huggingface.co: offline mode is enabled")
-    message = _error(main, [*run, "--hub_token", "hf_x"])
+    message = script_error(main, [*run, "--hub_token", "hf_x"])
     assert "the Hub does not accept this token or cannot be reached" in message and "offline mode" in message
     HubStandIn.answer = {"name": "someone", "auth": {"accessToken": {"role": "read"}}}
-    assert "the token is read-only" in _error(main, [*run, "--hub_token", "hf_x"])
-    assert "--push_to_hub uploads a fine-tuned model: add --do_train" in _error(
+    assert "the token is read-only" in script_error(main, [*run, "--hub_token", "hf_x"])
+    assert "--push_to_hub uploads a fine-tuned model: add --do_train" in script_error(
         main, [*run, "--hub_token", "hf_x", "--do_eval"])
     assert not out.exists()  # refused at once: nothing trained, nothing written
     HubStandIn.answer = {"name": "someone", "auth": {"accessToken": {"role": "write"}}}

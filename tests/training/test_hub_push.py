@@ -13,7 +13,7 @@ import sys
 from dataclasses import replace
 
 import pytest
-from helpers import ENV, REPO_ROOT, needs_data, pretrain_args, tiny_preset
+from helpers import ENV, REPO_ROOT, needs_data, pretrain_args, script_error, tiny_preset
 from hub_stand_in import TOKEN, RecordingHub, front_matter, recorded, use_recording_hub
 
 
@@ -21,11 +21,6 @@ from hub_stand_in import TOKEN, RecordingHub, front_matter, recorded, use_record
 def hub(tmp_path, monkeypatch):
     return use_recording_hub(tmp_path, monkeypatch)
 
-
-def _error(main, argv) -> str:
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    return str(exit_info.value.code)
 
 
 # ------------------------------------------------------------------------------------------ before any work
@@ -38,17 +33,17 @@ def test_pretrain_refuses_a_bad_push_target_before_reading_anything(tmp_path, hu
     out = tmp_path / "out"
     run = ["--model_config", str(tmp_path / "absent.json"), "--train_file", str(tmp_path / "absent.txt"),
            "--output_dir", str(out), "--push_to_hub"]
-    assert "cannot read a model config" in _error(main, run[:-1])  # without the push: what would fail next
-    assert "--push_to_hub needs a Hub token" in _error(main, run)
-    assert "not a valid Hub repo name" in _error(main, [*run, "--hub_token", TOKEN, "--hub_model_id", "a/b/c"])
+    assert "cannot read a model config" in script_error(main, run[:-1])  # without the push: what would fail next
+    assert "--push_to_hub needs a Hub token" in script_error(main, run)
+    assert "not a valid Hub repo name" in script_error(main, [*run, "--hub_token", TOKEN, "--hub_model_id", "a/b/c"])
     unnamed = [*run[:4], "--output_dir", str(tmp_path / "two words"), "--push_to_hub", "--hub_token", TOKEN]
-    message = _error(main, unnamed)
+    message = script_error(main, unnamed)
     assert "names the repo after the output folder" in message and "'two words'" in message
     monkeypatch.setattr(RecordingHub, "answer", OSError("Cannot reach https://huggingface.co: offline mode"))
-    message = _error(main, [*run, "--hub_token", TOKEN])
+    message = script_error(main, [*run, "--hub_token", TOKEN])
     assert "does not accept this token or cannot be reached" in message and "offline mode" in message
     monkeypatch.setattr(RecordingHub, "answer", {"name": "someone", "auth": {"accessToken": {"role": "read"}}})
-    assert "the token is read-only" in _error(main, [*run, "--hub_token", TOKEN])
+    assert "the token is read-only" in script_error(main, [*run, "--hub_token", TOKEN])
     assert not out.exists() and not (tmp_path / "two words").exists()  # refused at once: nothing written
     assert [c["call"] for c in recorded(hub)] == [["whoami", TOKEN]] * 2  # the Hub was asked, nothing uploaded
 

@@ -11,15 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import GLUE, TINY, needs_data, pretrain_args, replaced, tiny_preset, weights
+from helpers import GLUE, TINY, needs_data, pretrain_args, replaced, script_error, tiny_preset, weights
 
 from hf_linear_attn.training.errors import DiskFullError, UsageError
-
-
-def _error(main, argv):
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    return str(exit_info.value.code)
 
 
 def _listing(folder):
@@ -47,7 +41,7 @@ def test_pretraining_refuses_out_of_range_flags_before_writing_anything(corpus, 
     ]
     for flag, value, expected in cases:
         argv = replaced(args, **{flag: value}) if f"--{flag}" in args else [*args, f"--{flag}", str(value)]
-        assert expected in _error(main, argv), (flag, value)
+        assert expected in script_error(main, argv), (flag, value)
         assert not (tmp_path / "out").exists(), (flag, value)
 
 
@@ -62,7 +56,7 @@ def test_a_refused_pretraining_run_leaves_the_folder_it_was_to_replace_as_it_fou
     (out / "old_run.txt").write_text("keep me")
     argv = [*replaced(pretrain_args(corpus, config, out), per_device_train_batch_size=100000),
             "--overwrite_output_dir"]
-    assert "do not make one batch" in _error(main, argv)
+    assert "do not make one batch" in script_error(main, argv)
     assert _listing(out) == ["old_run.txt"] and not list(tmp_path.glob(".replaced-*"))
 
 
@@ -114,12 +108,12 @@ def test_finetuning_refuses_flags_that_would_train_nothing_or_crash_later(tmp_pa
         (["--max_eval_samples", "0"], "--max_eval_samples must be at least 1"),
     ]
     for extra, expected in cases:
-        assert expected in _error(main, [*sst2, *extra]), extra
+        assert expected in script_error(main, [*sst2, *extra]), extra
         assert not (tmp_path / "out").exists(), extra
     config = tmp_path / "finetune.json"  # the same from a --config file
     config.write_text(json.dumps({"eval_strategy": "steps", "eval_steps": 0}))
-    assert "--eval_steps must be positive (got 0)" in _error(main, [*sst2, "--config", str(config)])
-    assert "must be positive" not in _error(main, [*sst2, "--eval_steps", "0.25", "--eval_strategy", "steps"])
+    assert "--eval_steps must be positive (got 0)" in script_error(main, [*sst2, "--config", str(config)])
+    assert "must be positive" not in script_error(main, [*sst2, "--eval_steps", "0.25", "--eval_strategy", "steps"])
     # a length that fits only the special tokens: <s></s> would be all the model sees
     data, _ = load_task_data(get_task("sst2"), train_file=str(GLUE / "sst2" / "dev.tsv"))
     with pytest.raises(UsageError, match="leaves no room for text"):
@@ -212,7 +206,7 @@ def test_pretraining_resume_is_exact_or_refused_naming_the_missing_rng_state(cor
         data = (folder / "random_states_0.pkl").read_bytes()
         (folder / "random_states_0.pkl").write_bytes(data[: len(data) // 2])
     before = _listing(out)
-    message = _error(main, [*argv, "--resume"])
+    message = script_error(main, [*argv, "--resume"])
     assert "random_states_0.pkl truncated" in message and "--allow_inexact_resume" in message
     assert _listing(out) == before  # nothing deleted
     main([*argv, "--resume", "--allow_inexact_resume"])

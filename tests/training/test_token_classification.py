@@ -13,7 +13,7 @@ from collections import Counter
 
 import pytest
 from datasets import ClassLabel, Dataset, DatasetDict, Features, List, Value
-from helpers import TINY, TINY_DECODER, WIKITEXT
+from helpers import TINY, TINY_DECODER, WIKITEXT, script_error
 from tokenizers import Tokenizer, pre_tokenizers
 from tokenizers.models import WordLevel
 from transformers import AutoModelForMaskedLM, AutoTokenizer, PreTrainedTokenizerFast
@@ -109,11 +109,6 @@ def common(model, out):
             "--max_seq_length", "64", "--per_device_train_batch_size", "16", "--per_device_eval_batch_size", "32",
             "--save_strategy", "no", "--report_to", "none", "--use_cpu", "True", "--disable_tqdm", "True"]
 
-
-def _error(main, argv):
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    return str(exit_info.value.code)
 
 
 # ------------------------------------------------------------------------------------------------------ metrics
@@ -263,46 +258,46 @@ def test_bad_token_data_is_refused_before_training(tmp_path, encoder, conll_file
             {"tokens": ["It", "sank", "in", "1914"], "ner_tags": ["B-CAP", "O", "O", "B-NUM"]},
             {"tokens": ["Zrínyi", "was", "sold"], "ner_tags": ["B-CAP", "O"]}]  # a label short
     short = write_jsonl(tmp_path / "short.jsonl", rows)
-    message = _error(main, [*base, "--do_train", "--train_file", str(short)])
+    message = script_error(main, [*base, "--do_train", "--train_file", str(short)])
     assert "row 3 of the train data" in message and "3 words in 'tokens' but 2 labels in 'ner_tags'" in message
 
     unknown = write_jsonl(tmp_path / "unknown.jsonl", [{"tokens": ["Ada"], "ner_tags": ["B-PER"]}])
-    message = _error(main, [*base, "--do_train", "--do_eval", "--train_file", str(train), "--validation_file",
+    message = script_error(main, [*base, "--do_train", "--do_eval", "--train_file", str(train), "--validation_file",
                             str(unknown)])
     assert "labels ['B-PER'] that are not among the label names" in message and "first in row 1" in message
-    message = _error(main, [*base, "--do_train", "--train_file", str(train), "--label_list", "O,B-CAP,I-CAP"])
+    message = script_error(main, [*base, "--do_train", "--train_file", str(train), "--label_list", "O,B-CAP,I-CAP"])
     assert "labels ['B-NUM']" in message  # a label that --label_list leaves out
 
     empty = write_jsonl(tmp_path / "empty.jsonl", [rows[0], {"tokens": ["The", "", "ship"], "ner_tags": ["O"] * 3}])
-    assert "row 2 of the train data" in _error(main, [*base, "--do_train", "--train_file", str(empty)])
+    assert "row 2 of the train data" in script_error(main, [*base, "--do_train", "--train_file", str(empty)])
 
-    message = _error(main, [*base, "--do_train", "--train_file", str(train), "--label_column", "tags"])
+    message = script_error(main, [*base, "--do_train", "--train_file", str(train), "--label_column", "tags"])
     assert "no column 'tags' (--label_column)" in message and "['tokens', 'ner_tags']" in message
-    message = _error(main, [*base, "--do_train", "--train_file", str(train), "--text_columns", "words"])
+    message = script_error(main, [*base, "--do_train", "--train_file", str(train), "--text_columns", "words"])
     assert "no column 'words' (--text_columns)" in message
-    message = _error(main, [*base, "--do_eval", "--validation_file", str(dev)])
+    message = script_error(main, [*base, "--do_eval", "--validation_file", str(dev)])
     assert "not fine-tuned for token classification" in message  # a pretrained model's head would be random
 
     outside = write_jsonl(tmp_path / "outside.jsonl", [{"tokens": r["tokens"], "ner_tags": ["O"] * len(r["tokens"])}
                                                        for r in rows[:2]])
-    assert "has the same label" in _error(main, [*base, "--do_train", "--train_file", str(outside)])
-    message = _error(main, [*base, "--do_train", "--train_file", str(train), "--max_seq_length", "2"])
+    assert "has the same label" in script_error(main, [*base, "--do_train", "--train_file", str(outside)])
+    message = script_error(main, [*base, "--do_train", "--train_file", str(train), "--max_seq_length", "2"])
     assert "--max_seq_length 2 leaves no room for words (2 special tokens)" in message
 
     csv_file = tmp_path / "train.csv"
     csv_file.write_text("tokens,ner_tags\nThe,O\n")
-    assert "CSV / TSV / text files cannot hold" in _error(main, [*base, "--do_train", "--train_file", str(csv_file)])
+    assert "CSV / TSV / text files cannot hold" in script_error(main, [*base, "--do_train", "--train_file", str(csv_file)])
 
     decoder = tmp_path / "decoder"
     LinearGPT2Config(**TINY_DECODER).save_pretrained(decoder)
-    message = _error(main, [*common(decoder, out), "--do_train", "--train_file", str(train)])
+    message = script_error(main, [*common(decoder, out), "--do_train", "--train_file", str(train)])
     assert "a decoder (linear_gpt2) without a token-classification head" in message
     assert "linear_roberta, linformer" in message
 
-    message = _error(main, [*base, "--do_train", "--task_name", "sst2", "--train_file", str(train)])
+    message = script_error(main, [*base, "--do_train", "--task_name", "sst2", "--train_file", str(train)])
     assert "is a sequence-classification preset" in message
     sequence = [arg for arg in base if arg not in ("--task_type", "token_classification")]
-    message = _error(main, [*sequence, "--do_train", "--train_file", str(train), "--label_all_tokens", "True"])
+    message = script_error(main, [*sequence, "--do_train", "--train_file", str(train), "--label_all_tokens", "True"])
     assert "--label_all_tokens apply to token classification" in message
     assert not out.exists()  # every refusal came before anything was written
 

@@ -13,8 +13,8 @@ import time
 import pytest
 import torch
 from helpers import (
-    ENV, GLUE, PRESET_ENCODER_SIZE, REPO_ROOT, SHARED_DATA, needs_data, pretrain_args, replaced, run_pretrain, tiny_preset,
-    weights,
+    ENV, GLUE, PRESET_ENCODER_SIZE, REPO_ROOT, SHARED_DATA, needs_data, pretrain_args, replaced, run_pretrain,
+    script_error, tiny_preset, weights,
 )
 
 # ------------------------------------------------------------------------------------------------- pretraining
@@ -243,11 +243,6 @@ def test_a_finetuning_seed_names_one_run_across_processes(corpus, tmp_path):
 # --------------------------------------------------------------------------------------------------- bad input
 
 
-def _error(main, argv):
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    return str(exit_info.value.code)
-
 
 @needs_data
 def test_pretraining_refuses_bad_input_with_clear_errors(corpus, tmp_path):
@@ -258,32 +253,32 @@ def test_pretraining_refuses_bad_input_with_clear_errors(corpus, tmp_path):
     # a folder holding another run is never overwritten silently
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "notes.txt").write_text("someone else's")
-    assert "not empty" in _error(main, args) and (tmp_path / "out" / "notes.txt").exists()
-    assert "nothing to resume" in _error(main, [*args, "--resume"])
+    assert "not empty" in script_error(main, args) and (tmp_path / "out" / "notes.txt").exists()
+    assert "nothing to resume" in script_error(main, [*args, "--resume"])
     # unreadable / unknown files
     fresh = pretrain_args(corpus, config, tmp_path / "fresh")
-    assert "file not found" in _error(main, replaced(fresh, train_file=tmp_path / "nowhere.txt"))
+    assert "file not found" in script_error(main, replaced(fresh, train_file=tmp_path / "nowhere.txt"))
     odd = tmp_path / "corpus.xml"
     odd.write_text("<a/>")
-    assert "unknown file type '.xml'" in _error(main, replaced(fresh, train_file=odd, validation_file=odd))
+    assert "unknown file type '.xml'" in script_error(main, replaced(fresh, train_file=odd, validation_file=odd))
     broken = tmp_path / "broken.jsonl"
     broken.write_text('{"text": "fine"}\n{"text": "unterminated\n')
-    message = _error(main, replaced(fresh, train_file=broken, validation_file=broken))
+    message = script_error(main, replaced(fresh, train_file=broken, validation_file=broken))
     assert "could not read" in message and "broken.jsonl" in message
     wrong_column = tmp_path / "wrong.jsonl"
     wrong_column.write_text('{"body": "a line"}\n' * 5)
-    message = _error(main, replaced(fresh, train_file=wrong_column, validation_file=wrong_column))
+    message = script_error(main, replaced(fresh, train_file=wrong_column, validation_file=wrong_column))
     assert "no column ['text']" in message and "['body']" in message and "--text_column" in message
     # too long for the model's positions
-    assert "longer than the model allows (128" in _error(main, replaced(fresh, max_seq_length=512))
+    assert "longer than the model allows (128" in script_error(main, replaced(fresh, max_seq_length=512))
     # a config key the script does not know
     bad_config = tmp_path / "bad.json"
     bad_config.write_text(json.dumps({"max_stpes": 3}))
-    assert "max_stpes" in _error(main, ["--config", str(bad_config), *args])
+    assert "max_stpes" in script_error(main, ["--config", str(bad_config), *args])
     # --overwrite_output_dir would delete an input that lies inside the folder it empties
     inside = tmp_path / "out" / "model.json"
     inside.write_text(config.read_text())
-    message = _error(main, [*replaced(args, model_config=inside), "--overwrite_output_dir"])
+    message = script_error(main, [*replaced(args, model_config=inside), "--overwrite_output_dir"])
     assert "--model_config" in message and "lies inside --output_dir" in message
     assert inside.is_file() and (tmp_path / "out" / "notes.txt").exists()
 
@@ -318,7 +313,7 @@ def test_resume_and_tokenizer_mismatches_are_refused(corpus, tmp_path):
     run_pretrain(pretrain_args(corpus, config, tmp_path / "run", "--max_steps", 2, "--save_steps", 1))
     changed = replaced(pretrain_args(corpus, config, tmp_path / "run", "--max_steps", 2, "--save_steps", 1,
                                      "--resume"), max_seq_length=24)
-    assert "max_seq_length: 32 -> 24" in _error(main, changed)
+    assert "max_seq_length: 32 -> 24" in script_error(main, changed)
     # continuing from weights with a tokenizer bigger than the embedding
     big = pretrain_args(corpus, config, tmp_path / "big")
     big[big.index("--model_config"): big.index("--model_config") + 2] = ["--model_name_or_path", str(tmp_path / "run")]
@@ -327,12 +322,12 @@ def test_resume_and_tokenizer_mismatches_are_refused(corpus, tmp_path):
 
     lines = (corpus / "train.txt").read_text().splitlines()
     train_bpe_tokenizer(lines, 900, "roberta", 64).save_pretrained(tmp_path / "bigtok")
-    message = _error(main, big)
+    message = script_error(main, big)
     assert "embedding has" in message and "use the model's own tokenizer" in message
     assert not (tmp_path / "big").exists()  # a run that never started leaves nothing to trip over
     from finetune import main as finetune_main
 
-    message = _error(finetune_main, [
+    message = script_error(finetune_main, [
         "--model_name_or_path", str(tmp_path / "run"), "--tokenizer_name_or_path", str(tmp_path / "bigtok"),
         "--task_name", "sst2", "--train_file", str(GLUE / "sst2" / "dev.tsv"), "--output_dir", str(tmp_path / "ft"),
         "--report_to", "none"])
@@ -393,35 +388,35 @@ def test_finetuning_refuses_bad_input_with_clear_errors(tmp_path):
     from finetune import main
 
     base = ["--model_name_or_path", "unused", "--output_dir", str(tmp_path / "out"), "--report_to", "none"]
-    assert "unknown task 'cola'" in _error(main, [*base, "--task_name", "cola", "--train_file", "x.tsv"])
+    assert "unknown task 'cola'" in script_error(main, [*base, "--task_name", "cola", "--train_file", "x.tsv"])
     no_label = tmp_path / "no_label.jsonl"
     no_label.write_text('{"sentence": "good"}\n{"sentence": "bad"}\n')
-    message = _error(main, [*base, "--task_name", "sst2", "--train_file", str(no_label)])
+    message = script_error(main, [*base, "--task_name", "sst2", "--train_file", str(no_label)])
     assert "needs the columns ['sentence'] and a label column" in message and "it has ['sentence']" in message
     # the QQP file given for SST-2
-    message = _error(main, [*base, "--task_name", "sst2", "--train_file", str(GLUE / "qqp" / "dev_subset.tsv")])
+    message = script_error(main, [*base, "--task_name", "sst2", "--train_file", str(GLUE / "qqp" / "dev_subset.tsv")])
     assert "needs the columns ['sentence']" in message and "'question1'" in message
     # QNLI's text labels are not SST-2's
-    message = _error(main, [*base, "--task_name", "sst2", "--train_file", str(GLUE / "qnli" / "dev.tsv")])
+    message = script_error(main, [*base, "--task_name", "sst2", "--train_file", str(GLUE / "qnli" / "dev.tsv")])
     assert "labels ['entailment', 'not_entailment']" in message
     weird = tmp_path / "weird.jsonl"
     weird.write_text('{"text": "ok", "label": "maybe"}\n' * 3)
-    assert "labels ['maybe']" in _error(main, [*base, "--task_name", "imdb", "--train_file", str(weird)])
+    assert "labels ['maybe']" in script_error(main, [*base, "--task_name", "imdb", "--train_file", str(weird)])
     one_label = tmp_path / "one_label.jsonl"
     one_label.write_text('{"text": "fine", "label": 1}\n' * 4)
-    assert "has the same label" in _error(main, [*base, "--task_name", "imdb", "--train_file", str(one_label)])
+    assert "has the same label" in script_error(main, [*base, "--task_name", "imdb", "--train_file", str(one_label)])
     sst2 = [*base, "--task_name", "sst2", "--train_file", str(GLUE / "sst2" / "dev.tsv")]
-    assert "--head_fraction must be between 0 and 1" in _error(main, [*sst2, "--head_fraction", "1.5"])
-    assert "--max_train_samples must be at least 1" in _error(main, [*sst2, "--max_train_samples", "0"])
-    message = _error(main, [*sst2, "--model_card_template", str(tmp_path / "no-template.md")])
+    assert "--head_fraction must be between 0 and 1" in script_error(main, [*sst2, "--head_fraction", "1.5"])
+    assert "--max_train_samples must be at least 1" in script_error(main, [*sst2, "--max_train_samples", "0"])
+    message = script_error(main, [*sst2, "--model_card_template", str(tmp_path / "no-template.md")])
     assert "model card template not found" in message  # before any training, not after it
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "eval_results.json").write_text("{}")
-    message = _error(main, sst2)
+    message = script_error(main, sst2)
     assert "not empty" in message and (tmp_path / "out" / "eval_results.json").read_text() == "{}"
     # --overwrite_output_dir would delete the model it is to start from
     (tmp_path / "out" / "model").mkdir()
-    message = _error(main, [*replaced(sst2, model_name_or_path=tmp_path / "out" / "model"), "--overwrite_output_dir"])
+    message = script_error(main, [*replaced(sst2, model_name_or_path=tmp_path / "out" / "model"), "--overwrite_output_dir"])
     assert "--model_name_or_path" in message and "lies inside --output_dir" in message
     assert (tmp_path / "out" / "model").is_dir() and (tmp_path / "out" / "eval_results.json").is_file()
 
