@@ -362,12 +362,8 @@ def load_task_data(task: Task, dataset_name=None, dataset_config_name=None, trai
     if dataset_name is not None:
         hub_config = dataset_config_name if dataset_config_name is not None else task.hub_config
         raw = raw if raw is not None else _load_hub(dataset_name, hub_config)
-        eval_name = task.hub_eval_split if task.hub_eval_split in raw else "validation"
-        chosen = {"train": "train", "validation": eval_name, "test": "test"}
-        missing = [chosen[s] for s in splits if chosen[s] not in raw and not (s == "validation" and "train" in splits)]
-        if missing:
-            raise UsageError(f"the Hub dataset {dataset_name!r} has no split {missing}; its splits are {list(raw)}")
-        raw = DatasetDict({s: raw[chosen[s]] for s in splits if chosen[s] in raw})
+        chosen, eval_name = _hub_splits(raw, dataset_name, task.hub_eval_split, splits)
+        raw = DatasetDict({s: raw[name] for s, name in chosen.items()})
         eval_split = f"{dataset_name} {eval_name}"
     else:
         given = {"train": train_file, "validation": validation_file, "test": test_file}
@@ -396,6 +392,17 @@ def load_task_data(task: Task, dataset_name=None, dataset_config_name=None, trai
         source = Path(train_file).name if train_file else f"{dataset_name} train"
         eval_split = hold_out_validation(raw, validation_split_percentage, seed, source)
     return raw, eval_split
+
+
+def _hub_splits(raw, dataset_name: str, hub_eval_split: str, splits) -> tuple[dict[str, str], str]:
+    """({split: the Hub dataset's split it reads} for those of `splits` it has, the evaluation split's name); an
+    error for a missing one (a missing validation split is carved from train when train is among `splits`)."""
+    eval_name = hub_eval_split if hub_eval_split in raw else "validation"
+    names = {"train": "train", "validation": eval_name, "test": "test"}
+    missing = [names[s] for s in splits if names[s] not in raw and not (s == "validation" and "train" in splits)]
+    if missing:
+        raise UsageError(f"the Hub dataset {dataset_name!r} has no split {missing}; its splits are {list(raw)}")
+    return {s: names[s] for s in splits if names[s] in raw}, eval_name
 
 
 def hold_out_validation(data: DatasetDict, percentage: float, seed: int, source: str) -> str:
@@ -569,13 +576,9 @@ def load_token_data(task: TokenTask, raw: DatasetDict, dataset_name=None, train_
     without validation data (and with train among the splits) the evaluation split is carved from train with the
     seed. The test split may lack labels (then only predictions are written)."""
     if dataset_name is not None:
-        eval_name = task.hub_eval_split if task.hub_eval_split in raw else "validation"
-        chosen = {"train": "train", "validation": eval_name, "test": "test"}
-        missing = [chosen[s] for s in splits if chosen[s] not in raw and not (s == "validation" and "train" in splits)]
-        if missing:
-            raise UsageError(f"the Hub dataset {dataset_name!r} has no split {missing}; its splits are {list(raw)}")
-        parts = {s: raw[chosen[s]] for s in splits if chosen[s] in raw}
-        sources = {s: f"{dataset_name} {chosen[s]}" for s in parts}
+        chosen, eval_name = _hub_splits(raw, dataset_name, task.hub_eval_split, splits)
+        parts = {s: raw[name] for s, name in chosen.items()}
+        sources = {s: f"{dataset_name} {name}" for s, name in chosen.items()}
         eval_split = f"{dataset_name} {eval_name}"
     else:
         require_split_sources(splits, train_file, validation_file, test_file)
