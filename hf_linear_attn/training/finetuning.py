@@ -280,23 +280,28 @@ def _subset(rows, count: int | None, hub: bool, seed: int):
     return (rows.shuffle(seed=seed) if hub else rows).select(range(count))
 
 
+def read_model_config(args: FinetuneArguments, **overrides):
+    """--model_name_or_path's config (with `overrides`), or an error naming the folder and why it cannot be read."""
+    try:
+        return AutoConfig.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code,
+                                          **overrides)
+    except Exception as error:
+        raise UsageError(f"cannot read a model config from {args.model_name_or_path}: {error}") from error
+
+
 def _load_tokenizer_and_config(args: FinetuneArguments, task, train: bool = True):
     """The tokenizer and the model config: with a new head sized for `task` when training, the checkpoint's own
     (checked against the task) when only evaluating or predicting."""
     num_labels, label_names = (1, ()) if task.regression else (len(task.label_names), task.label_names)
     source = args.tokenizer_name_or_path or args.model_name_or_path
-    try:
-        if train:
-            labels = {} if task.regression else {"id2label": dict(enumerate(label_names)),
-                                                 "label2id": {n: i for i, n in enumerate(label_names)}}
-            if not isinstance(task, TokenTask):  # a sequence head's loss reads it; a token head's is cross-entropy
-                labels["problem_type"] = "regression" if task.regression else "single_label_classification"
-            config = AutoConfig.from_pretrained(
-                args.model_name_or_path, num_labels=num_labels, trust_remote_code=args.trust_remote_code, **labels)
-        else:
-            config = AutoConfig.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code)
-    except Exception as error:
-        raise UsageError(f"cannot read a model config from {args.model_name_or_path}: {error}") from error
+    if train:
+        labels = {} if task.regression else {"id2label": dict(enumerate(label_names)),
+                                             "label2id": {n: i for i, n in enumerate(label_names)}}
+        if not isinstance(task, TokenTask):  # a sequence head's loss reads it; a token head's is cross-entropy
+            labels["problem_type"] = "regression" if task.regression else "single_label_classification"
+        config = read_model_config(args, num_labels=num_labels, **labels)
+    else:
+        config = read_model_config(args)
     if not train and config.num_labels != num_labels:
         raise UsageError(f"{args.model_name_or_path} has a head of {config.num_labels} output(s) but {task.name} "
                          f"needs {num_labels}: evaluate or predict with the fine-tuned checkpoint (or add --do_train)")
@@ -337,10 +342,7 @@ def _resolve_task(args: FinetuneArguments, raw, train: bool):
     columns = parse_text_columns(args.text_columns)
     label = args.label_column or "label"
     if not train:
-        try:
-            config = AutoConfig.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code)
-        except Exception as error:
-            raise UsageError(f"cannot read a model config from {args.model_name_or_path}: {error}") from error
+        config = read_model_config(args)
         regression = config.problem_type == "regression" or config.num_labels == 1
         names = [] if regression else [str(config.id2label[i]) for i in range(config.num_labels)]
         return custom_task(columns, label, names, regression, args.dataset_name, args.dataset_config_name)
@@ -393,10 +395,7 @@ def _check_task_type(args: FinetuneArguments) -> None:
 def _require_token_head(args: FinetuneArguments) -> None:
     """An error, before any data is read, for a model without a token-classification head (this package's
     decoders have none: a causal model sees no word after the one it labels)."""
-    try:
-        config = AutoConfig.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code)
-    except Exception as error:
-        raise UsageError(f"cannot read a model config from {args.model_name_or_path}: {error}") from error
+    config = read_model_config(args)
     family = family_of(config)
     encoders = sorted(t for t, f in MODEL_FAMILIES.items() if "AutoModelForTokenClassification" in f.models)
     if family is not None:
