@@ -1,5 +1,6 @@
-"""Benchmarks against softmax attention: encoder inference, decoder training, generation, kernel efficiency, and the
-decoding suites of decoding_benchmarks.py (image-length generation throughput, assisted decoding, compiled steps).
+"""Benchmarks against softmax attention: encoder inference, decoder training, generation, kernel efficiency, the
+decoding suites of decoding_benchmarks.py (image-length generation throughput, assisted decoding, compiled steps) and
+the crossover suite of kernel_crossover.py (where each causal form overtakes softmax; the form table's measurements).
 
 Each configuration runs in a fresh Python process (`python -m hf_linear_attn.experiments.benchmarks --one SPEC`), so
 one configuration's memory never inflates another's and an out-of-memory kill costs only that configuration.
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from hf_linear_attn.experiments import decoding_benchmarks
+from hf_linear_attn.experiments import decoding_benchmarks, kernel_crossover
 
 # "smoke" is for the test suite: the smallest shapes and one of each kind of row (every configuration costs a fresh
 # process, about 5 s of importing transformers on 2 cores, so it runs few rather than the full grid).
@@ -409,7 +410,8 @@ def _kernel(spec, device):
 
 
 KINDS = {"encoder": _encoder, "decoder_train": _decoder_train, "generation": _generation, "kernel": _kernel,
-         **decoding_benchmarks.KINDS}  # images, assisted, compiled_step: decoding_benchmarks.py
+         **decoding_benchmarks.KINDS,  # images, assisted, compiled_step: decoding_benchmarks.py
+         **kernel_crossover.KINDS}  # crossover: kernel_crossover.py
 
 
 def run_one(spec: dict) -> dict:
@@ -493,7 +495,7 @@ def configurations(preset: dict, dtype: str = "float32", data_dir=None, output_d
                 for peer in preset.get("kernel_peers", PEERS):
                     specs.append({**base, "form": "causal", "dtype": dtype, "train": train, "peer": peer,
                                   "method": f"peer: {peer} {dtype} {mode}"})
-    return specs + decoding
+    return specs + decoding + kernel_crossover.configurations(preset, dtype)
 
 
 # Below this, a CPU memory figure is within the resident-set probe's noise (page-level reuse by the allocator):
@@ -563,7 +565,7 @@ def tables(results: list[dict]) -> str:
             cells = [c[2](r[c[0]]) if c[0] in r else _failure(r, c[0]) for c in columns]
             out.append(f"| {r[size]} | {r['method']} | " + " | ".join(cells) + " |")
         out.append("")
-    return "\n".join(out) + decoding_benchmarks.tables(results)
+    return "\n".join(out) + decoding_benchmarks.tables(results) + kernel_crossover.tables(results)
 
 
 def plots(results: list[dict], folder: Path) -> list[Path]:
@@ -600,7 +602,7 @@ def plots(results: list[dict], folder: Path) -> list[Path]:
         figure.savefig(path, dpi=120)
         plt.close(figure)
         written.append(path)
-    return written + decoding_benchmarks.plots(results, folder)
+    return written + decoding_benchmarks.plots(results, folder) + kernel_crossover.plots(results, folder)
 
 
 def run_suite(preset_name: str, output_dir: Path, only: list[str] | None = None, dtype: str = "auto",
@@ -613,6 +615,8 @@ def run_suite(preset_name: str, output_dir: Path, only: list[str] | None = None,
     for spec in configurations(preset, dtype, data_dir, output_dir):
         if only and spec["kind"] not in only:
             continue
+        if spec["kind"] == "crossover":  # softmax only falls further behind: stop timing it (see kernel_crossover)
+            spec = {**spec, "softmax_settled_since": kernel_crossover.softmax_settled(spec, results)}
         measured = run_isolated(spec, spec.get("timeout", preset["timeout"]))  # assisted: longer, it trains first
         results.append({**{k: v for k, v in spec.items() if k not in ("dims",)}, **measured})
         print(f"{spec['kind']:14s} {spec.get('n', spec.get('context')):>6} {spec['method']:34s} {measured}", flush=True)

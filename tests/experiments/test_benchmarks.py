@@ -103,3 +103,62 @@ def test_a_nonsense_memory_reading_fails_its_row():
     row = {"kind": "encoder", "method": "linear attention", "n": 1024, "seconds": 0.2,
            "activation_bytes_failed": reason}
     assert "memory probes disagree" in tables([row])
+
+
+def _crossover_row(n, seconds, series="float32 fwd batch 1", batch=1, train=False):
+    return {"kind": "crossover", "series": series, "method": series, "n": n, "batch": batch, "dtype": "float32",
+            "train": train, "seconds": seconds, "device": "cpu"}
+
+
+def test_crossover_is_the_first_length_from_which_a_form_stays_ahead_of_softmax():
+    from hf_linear_attn.experiments.kernel_crossover import SOFTMAX, crossovers
+
+    rows = [_crossover_row(64, {SOFTMAX: 1.0, "scan C=64": 0.5, "parallel C=64": 2.0}),  # scan ahead, then behind
+            _crossover_row(128, {SOFTMAX: 1.0, "scan C=64": 1.5, "parallel C=64": 0.9}),
+            _crossover_row(256, {SOFTMAX: 3.0, "scan C=64": 2.0, "parallel C=64": 4.0}),
+            _crossover_row(512, {SOFTMAX: 9.0, "scan C=64": 4.0, "parallel C=64": 5.0})]
+    cross = crossovers(rows)
+    assert cross[("float32 fwd batch 1", "scan C=64")] == "256"  # ahead at 64, behind at 128: counts from 256
+    assert cross[("float32 fwd batch 1", "parallel C=64")] == "512"
+    rows[-1]["seconds"]["parallel C=64"] = 10.0
+    assert crossovers(rows)[("float32 fwd batch 1", "parallel C=64")] == "not by 512"
+
+
+def test_the_fastest_form_at_each_length_merges_into_form_table_rows():
+    from hf_linear_attn.experiments.kernel_crossover import SOFTMAX, fastest_forms
+
+    rows = [_crossover_row(n, {SOFTMAX: 1.0, "scan C=64": s, "parallel C=64": p, "parallel C=128": p2, "auto": 0.0})
+            for n, s, p, p2 in ((64, 3, 1, 2), (128, 3, 1, 2), (256, 1, 2, 3), (512, 1, 3, 2), (1024, 3, 2, 1))]
+    # "auto" (the current table's pick) is never a candidate, however fast, and softmax is not a form
+    assert fastest_forms(rows) == [(0, "parallel", 64), (256, "scan", 64), (1024, "parallel", 128)]
+
+
+def test_softmax_is_no_longer_timed_once_every_form_beat_it_at_two_lengths_in_a_row():
+    from hf_linear_attn.experiments.kernel_crossover import SOFTMAX, softmax_settled
+
+    rows = [_crossover_row(64, {SOFTMAX: 1.0, "scan C=64": 0.5, "parallel C=64": 2.0}),
+            _crossover_row(128, {SOFTMAX: 2.0, "scan C=64": 1.5, "parallel C=64": 1.9}),
+            _crossover_row(256, {SOFTMAX: 8.0, "scan C=64": 2.0, "parallel C=64": 3.0}),
+            _crossover_row(64, {SOFTMAX: 1.0, "scan C=64": 0.1}, series="float32 fwd batch 16")]
+    spec = {"series": "float32 fwd batch 1", "n": 256}
+    assert softmax_settled(spec, rows) is None  # only one length (128) with every form ahead before 256
+    assert softmax_settled({**spec, "n": 512}, rows) == 128
+    assert softmax_settled({**spec, "n": 1024}, rows + [{**_crossover_row(512, {"scan C=64": 1.0}),
+                                                         "softmax_settled_since": 128}]) == 128
+
+
+def test_a_crossover_configuration_times_softmax_and_every_form_side_by_side():
+    from hf_linear_attn.experiments.kernel_crossover import PRESETS as SIZES
+    from hf_linear_attn.experiments.kernel_crossover import SOFTMAX, measure, tables
+
+    specs = [c for c in configurations(PRESETS["smoke"]) if c["kind"] == "crossover"]
+    assert {(c["train"], c["dtype"]) for c in specs} == {(False, "float32"), (True, "float32")}
+    spec = next(c for c in specs if c["train"])
+    result = measure(spec, "cpu")
+    forms = [f"{form} C={chunk}" for form, chunk in SIZES["smoke"]["forms"]]
+    assert set(result["seconds"]) == {SOFTMAX, "auto", *forms}
+    assert all(s > 0 for s in result["seconds"].values())
+    settled = measure({**spec, "softmax_settled_since": 32}, "cpu")
+    assert SOFTMAX not in settled["seconds"] and set(settled["seconds"]) == {"auto", *forms}
+    markdown = tables([{**spec, **result}, {**spec, "n": 128, "softmax_settled_since": 32, **settled}])
+    assert "not timed (every form ahead since n=32)" in markdown and "CAUSAL_FORM_TABLE" in markdown
