@@ -32,9 +32,9 @@ PRESETS = {
     "smoke": dict(n=[64], batches=[1], train_modes=[False, True], forms=(("scan", 32), ("parallel", 32)), heads=2,
                   head_dim=16, repeats=2, budget=5),
     "quick": dict(n=[64, 128, 256, 512, 1024, 2048, 4096, 8192], batches=[1, 16], train_modes=[False, True],
-                  forms=FORMS, heads=12, head_dim=64, repeats=5, budget=20),
+                  forms=FORMS, heads=12, head_dim=64, repeats=7, budget=40),
     "full": dict(n=[32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384], batches=[1, 16], train_modes=[False, True],
-                 forms=FORMS + (("scan", 512), ("parallel", 512)), heads=12, head_dim=64, repeats=7, budget=30),
+                 forms=FORMS + (("scan", 512), ("parallel", 512)), heads=12, head_dim=64, repeats=9, budget=90),
 }
 
 
@@ -81,9 +81,12 @@ def softmax_settled(spec: dict, earlier: list[dict]) -> int | None:
 # ------------------------------------------------------------------------------------------ one configuration
 
 
-def _median(fn, repeats: int, budget: float, device: str) -> float:
-    """Median wall time after one warm-up call (fewer calls, at least one, where they would pass `budget` s)."""
-    def timed():
+def interleaved_medians(fns: dict, repeats: int, budget: float, device: str) -> dict[str, float]:
+    """Median wall time of each function, timed in rounds that call every function once, in an order rotated from
+    round to round, after one warm-up call of each: a slow spell of a shared machine, or a cost that drifts with
+    the process's age, then falls on every candidate alike instead of on whichever was timed during it. Fewer
+    rounds (at least one) where they would pass `budget` seconds."""
+    def timed(fn):
         if device == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
@@ -92,9 +95,16 @@ def _median(fn, repeats: int, budget: float, device: str) -> float:
             torch.cuda.synchronize()
         return time.perf_counter() - start
 
-    first = timed()
-    repeats = max(1, min(repeats, int(budget / max(first, 1e-9))))
-    return statistics.median(timed() for _ in range(repeats))
+    for fn in fns.values():
+        fn()
+    names = list(fns)
+    rounds = []
+    while not rounds or (len(rounds) < repeats and sum(map(sum, rounds)) / len(rounds) * (len(rounds) + 1) < budget):
+        shift = len(rounds) % len(names)
+        order = names[shift:] + names[:shift]
+        times = {name: timed(fns[name]) for name in order}
+        rounds.append([times[name] for name in names])
+    return {name: statistics.median(r[i] for r in rounds) for i, name in enumerate(names)} | {"_rounds": len(rounds)}
 
 
 def measure(spec: dict, device: str) -> dict:
@@ -137,11 +147,12 @@ def measure(spec: dict, device: str) -> dict:
         with torch.no_grad():
             return fn()
 
-    seconds = {name: _median(lambda fn=fn: call(fn), spec["repeats"], spec["budget"], device)
-               for name, fn in candidates.items()}
+    seconds = interleaved_medians({name: (lambda fn=fn: call(fn)) for name, fn in candidates.items()},
+                                  spec["repeats"], spec["budget"], device)
+    rounds = seconds.pop("_rounds")
     auto_form = choose_causal_form(device, False, spec["n"], spec["train"])
-    return {"seconds": seconds, "auto_picks": f"{auto_form[0]} C={auto_form[1]}", "device": device,
-            "native_bf16": native_bf16(device)}
+    return {"seconds": seconds, "rounds": rounds, "auto_picks": f"{auto_form[0]} C={auto_form[1]}",
+            "device": device, "native_bf16": native_bf16(device)}
 
 
 KINDS = {"crossover": measure}
@@ -202,7 +213,9 @@ def tables(results: list[dict]) -> str:
     out = ["### Causal forms against softmax: seconds per call (x = softmax / form, above 1 = faster)", "",
            "H 12, d 64 (smoke: smaller), feature map elu + 1 timed with the linear forms; softmax = "
            "`scaled_dot_product_attention(is_causal=True)`; training = forward + backward; \"auto\" = the form the "
-           "code's CAUSAL_FORM_TABLE picks. Each row is one process: every figure in a row was measured side by side.",
+           "code's CAUSAL_FORM_TABLE picks, the same code as one of the explicit forms, so the gap between the two shows "
+           "the row's noise. Each row is one process, its figures medians of rounds that time every method once in "
+           "a rotating order (results.json: `rounds`).",
            ""]
     for series in dict.fromkeys(r["series"] for r in rows):
         series_rows = [r for r in rows if r["series"] == series]

@@ -162,3 +162,13 @@ def test_a_crossover_configuration_times_softmax_and_every_form_side_by_side():
     assert SOFTMAX not in settled["seconds"] and set(settled["seconds"]) == {"auto", *forms}
     markdown = tables([{**spec, **result}, {**spec, "n": 128, "softmax_settled_since": 32, **settled}])
     assert "not timed (every form ahead since n=32)" in markdown and "CAUSAL_FORM_TABLE" in markdown
+
+
+def test_candidates_are_timed_in_rounds_of_rotating_order_after_one_warm_up_each():
+    from hf_linear_attn.experiments.kernel_crossover import interleaved_medians
+
+    calls = []
+    fns = {name: (lambda name=name: calls.append(name)) for name in "abc"}
+    medians = interleaved_medians(fns, repeats=4, budget=60.0, device="cpu")
+    assert medians.pop("_rounds") == 4 and set(medians) == {"a", "b", "c"}
+    assert calls == list("abc") + list("abc") + list("bca") + list("cab") + list("abc")
