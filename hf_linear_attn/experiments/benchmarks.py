@@ -450,7 +450,7 @@ def resolve_dtype(choice: str) -> str:
 def configurations(preset: dict, dtype: str = "float32", data_dir=None, output_dir=None) -> list[dict]:
     """Every configuration of a preset, in the order they run; model suites in `dtype` (kernels: both dtypes). The
     decoding suites read WikiText-2 under data_dir and cache their trained models under output_dir."""
-    decoding = decoding_benchmarks.configurations(preset, dtype, data_dir, output_dir)  # before the kernels' dtype loop
+    decoding = decoding_benchmarks.configurations(preset, dtype, data_dir, output_dir)
     common = {"repeats": preset["repeats"], "vocab_size": preset["vocab_size"], "dtype": dtype,
               "budget": preset.get("budget")}
     specs = []
@@ -483,18 +483,19 @@ def configurations(preset: dict, dtype: str = "float32", data_dir=None, output_d
         base = {"kind": "kernel", "repeats": preset["repeats"], "n": n, "heads": heads, "head_dim": head_dim,
                 "chunk": 64}
         for form in ("causal", "bidirectional"):
-            for dtype in preset.get("kernel_dtypes", ("float32", "bfloat16")):
-                specs.append({**base, "form": form, "dtype": dtype, "method": f"{form} {dtype}"})
+            for kernel_dtype in preset.get("kernel_dtypes", ("float32", "bfloat16")):
+                specs.append({**base, "form": form, "dtype": kernel_dtype, "method": f"{form} {kernel_dtype}"})
         # causal forms and peers side by side, forward and training (forward + backward), one process each
         for train in preset.get("kernel_train_modes", (False, True)):
-            for dtype in preset.get("kernel_form_dtypes", ("float32", "bfloat16")):
+            for kernel_dtype in preset.get("kernel_form_dtypes", ("float32", "bfloat16")):
                 mode = "fwd+bwd" if train else "fwd"
                 for kernel_form, chunk in preset.get("kernel_forms", KERNEL_FORMS):
-                    specs.append({**base, "form": "causal", "dtype": dtype, "train": train, "kernel_form": kernel_form,
-                                  "chunk": chunk, "method": f"causal {kernel_form} C={chunk} {dtype} {mode}"})
+                    specs.append({**base, "form": "causal", "dtype": kernel_dtype, "train": train,
+                                  "kernel_form": kernel_form, "chunk": chunk,
+                                  "method": f"causal {kernel_form} C={chunk} {kernel_dtype} {mode}"})
                 for peer in preset.get("kernel_peers", PEERS):
-                    specs.append({**base, "form": "causal", "dtype": dtype, "train": train, "peer": peer,
-                                  "method": f"peer: {peer} {dtype} {mode}"})
+                    specs.append({**base, "form": "causal", "dtype": kernel_dtype, "train": train, "peer": peer,
+                                  "method": f"peer: {peer} {kernel_dtype} {mode}"})
     return specs + decoding + kernel_crossover.configurations(preset, dtype)
 
 
@@ -607,11 +608,16 @@ def plots(results: list[dict], folder: Path) -> list[Path]:
 
 def run_suite(preset_name: str, output_dir: Path, only: list[str] | None = None, dtype: str = "auto",
               data_dir: str | None = None) -> dict:
-    """Run every configuration of a preset; write results.json, results.md and the plots into output_dir."""
+    """Run every configuration of a preset; write results.json, results.md and the plots into output_dir.
+    results.json is rewritten after every configuration ("complete": false until the last), so a run that is
+    stopped or killed keeps what it measured, and `--rewrite_report` renders it."""
     preset = PRESETS[preset_name]
     dtype = resolve_dtype(dtype)
     output_dir.mkdir(parents=True, exist_ok=True)
-    results = []
+    report = {"preset": preset_name, "machine": describe_machine(), "command": " ".join(sys.argv),
+              "date": time.strftime("%Y-%m-%d"), "dtype": dtype, "ffn_chunk": preset["ffn_chunk"], "complete": False,
+              "results": []}
+    results = report["results"]
     for spec in configurations(preset, dtype, data_dir, output_dir):
         if only and spec["kind"] not in only:
             continue
@@ -620,28 +626,48 @@ def run_suite(preset_name: str, output_dir: Path, only: list[str] | None = None,
         measured = run_isolated(spec, spec.get("timeout", preset["timeout"]))  # assisted: longer, it trains first
         results.append({**{k: v for k, v in spec.items() if k not in ("dims",)}, **measured})
         print(f"{spec['kind']:14s} {spec.get('n', spec.get('context')):>6} {spec['method']:34s} {measured}", flush=True)
-    report = {"preset": preset_name, "machine": describe_machine(), "command": " ".join(sys.argv),
-              "date": time.strftime("%Y-%m-%d"), "dtype": dtype, "ffn_chunk": preset["ffn_chunk"],
-              "results": results}
-    (output_dir / "results.json").write_text(json.dumps(report, indent=2))
-    markdown = (f"Preset `{preset_name}` on {report['machine']} ({report['date']}), `{report['command']}`.\n\n"
-                f"Models in {dtype} (inference: weights in {dtype}; training: float32 weights under autocast to "
-                f"{dtype}); every encoder, stock RoBERTa included, with `chunk_size_feed_forward={preset['ffn_chunk']}`; "
+        _write_json(output_dir / "results.json", report)
+    report["complete"] = True
+    write_report(report, output_dir)
+    return report
+
+
+def _write_json(path: Path, value) -> None:
+    """Whole or not at all: a kill mid-write leaves the previous file."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(value, indent=2))
+    os.replace(partial, path)
+
+
+def write_report(report: dict, output_dir: Path) -> None:
+    """results.json, results.md (a header saying what was run, then the tables) and the plots."""
+    preset = PRESETS[report["preset"]]
+    dtype = report["dtype"]
+    _write_json(output_dir / "results.json", report)
+    markdown = (f"Preset `{report['preset']}` on {report['machine']} ({report['date']}), `{report['command']}`"
+                + ("" if report.get("complete", True) else " (stopped before its last configuration)") + ".\n\n"
+                + (f"{report['provenance']}\n\n" if report.get("provenance") else "")
+                + f"Models in {dtype} (inference: weights in {dtype}; training: float32 weights under autocast to "
+                f"{dtype}); every encoder, stock RoBERTa included, with `chunk_size_feed_forward={report['ffn_chunk']}`; "
                 "decoders with their default dropout unless the method says otherwise. Times: median of "
                 f"{preset['repeats']} calls after a warm-up"
                 + (f" (fewer, at least 1, where they would exceed {preset['budget']} s)" if preset.get("budget") else "")
                 + "; memory: after the timed calls, on one more call (figures under 4 MB are within the probe's noise "
-                "and give no ratio).\n\n" + tables(results))
+                "and give no ratio).\n\n" + tables(report["results"]))
     (output_dir / "results.md").write_text(markdown)
-    plots(results, output_dir)
-    return report
+    plots(report["results"], output_dir)
 
 
 def rewrite_report(output_dir: Path) -> None:
-    """results.md and the plots again from results.json (after a change to the tables), without measuring."""
+    """results.md and the plots again from results.json (after a change to the tables), without measuring; the header
+    of an existing results.md (what was run, as it was written then) is kept."""
     report = json.loads((output_dir / "results.json").read_text())
-    text = (output_dir / "results.md").read_text()
-    (output_dir / "results.md").write_text(text[: text.index("### ")] + tables(report["results"]))
+    existing = output_dir / "results.md"
+    if not existing.is_file() or "### " not in existing.read_text():
+        write_report(report, output_dir)
+        return
+    text = existing.read_text()
+    existing.write_text(text[: text.index("### ")] + tables(report["results"]))
     plots(report["results"], output_dir)
 
 

@@ -172,3 +172,34 @@ def test_candidates_are_timed_in_rounds_of_rotating_order_after_one_warm_up_each
     medians = interleaved_medians(fns, repeats=4, budget=60.0, device="cpu")
     assert medians.pop("_rounds") == 4 and set(medians) == {"a", "b", "c"}
     assert calls == list("abc") + list("abc") + list("bca") + list("cab") + list("abc")
+
+
+def test_every_suite_runs_in_the_dtype_asked_for_and_kernels_in_theirs():
+    # a loop over the kernel dtypes once left `dtype` at "bfloat16" for the suites listed after it
+    for dtype in ("float32", "bfloat16"):
+        specs = configurations(PRESETS["quick"], dtype)
+        assert {c["dtype"] for c in specs if c["kind"] == "kernel"} == {"float32", "bfloat16"}
+        assert {c["dtype"] for c in specs if c["kind"] == "crossover"} == {"float32", dtype}
+        assert {c["dtype"] for c in specs if c["kind"] in ("encoder", "decoder_train", "generation", "images")} == {
+            dtype}
+
+
+def test_a_stopped_run_keeps_what_it_measured(tmp_path, monkeypatch):
+    from hf_linear_attn.experiments import benchmarks
+
+    measured = []
+
+    def fake_isolated(spec, timeout):  # the second (last) configuration never returns: the run is killed there
+        if len(measured) == 1:
+            raise KeyboardInterrupt
+        measured.append(spec)
+        return {"seconds": {"softmax (SDPA)": 1.0, "scan C=32": 0.5}}
+
+    monkeypatch.setattr(benchmarks, "run_isolated", fake_isolated)
+    with pytest.raises(KeyboardInterrupt):
+        benchmarks.run_suite("smoke", tmp_path, only=["crossover"], dtype="float32")
+    report = json.loads((tmp_path / "results.json").read_text())
+    assert report["complete"] is False and [r["n"] for r in report["results"]] == [m["n"] for m in measured]
+    assert not list(tmp_path.glob("*.partial"))
+    benchmarks.rewrite_report(tmp_path)  # renders the partial run, and says it is one
+    assert "stopped before its last configuration" in (tmp_path / "results.md").read_text()
