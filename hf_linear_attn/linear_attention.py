@@ -150,13 +150,20 @@ class _CausalLinearAttentionScan(torch.autograd.Function):
         return d_q, d_k, d_v, d_state0, None
 
 
-# Where each causal form wins: (device, bf16 compute, needs gradients) -> rows (shortest n, form, chunk size); the
-# last row whose n <= the sequence length applies; devices not listed use the "cuda" rows (few, large kernels).
-# Not measured yet: every row is the earlier fixed choice (scan on CPU, parallel on GPUs). Fill it from the kernel
-# rows of `scripts/benchmark.py` (B 1, H 12, m = d = 64, medians) run on the machine in question.
+# Where each causal form wins: (device, bf16 compute, needs gradients) -> rows (fewest positions, form, chunk size),
+# positions = batch x heads x n (the forms' cost and working set grow with all three); the last row whose first
+# value is <= the call's positions applies; devices not listed use the "cuda" rows (few, large kernels).
+# CPU float32, from results/benchmarks/crossover-cpu-2core-quick (2-core AMD EPYC, AVX2, `scripts/benchmark.py
+# --preset quick --only crossover`; H 12, d 64, batch 1 and 16): forward, scan C=64 is the fastest form or within
+# the rows' noise (up to 30%: the table's pick against its identical explicit twin) at every n. Forward + backward,
+# parallel C=64 (autograd's backward) beats scan C=64 (the hand-written backward) on small calls, 1.05-1.35x at
+# batch 1 up to n 2,048 (1.19x at n 1,024) and 1.05-1.11x at batch 16 up to n 256; from batch 16 x n 1,024
+# (196,608 positions) the scan wins by 1.4-1.6x, and at batch 1 from n 4,096 by 1.05-1.17x. The boundary at 65,536
+# positions sits between. Not measured yet: bf16 products (no CPU with native bf16 here) and GPUs: those rows are
+# the earlier fixed choices (scan on CPU, parallel on GPUs). Fill them from the same suite on the machine in question.
 CAUSAL_FORM_TABLE: dict[tuple[str, bool, bool], list[tuple[int, str, int]]] = {
     ("cpu", False, False): [(0, "scan", 64)],
-    ("cpu", False, True): [(0, "scan", 64)],
+    ("cpu", False, True): [(0, "parallel", 64), (65536, "scan", 64)],
     ("cpu", True, False): [(0, "scan", 64)],
     ("cpu", True, True): [(0, "scan", 64)],
     ("cuda", False, False): [(0, "parallel", 64)],
@@ -166,12 +173,13 @@ CAUSAL_FORM_TABLE: dict[tuple[str, bool, bool], list[tuple[int, str, int]]] = {
 }
 
 
-def choose_causal_form(device: str, bf16: bool, n: int, needs_grad: bool) -> tuple[str, int]:
-    """(form, chunk size) that :data:`CAUSAL_FORM_TABLE` gives for this device type, compute dtype, n, gradients."""
+def choose_causal_form(device: str, bf16: bool, positions: int, needs_grad: bool) -> tuple[str, int]:
+    """(form, chunk size) that :data:`CAUSAL_FORM_TABLE` gives for this device type, compute dtype, number of
+    positions (batch x heads x n) and whether gradients are needed."""
     rows = CAUSAL_FORM_TABLE.get((device, bf16, needs_grad)) or CAUSAL_FORM_TABLE[("cuda", bf16, needs_grad)]
     form, chunk = rows[0][1:]
-    for shortest, row_form, row_chunk in rows:
-        if n >= shortest:
+    for fewest, row_form, row_chunk in rows:
+        if positions >= fewest:
             form, chunk = row_form, row_chunk
     return form, chunk
 
@@ -203,7 +211,7 @@ def causal_linear_attention(
     ``form``: "scan" visits the chunks in order carrying the state (cache-resident steps, a hand-written backward
     of three more scans that stores nothing but the inputs); "parallel" computes every chunk at once with a prefix
     sum of per-chunk states (few, large kernels; autograd's backward). "auto" (and ``chunk_size=None``) picks both
-    from :data:`CAUSAL_FORM_TABLE`, by device, compute dtype, n and whether gradients are needed. Under
+    from :data:`CAUSAL_FORM_TABLE`, by device, compute dtype, batch x heads x n and whether gradients are needed. Under
     ``torch.export`` ``form`` and ``chunk_size`` are set aside for the prefix-sum form (:func:`_prefix_sum_form`),
     the one whose exported program holds for every n.
     """
@@ -224,7 +232,7 @@ def causal_linear_attention(
             needs_grad = torch.is_grad_enabled() and any(
                 t.requires_grad for t in (phi_q, phi_k, v, *(state if state is not None else ()))
             )
-            auto_form, auto_chunk = choose_causal_form(phi_q.device.type, low, n, needs_grad)
+            auto_form, auto_chunk = choose_causal_form(phi_q.device.type, low, batch * heads * n, needs_grad)
             form = auto_form if form == "auto" else form
             chunk_size = auto_chunk if chunk_size is None else chunk_size
         c = max(1, min(chunk_size, n))

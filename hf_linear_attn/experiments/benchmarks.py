@@ -632,6 +632,9 @@ def run_suite(preset_name: str, output_dir: Path, only: list[str] | None = None,
     return report
 
 
+MODEL_SUITES = ("encoder", "decoder_train", "generation", "kernel")  # the suites the header's paragraph describes
+
+
 def _write_json(path: Path, value) -> None:
     """Whole or not at all: a kill mid-write leaves the previous file."""
     partial = path.with_name(path.name + ".partial")
@@ -644,16 +647,19 @@ def write_report(report: dict, output_dir: Path) -> None:
     preset = PRESETS[report["preset"]]
     dtype = report["dtype"]
     _write_json(output_dir / "results.json", report)
+    model_suites_note = (
+        f"Models in {dtype} (inference: weights in {dtype}; training: float32 weights under autocast to "
+        f"{dtype}); every encoder, stock RoBERTa included, with `chunk_size_feed_forward={report['ffn_chunk']}`; "
+        "decoders with their default dropout unless the method says otherwise. Times: median of "
+        f"{preset['repeats']} calls after a warm-up"
+        + (f" (fewer, at least 1, where they would exceed {preset['budget']} s)" if preset.get("budget") else "")
+        + "; memory: after the timed calls, on one more call (figures under 4 MB are within the probe's noise "
+        "and give no ratio).\n\n")
     markdown = (f"Preset `{report['preset']}` on {report['machine']} ({report['date']}), `{report['command']}`"
                 + ("" if report.get("complete", True) else " (stopped before its last configuration)") + ".\n\n"
                 + (f"{report['provenance']}\n\n" if report.get("provenance") else "")
-                + f"Models in {dtype} (inference: weights in {dtype}; training: float32 weights under autocast to "
-                f"{dtype}); every encoder, stock RoBERTa included, with `chunk_size_feed_forward={report['ffn_chunk']}`; "
-                "decoders with their default dropout unless the method says otherwise. Times: median of "
-                f"{preset['repeats']} calls after a warm-up"
-                + (f" (fewer, at least 1, where they would exceed {preset['budget']} s)" if preset.get("budget") else "")
-                + "; memory: after the timed calls, on one more call (figures under 4 MB are within the probe's noise "
-                "and give no ratio).\n\n" + tables(report["results"]))
+                + (model_suites_note if any(r["kind"] in MODEL_SUITES for r in report["results"]) else "")
+                + tables(report["results"]))
     (output_dir / "results.md").write_text(markdown)
     plots(report["results"], output_dir)
 

@@ -12,8 +12,8 @@ forces it); there the linear forms run twice, with float32 products (``precision
 
 Reported in results.md:
 - the crossover table: the shortest n at which each form beats softmax and stays ahead at every longer n measured;
-- the rows ``CAUSAL_FORM_TABLE`` should hold for this device: at batch 1, the fastest form at each n, merged into
-  (shortest n, form, chunk) runs, beside the table the code holds now.
+- the fastest explicit form of every row, in CAUSAL_FORM_TABLE's terms: runs of (fewest positions, form, chunk),
+  positions = batch x heads x n, per series, beside the table the code holds now.
 
 Softmax stops being timed in a series once every form has beaten it at two lengths in a row (its cost grows as n^2,
 theirs as n): at batch 16 and n 8,192 one training step of it takes minutes on 2 CPU cores.
@@ -150,7 +150,8 @@ def measure(spec: dict, device: str) -> dict:
     seconds = interleaved_medians({name: (lambda fn=fn: call(fn)) for name, fn in candidates.items()},
                                   spec["repeats"], spec["budget"], device)
     rounds = seconds.pop("_rounds")
-    auto_form = choose_causal_form(device, False, spec["n"], spec["train"])
+    positions = spec["batch"] * spec["heads"] * spec["n"]
+    auto_form = choose_causal_form(device, False, positions, spec["train"])
     return {"seconds": seconds, "rounds": rounds, "auto_picks": f"{auto_form[0]} C={auto_form[1]}",
             "device": device, "native_bf16": native_bf16(device)}
 
@@ -187,8 +188,9 @@ def crossovers(rows: list[dict]) -> dict[tuple[str, str], str]:
 
 
 def fastest_forms(rows: list[dict], suffix: str = "") -> list[tuple[int, str, int]]:
-    """From one series' rows: (shortest n, form, chunk) runs of the fastest explicit form (not "auto") at each n,
-    merged where the same form wins consecutive lengths; the first row starts at 0, as CAUSAL_FORM_TABLE's do."""
+    """From one series' rows: (fewest positions, form, chunk) runs of the fastest explicit form (not "auto") at
+    each n, positions = batch x heads x n as CAUSAL_FORM_TABLE counts them, merged where the same form wins
+    consecutive lengths; the first run starts at 0, as the table's rows do."""
     runs = []
     for r in sorted((r for r in rows if "seconds" in r), key=lambda r: r["n"]):
         explicit = {name: s for name, s in r["seconds"].items()
@@ -200,7 +202,7 @@ def fastest_forms(rows: list[dict], suffix: str = "") -> list[tuple[int, str, in
         form, chunk = best.split(" C=")
         entry = (form, int(chunk.split()[0]))
         if not runs or runs[-1][1:] != entry:
-            runs.append((0 if not runs else r["n"], *entry))
+            runs.append((0 if not runs else r["batch"] * r["heads"] * r["n"], *entry))
     return runs
 
 
@@ -213,7 +215,7 @@ def tables(results: list[dict]) -> str:
     out = ["### Causal forms against softmax: seconds per call (x = softmax / form, above 1 = faster)", "",
            "H 12, d 64 (smoke: smaller), feature map elu + 1 timed with the linear forms; softmax = "
            "`scaled_dot_product_attention(is_causal=True)`; training = forward + backward; \"auto\" = the form the "
-           "code's CAUSAL_FORM_TABLE picks, the same code as one of the explicit forms, so the gap between the two shows "
+           "code's CAUSAL_FORM_TABLE picked when the run was made (results.json: `auto_picks`), the same code as one of the explicit forms, so the gap between the two shows "
            "the row's noise. Each row is one process, its figures medians of rounds that time every method once in "
            "a rotating order (results.json: `rounds`).",
            ""]
@@ -243,18 +245,18 @@ def tables(results: list[dict]) -> str:
     for name in forms:
         out.append(f"| {name} | " + " | ".join(cross.get((s, name), "-") for s in series_names) + " |")
     device = next((r["device"] for r in rows if "device" in r), "cpu")
-    out += ["", f"### CAUSAL_FORM_TABLE for this device ({device}): the fastest form at each n, batch 1", "",
-            "| (device, bf16 products, gradients) | measured: (shortest n, form, chunk) | in the code now |",
-            "|---|---|---|"]
-    for r_dtype, train in dict.fromkeys((r["dtype"], r["train"]) for r in rows):
-        one = [r for r in rows if r["dtype"] == r_dtype and r["train"] == train and r["batch"] == min(
-            x["batch"] for x in rows)]
-        for bf16 in ([False, True] if r_dtype == "bfloat16" else [False]):
-            if r_dtype == "bfloat16" and not bf16:
-                continue  # bf16 inputs with float32 products use the float32 rows
-            key = (device, bf16, train)
-            measured = fastest_forms(one, " bf16 products" if bf16 else "")
-            out.append(f"| {key} | {measured} | {CAUSAL_FORM_TABLE.get(key, '-')} |")
+    out += ["", f"### The fastest form per series, as CAUSAL_FORM_TABLE rows ({device})", "",
+            "Runs of (fewest positions, form, chunk), positions = batch x heads x n, where the fastest explicit form "
+            "changes; differences within a row's noise (see \"auto\" against its twin above) make some runs noise.",
+            "", "| series | (device, bf16 products, gradients) | measured: fastest form from | in the code now |",
+            "|---|---|---|---|"]
+    for series in series_names:
+        mine = [r for r in rows if r["series"] == series]
+        for bf16 in ([False, True] if mine[0]["dtype"] == "bfloat16" else [False]):
+            key = (device, bf16, mine[0]["train"])
+            measured = fastest_forms(mine, " bf16 products" if bf16 else "")
+            out.append(f"| {series}{' (bf16 products)' if bf16 else ''} | {key} | {measured} | "
+                       f"{CAUSAL_FORM_TABLE.get(key, '-')} |")
     return "\n".join(out) + "\n"
 
 

@@ -213,3 +213,16 @@ def test_auto_precision_and_form_follow_the_device_and_the_table():
             assert choose_causal_form(device, bf16, shortest, grad) == (form, chunk)
     with pytest.raises(ValueError, match="precision must be"):
         causal_linear_attention(phi_q, phi_k, v, precision="fp8")
+
+
+def test_auto_form_is_chosen_by_batch_times_heads_times_length(monkeypatch):
+    """The forms' cost grows with every (batch, head) pair's sequence, so the table counts positions, not n."""
+    import hf_linear_attn.linear_attention as la
+
+    asked = []
+    monkeypatch.setattr(la, "choose_causal_form", lambda *args: asked.append(args) or ("scan", 16))
+    phi_q, phi_k, v = (torch.rand(3, 2, 40, 8) + 0.1 for _ in range(3))
+    out, _ = la.causal_linear_attention(phi_q, phi_k, v)
+    assert asked == [("cpu", False, 3 * 2 * 40, False)]
+    ref, _ = la.causal_linear_attention(phi_q, phi_k, v, form="parallel", chunk_size=64)
+    torch.testing.assert_close(out, ref)  # every form computes the same function

@@ -127,10 +127,12 @@ def test_crossover_is_the_first_length_from_which_a_form_stays_ahead_of_softmax(
 def test_the_fastest_form_at_each_length_merges_into_form_table_rows():
     from hf_linear_attn.experiments.kernel_crossover import SOFTMAX, fastest_forms
 
-    rows = [_crossover_row(n, {SOFTMAX: 1.0, "scan C=64": s, "parallel C=64": p, "parallel C=128": p2, "auto": 0.0})
+    rows = [{**_crossover_row(n, {SOFTMAX: 1.0, "scan C=64": s, "parallel C=64": p, "parallel C=128": p2,
+                                  "auto": 0.0}), "heads": 2}
             for n, s, p, p2 in ((64, 3, 1, 2), (128, 3, 1, 2), (256, 1, 2, 3), (512, 1, 3, 2), (1024, 3, 2, 1))]
-    # "auto" (the current table's pick) is never a candidate, however fast, and softmax is not a form
-    assert fastest_forms(rows) == [(0, "parallel", 64), (256, "scan", 64), (1024, "parallel", 128)]
+    # "auto" (the current table's pick) is never a candidate, however fast, and softmax is not a form; a run starts
+    # at its positions, batch (1) x heads (2) x n, the quantity CAUSAL_FORM_TABLE's rows count
+    assert fastest_forms(rows) == [(0, "parallel", 64), (512, "scan", 64), (2048, "parallel", 128)]
 
 
 def test_softmax_is_no_longer_timed_once_every_form_beat_it_at_two_lengths_in_a_row():
