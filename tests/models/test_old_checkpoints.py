@@ -2,6 +2,7 @@
 package was restructured) still load and give the logits they gave then: with the code saved beside them
 (trust_remote_code, in a fresh process that never imports the package) and with the installed package."""
 
+import json
 import subprocess
 import sys
 import tarfile
@@ -18,17 +19,22 @@ ARCHIVE = REPO_ROOT / "tests" / "fixtures" / "old_checkpoints.tar.gz"
 AUTO = {"linformer": AutoModelForMaskedLM, "linear_roberta": AutoModelForMaskedLM,
         "linear_gpt2": AutoModelForCausalLM, "linformer_gpt2": AutoModelForCausalLM}
 
+# One fresh process for all four families (each process pays seconds of imports): every folder's saved code is its
+# own dynamic module, so one family's code cannot stand in for another's.
 FRESH_PROCESS = """
-import sys, torch
+import json, sys, torch
+import transformers
 from safetensors.torch import load_file
-from transformers import {auto}
-folder = sys.argv[1]
-model = {auto}.from_pretrained(folder, trust_remote_code=True).eval()
+differences = {}
+for family, auto, folder in json.loads(sys.argv[1]):
+    model = getattr(transformers, auto).from_pretrained(folder, trust_remote_code=True).eval()
+    assert type(model).__module__.startswith("transformers_modules."), type(model).__module__
+    expected = load_file(folder + "/expected.safetensors")
+    with torch.no_grad():
+        logits = model(input_ids=expected["input_ids"], attention_mask=expected["attention_mask"]).logits
+    differences[family] = float((logits - expected["logits"]).abs().max())
 assert "hf_linear_attn" not in sys.modules, "the package was imported: the saved code was not what ran"
-expected = load_file(folder + "/expected.safetensors")
-with torch.no_grad():
-    logits = model(input_ids=expected["input_ids"], attention_mask=expected["attention_mask"]).logits
-print(float((logits - expected["logits"]).abs().max()))
+print(json.dumps(differences))
 """
 
 
@@ -52,11 +58,11 @@ def test_an_old_checkpoint_gives_its_old_logits_with_the_installed_package(famil
     torch.testing.assert_close(logits, expected["logits"], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("family", list(AUTO))
-def test_an_old_checkpoint_gives_its_old_logits_with_its_own_code_in_a_fresh_process(family, old_checkpoints, tmp_path):
-    folder = old_checkpoints / family
-    code = FRESH_PROCESS.format(auto=AUTO[family].__name__)
-    proc = subprocess.run([sys.executable, "-c", code, str(folder)], capture_output=True, text=True, timeout=300,
-                          env=ENV, cwd=tmp_path)
+def test_old_checkpoints_give_their_old_logits_with_their_own_code_in_a_fresh_process(old_checkpoints, tmp_path):
+    jobs = [(family, auto.__name__, str(old_checkpoints / family)) for family, auto in AUTO.items()]
+    proc = subprocess.run([sys.executable, "-c", FRESH_PROCESS, json.dumps(jobs)], capture_output=True, text=True,
+                          timeout=300, env=ENV, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert float(proc.stdout.split()[-1]) < 1e-5
+    differences = json.loads(proc.stdout.splitlines()[-1])
+    assert set(differences) == set(AUTO)
+    assert all(value < 1e-5 for value in differences.values()), differences
