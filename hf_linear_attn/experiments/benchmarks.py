@@ -352,6 +352,21 @@ def peer_kernel(name: str):
 
 
 PEERS = ("fla chunk (torch)", "fast-transformers (C++)", "performer-pytorch (torch)", "linear-attention-transformer")
+# peer -> (module that must be importable, what to install); fast-transformers also needs its compiled extension
+PEER_PACKAGES = {"fla chunk (torch)": ("fla", "flash-linear-attention"),
+                 "fast-transformers (C++)": ("fast_transformers", "pytorch-fast-transformers (it builds only with "
+                                                                  "CUDA_HOME set, not against a CPU-only torch)"),
+                 "performer-pytorch (torch)": ("performer_pytorch", "performer-pytorch"),
+                 "linear-attention-transformer": ("linear_attention_transformer", "linear-attention-transformer")}
+
+
+def peer_missing(name: str) -> str | None:
+    """Why a peer's row cannot run here (its package is not installed), found without starting a process; None
+    where it is installed (it may still fail in its process, and that row says why)."""
+    import importlib.util
+
+    module, package = PEER_PACKAGES[name]
+    return None if importlib.util.find_spec(module) else f"not installed: pip install {package}"
 KERNEL_FORMS = (("scan", 64), ("scan", 256), ("parallel", 64), ("parallel", 256))  # (form, chunk) rows
 
 
@@ -623,7 +638,10 @@ def run_suite(preset_name: str, output_dir: Path, only: list[str] | None = None,
             continue
         if spec["kind"] == "crossover":  # softmax only falls further behind: stop timing it (see kernel_crossover)
             spec = {**spec, "softmax_settled_since": kernel_crossover.softmax_settled(spec, results)}
-        measured = run_isolated(spec, spec.get("timeout", preset["timeout"]))  # assisted: longer, it trains first
+        missing = spec.get("peer") and peer_missing(spec["peer"])
+        # an absent peer costs no process (seconds of imports each, 32 rows in the quick preset)
+        measured = ({"skipped": missing} if missing else
+                    run_isolated(spec, spec.get("timeout", preset["timeout"])))  # assisted: longer, it trains first
         results.append({**{k: v for k, v in spec.items() if k not in ("dims",)}, **measured})
         print(f"{spec['kind']:14s} {spec.get('n', spec.get('context')):>6} {spec['method']:34s} {measured}", flush=True)
         _write_json(output_dir / "results.json", report)

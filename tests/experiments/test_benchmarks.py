@@ -205,3 +205,12 @@ def test_a_stopped_run_keeps_what_it_measured(tmp_path, monkeypatch):
     assert not list(tmp_path.glob("*.partial"))
     benchmarks.rewrite_report(tmp_path)  # renders the partial run, and says it is one
     assert "stopped before its last configuration" in (tmp_path / "results.md").read_text()
+
+
+def test_every_peer_names_the_package_that_brings_it():
+    from hf_linear_attn.experiments.benchmarks import PEER_PACKAGES, PEERS, peer_missing
+
+    assert set(PEER_PACKAGES) == set(PEERS)
+    for peer in PEERS:
+        reason = peer_missing(peer)
+        assert reason is None or reason.startswith("not installed: pip install ")

@@ -7,7 +7,8 @@ import pytest
 import torch
 from transformers import AutoModelForMaskedLM
 
-from helpers import FAMILY_VARIANTS, REPO_ROOT
+from helpers import FAMILY_VARIANTS, REPO_ROOT, script_error
+from inspect_linformer import main as inspect_main  # scripts/ is on sys.path (conftest.py)
 from hf_linear_attn.linformer_projection import pooling_matrix
 from hf_linear_attn.training.data import UsageError
 from hf_linear_attn.experiments.projection_report import renormalise_rows, report
@@ -78,21 +79,19 @@ def test_script_renormalises_value_rows_only_and_keeps_the_source(tmp_path):
             torch.testing.assert_close(p, reference[name], rtol=0, atol=0)
 
 
-def test_bad_inputs_get_clear_errors(tmp_path):
+def test_bad_inputs_get_clear_errors(tmp_path, capsys):
     from transformers import RobertaConfig, RobertaForMaskedLM
 
     RobertaForMaskedLM(RobertaConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                                      intermediate_size=32)).save_pretrained(tmp_path / "roberta")
-    proc = run_script(tmp_path / "roberta")
-    assert proc.returncode != 0 and "not a Linformer checkpoint" in proc.stderr
-    proc = run_script(tmp_path / "missing")
-    assert proc.returncode != 0 and "is not a folder" in proc.stderr
+    # the script's own main (a fresh process each would cost seconds of imports; one run as a user runs it is above)
+    assert "not a Linformer checkpoint" in script_error(inspect_main, [str(tmp_path / "roberta")])
+    assert "is not a folder" in script_error(inspect_main, [str(tmp_path / "missing")])
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "model.safetensors").write_bytes(b"not safetensors")
-    proc = run_script(tmp_path / "broken")
-    assert proc.returncode != 0 and "cannot read" in proc.stderr
-    proc = run_script(tmp_path / "roberta", "--renormalise", "value")
-    assert proc.returncode != 0 and "needs --output_dir" in proc.stderr
+    assert "cannot read" in script_error(inspect_main, [str(tmp_path / "broken")])
+    assert script_error(inspect_main, [str(tmp_path / "roberta"), "--renormalise", "value"]) == "2"  # argparse's
+    assert "needs --output_dir" in capsys.readouterr().err
 
     model = AutoModelForMaskedLM.from_config(FAMILY_VARIANTS["linformer-layerwise"]())
     model.save_pretrained(tmp_path / "layerwise")
