@@ -251,6 +251,21 @@ def _run(preset, out, *extra):
                            "--output_dir", str(out), *extra], capture_output=True, text=True, cwd=REPO, env=env)
 
 
+def _run_here(capsys, preset, out, *extra):
+    """scripts/reproduce.py's main in this process, as a CompletedProcess (its stages are still subprocesses): the
+    first run of the test below is the command line itself, the later ones save a fresh interpreter each."""
+    from reproduce import main
+
+    capsys.readouterr()
+    code, message = 0, ""
+    try:
+        main(["--preset", str(preset), "--output_dir", str(out), *map(str, extra)])
+    except SystemExit as stop:
+        code, message = (stop.code, "") if isinstance(stop.code, int) else (1, str(stop.code))
+    captured = capsys.readouterr()
+    return subprocess.CompletedProcess([], code, captured.out, captured.err + message)
+
+
 def _tsv_labels(path, column, rows):
     with open(path, newline="") as handle:
         reader = csv.DictReader(handle, delimiter="\t", quoting=csv.QUOTE_NONE)
@@ -259,7 +274,7 @@ def _tsv_labels(path, column, rows):
 
 @pytest.mark.skipif(not (DATA / "glue").is_dir() or not (DATA / "wikitext-2").is_dir(),
                     reason="needs ../shared/data (GLUE and WikiText-2 files)")
-def test_reproduction_runs_reuses_and_reports_what_the_stages_wrote(tmp_path):
+def test_reproduction_runs_reuses_and_reports_what_the_stages_wrote(tmp_path, capsys):
     preset, out = _smoke_preset(tmp_path), tmp_path / "run"
     first = _run(preset, out)
     assert first.returncode == 0, first.stderr[-3000:]
@@ -303,7 +318,7 @@ def test_reproduction_runs_reuses_and_reports_what_the_stages_wrote(tmp_path):
     (out / "finetune" / "linformer-k-32" / "qqp-seed3" / "eval_results.json").unlink()
     record = out / "pretrain" / "roberta-softmax" / "stage.json"
     before = record.read_text()
-    second = _run(preset, out)
+    second = _run_here(capsys, preset, out)
     assert second.returncode == 0, second.stderr[-3000:]
     assert second.stdout.count("reused") == 7 and second.stdout.count("done (") == 1
     assert record.read_text() == before
@@ -313,7 +328,7 @@ def test_reproduction_runs_reuses_and_reports_what_the_stages_wrote(tmp_path):
     moved = tmp_path / "moved"
     out.rename(moved)
     out = moved
-    fourth = _run(preset, out)
+    fourth = _run_here(capsys, preset, out)
     assert fourth.returncode == 0, fourth.stderr[-3000:]
     assert fourth.stdout.count("reused") == 8
 
@@ -326,7 +341,7 @@ def test_reproduction_runs_reuses_and_reports_what_the_stages_wrote(tmp_path):
               report_only=True)
     assert json.loads((tmp_path / "subset" / "records.json").read_text()) == records
     elsewhere = tmp_path / "elsewhere"
-    taken = _run(preset, elsewhere, "--records", str(out / "records.json"))
+    taken = _run_here(capsys, preset, elsewhere, "--records", str(out / "records.json"))
     assert taken.returncode == 0, taken.stderr[-3000:]
     assert taken.stdout.count("from records") == 8 and "done (" not in taken.stdout
     assert not (elsewhere / "pretrain").exists() and not (elsewhere / "finetune").exists()
@@ -341,7 +356,7 @@ def test_reproduction_runs_reuses_and_reports_what_the_stages_wrote(tmp_path):
     partial = json.loads(json.dumps(records))
     del partial["stages"]["$OUTPUT_DIR/finetune/linformer-k-32/qqp-seed3"]
     (tmp_path / "partial.json").write_text(json.dumps(partial))
-    completed = _run(preset, tmp_path / "completed", "--records", str(tmp_path / "partial.json"))
+    completed = _run_here(capsys, preset, tmp_path / "completed", "--records", str(tmp_path / "partial.json"))
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert completed.stdout.count("from records") == 7 and completed.stdout.count("done (") == 1
     assert "first pretrain Linformer k = 32, known here only from the records" in completed.stdout
@@ -356,7 +371,7 @@ def test_reproduction_runs_reuses_and_reports_what_the_stages_wrote(tmp_path):
             record["inputs"][model_key] = "0" * 16
     del forged["stages"]["$OUTPUT_DIR/finetune/roberta-softmax/qqp-seed3"]  # SST-2 is taken, then QQP must run
     (tmp_path / "forged.json").write_text(json.dumps(forged))
-    refused = _run(preset, tmp_path / "refused", "--records", str(tmp_path / "forged.json"))
+    refused = _run_here(capsys, preset, tmp_path / "refused", "--records", str(tmp_path / "forged.json"))
     assert refused.returncode != 0 and "wrote other weights than in the records" in refused.stderr
     (tmp_path / "not-records.json").write_text("[1, 2]")
     for bad, message in (("missing.json", "cannot read the records file"), ("not-records.json", "not a records file")):
@@ -367,7 +382,7 @@ def test_reproduction_runs_reuses_and_reports_what_the_stages_wrote(tmp_path):
     # nor with a config edited in place since: the error names the changed file
     config = tmp_path / "linformer-k32.json"
     config.write_text(config.read_text().replace('"pooling"', '"xavier_uniform"'))
-    edited = _run(preset, out)
+    edited = _run_here(capsys, preset, out)
     assert edited.returncode != 0 and edited.stdout.count("reused") == 3
     assert "inputs have changed since: linformer-k32.json" in edited.stderr.replace(str(tmp_path) + "/", "")
 
@@ -375,6 +390,6 @@ def test_reproduction_runs_reuses_and_reports_what_the_stages_wrote(tmp_path):
     changed = json.loads(preset.read_text())
     changed["pretrain"]["args"]["max_steps"] = 3
     preset.write_text(json.dumps(changed))
-    third = _run(preset, out)
+    third = _run_here(capsys, preset, out)
     assert third.returncode != 0
     assert "holds a finished run with other arguments" in third.stderr and "roberta-softmax" in third.stderr
