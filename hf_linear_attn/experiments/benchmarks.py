@@ -188,16 +188,18 @@ def median_seconds(fn, repeats: int, device: str, budget: float | None = None) -
     fn()
     if budget is not None:
         repeats = max(1, min(repeats, int(budget / (time.perf_counter() - start))))
-    times = []
-    for _ in range(repeats):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(timed_call(fn, device) for _ in range(repeats))
+
+
+def timed_call(fn, device: str) -> float:
+    """Wall seconds of one fn() call (on CUDA, from an idle device to the end of its work)."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
 
 
 # ----------------------------------------------------------------------------------------- one configuration

@@ -20,7 +20,6 @@ theirs as n): at batch 16 and n 8,192 one training step of it takes minutes on 2
 """
 
 import statistics
-import time
 
 import torch
 
@@ -86,14 +85,7 @@ def interleaved_medians(fns: dict, repeats: int, budget: float, device: str) -> 
     round to round, after one warm-up call of each: a slow spell of a shared machine, or a cost that drifts with
     the process's age, then falls on every candidate alike instead of on whichever was timed during it. Fewer
     rounds (at least one) where they would pass `budget` seconds."""
-    def timed(fn):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        return time.perf_counter() - start
+    from hf_linear_attn.experiments.benchmarks import timed_call
 
     for fn in fns.values():
         fn()
@@ -102,7 +94,7 @@ def interleaved_medians(fns: dict, repeats: int, budget: float, device: str) -> 
     while not rounds or (len(rounds) < repeats and sum(map(sum, rounds)) / len(rounds) * (len(rounds) + 1) < budget):
         shift = len(rounds) % len(names)
         order = names[shift:] + names[:shift]
-        times = {name: timed(fns[name]) for name in order}
+        times = {name: timed_call(fns[name], device) for name in order}
         rounds.append([times[name] for name in names])
     return {name: statistics.median(r[i] for r in rounds) for i, name in enumerate(names)} | {"_rounds": len(rounds)}
 

@@ -8,10 +8,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import REPO_ROOT as REPO
 from transformers import AutoConfig
 
 import hf_linear_attn  # noqa: F401  (registers the model types read below)
-from helpers import REPO_ROOT as REPO
 from hf_linear_attn.experiments.reproduction import TASKS, ReproductionError, Stage, load_preset, plan, reproduce
 from hf_linear_attn.experiments.reproduction.preset import _merged_config, finetune_seeds, select_models
 from hf_linear_attn.experiments.reproduction.report import collect, describe_seeds, render_markdown
