@@ -519,6 +519,26 @@ def _per_token_seconds(step, ids, positions, state, start: int, warmup: int, ste
     return statistics.median(times[warmup:])
 
 
+def _weight_read_floor(model, device: str) -> dict:
+    """A decoding step at a small batch reads every weight once (the tied output layer reads the whole embedding),
+    so memory bandwidth bounds it from below: the weights' bytes over the read rate of a matrix-vector product with
+    the output layer (median of 9 after a warm-up), measured here. No compiler takes a step under this floor."""
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    matrix = model.get_output_embeddings().weight.detach()
+    vector = torch.randn(matrix.shape[1], device=device, dtype=matrix.dtype)
+    times = []
+    with torch.no_grad():
+        for _ in range(10):
+            _synchronize(device)
+            began = time.perf_counter()
+            matrix @ vector
+            _synchronize(device)
+            times.append(time.perf_counter() - began)
+    bandwidth = matrix.numel() * matrix.element_size() / statistics.median(times[1:])
+    return {"weight_bytes": weight_bytes, "read_bytes_per_second": bandwidth,
+            "weight_read_floor_seconds": weight_bytes / bandwidth}
+
+
 def _compiled_step(spec: dict, device: str) -> dict:
     """Per-token latency of DecoderStateStep, eager then compiled (fullgraph=True), from the same prefilled state;
     the compiled logits are checked against eager on the same inputs."""
@@ -532,7 +552,7 @@ def _compiled_step(spec: dict, device: str) -> dict:
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, spec["vocab_size"], (batch, length), generator=generator).to(device)
     positions = torch.arange(length, device=device).expand(batch, length)
-    result = {"matmul_peak_gflops": _matmul_peak(spec, device)}
+    result = {"matmul_peak_gflops": _matmul_peak(spec, device), **_weight_read_floor(model, device)}
     with torch.no_grad():
         _, *state = step(ids[:, :context], positions[:, :context], *step.initial_state(batch))  # prefill
         eager = _per_token_seconds(step, ids, positions, state, context, warmup, steps, device)
@@ -684,9 +704,11 @@ def _compiled_step_tables(rows: list[dict]) -> list[str]:
            f"steps after {first['warmup']} warm-up steps, from the same state after a {first['context']}-token "
            "prefill; tokens / s: batch over that latency; compile s: the first compiled call (shorter when "
            "Inductor's on-disk cache already holds the graph); difference: largest |compiled - eager| of the logits "
-           "over their largest |value| (same inputs).", "",
+           "over their largest |value| (same inputs); weight-read floor: the weights' bytes over the read rate of a "
+           "matrix-vector product with the output layer, measured in the same process (a step reads every weight "
+           "once, so no compiler goes under it).", "",
            "| context | batch | eager ms / step | compiled ms / step | speed-up | tokens / s eager | tokens / s "
-           "compiled | compile s | difference |", "|---" * 9 + "|"]
+           "compiled | compile s | difference | weights MB | read GB/s | weight-read floor ms |", "|---" * 12 + "|"]
     for r in rows:
         out.append(f"| {r['context']} | {r['batch']} | "
                    f"{_cell(r, 'eager_seconds_per_token', lambda v: f'{1000 * v:.3f}')} | "
@@ -695,7 +717,10 @@ def _compiled_step_tables(rows: list[dict]) -> list[str]:
                    f"{_cell(r, 'eager_tokens_per_second', lambda v: f'{v:.1f}')} | "
                    f"{_cell(r, 'compiled_tokens_per_second', lambda v: f'{v:.1f}')} | "
                    f"{_cell(r, 'compile_seconds', lambda v: f'{v:.1f}')} | "
-                   f"{_cell(r, 'compiled_relative_difference', lambda v: f'{v:.1e}')} |")
+                   f"{_cell(r, 'compiled_relative_difference', lambda v: f'{v:.1e}')} | "
+                   f"{_cell(r, 'weight_bytes', lambda v: f'{v / 2**20:,.0f}')} | "
+                   f"{_cell(r, 'read_bytes_per_second', lambda v: f'{v / 1e9:.1f}')} | "
+                   f"{_cell(r, 'weight_read_floor_seconds', lambda v: f'{1000 * v:.1f}')} |")
     return out + [""]
 
 

@@ -190,4 +190,10 @@ def check_smoke_outputs(folder):
         assert row["compiled_relative_difference"] < 1e-4
         assert row["speedup"] == pytest.approx(row["eager_seconds_per_token"] / row["compiled_seconds_per_token"])
         assert row["compile_seconds"] > 0
+        # the floor counts every weight once: the smoke model's parameters, counted here from its dimensions
+        d, layers, inner, vocab = 32, 2, 64, 256
+        per_layer = 2 * 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * inner + inner) + (inner * d + d)
+        positions = row["context"] + row["warmup"] + row["steps"]  # the step model's position table
+        assert row["weight_bytes"] == 4 * (vocab * d + positions * d + layers * per_layer + 2 * d)
+        assert row["weight_read_floor_seconds"] == pytest.approx(row["weight_bytes"] / row["read_bytes_per_second"])
         assert re.search(rf"^\| {row['context']} \| {row['batch']} \| [0-9.]+ \| [0-9.]+ \|", markdown, re.M)
