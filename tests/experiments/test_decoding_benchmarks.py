@@ -164,7 +164,7 @@ def check_smoke_outputs(folder):
     # assisted: every method's tokens equal plain greedy's, the counts rebuild the generated length
     (assisted,) = [r for r in results if r["kind"] == "assisted"]
     methods = assisted["methods"]
-    assert [m["method"].split(" ")[0] for m in methods] == ["greedy", "assisted", "prompt"]
+    assert [m["method"].split(" ")[0] for m in methods] == ["greedy", "assisted", "assisted", "prompt"]
     for m in methods:
         assert m["tokens_equal_greedy"] and m["first_difference"] is None
         assert m["tokens_per_second"] == pytest.approx(assisted["new_tokens"] / m["seconds"])
