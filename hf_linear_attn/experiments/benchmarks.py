@@ -641,7 +641,7 @@ def run_suite(preset_name: str, output_dir: Path, only: list[str] | None = None,
         if spec["kind"] == "crossover":  # softmax only falls further behind: stop timing it (see kernel_crossover)
             spec = {**spec, "softmax_settled_since": kernel_crossover.softmax_settled(spec, results)}
         missing = spec.get("peer") and peer_missing(spec["peer"])
-        # an absent peer costs no process (seconds of imports each, 32 rows in the quick preset)
+        # an absent peer costs no process (seconds of imports each; 8 rows per peer in the quick preset)
         measured = ({"skipped": missing} if missing else
                     run_isolated(spec, spec.get("timeout", preset["timeout"])))  # assisted: longer, it trains first
         results.append({**{k: v for k, v in spec.items() if k not in ("dims",)}, **measured})
