@@ -159,8 +159,8 @@ def _linear_names(rows: list[dict]) -> list[str]:
 
 
 def crossovers(rows: list[dict]) -> dict[tuple[str, str], str]:
-    """(series, form) -> the shortest n from which the form beats softmax at every longer n measured, as text:
-    "n" ; "after n" where softmax was not timed beyond; "not by n" where it never does."""
+    """(series, form) -> the shortest n from which the form beats softmax at every longer n where softmax was timed,
+    as text ("512"), or "not by N" where it is behind at N, the longest such n."""
     out = {}
     for series in dict.fromkeys(r["series"] for r in rows):
         measured = sorted((r for r in rows if r["series"] == series and "seconds" in r), key=lambda r: r["n"])
