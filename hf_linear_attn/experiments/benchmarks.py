@@ -369,6 +369,8 @@ def peer_missing(name: str) -> str | None:
 
     module, package = PEER_PACKAGES[name]
     return None if importlib.util.find_spec(module) else f"not installed: pip install {package}"
+
+
 KERNEL_FORMS = (("scan", 64), ("scan", 256), ("parallel", 64), ("parallel", 256))  # (form, chunk) rows
 
 
@@ -689,10 +691,10 @@ def rewrite_report(output_dir: Path) -> None:
     of an existing results.md (what was run, as it was written then) is kept."""
     report = json.loads((output_dir / "results.json").read_text())
     existing = output_dir / "results.md"
-    if not existing.is_file() or "### " not in existing.read_text():
+    text = existing.read_text() if existing.is_file() else ""
+    if "### " not in text:
         write_report(report, output_dir)
         return
-    text = existing.read_text()
     existing.write_text(text[: text.index("### ")] + tables(report["results"]))
     plots(report["results"], output_dir)
 

@@ -464,7 +464,6 @@ def _assisted(spec: dict, device: str) -> dict:
     dtype = getattr(torch, spec["dtype"])
     target = AutoModelForCausalLM.from_pretrained(trained["target"]["folder"]).to(device, dtype).eval()
     draft = AutoModelForCausalLM.from_pretrained(trained["draft"]["folder"]).to(device, dtype).eval()
-    draft.generation_config.update(**spec["assistant"])
     tokenizer = AutoTokenizer.from_pretrained(trained["target"]["folder"])
     context, new = spec["context"], spec["new_tokens"]
     prompt = torch.tensor([held_out_prompt(tokenizer, Path(trained["target"]["data"]["validation"]), context)],
@@ -531,17 +530,13 @@ def _weight_read_floor(model, device: str) -> dict:
     """A decoding step at a small batch reads every weight once (the tied output layer reads the whole embedding),
     so memory bandwidth bounds it from below: the weights' bytes over the read rate of a matrix-vector product with
     the output layer (median of 9 after a warm-up), measured here. No compiler takes a step under this floor."""
+    from hf_linear_attn.experiments.benchmarks import timed_call
+
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     matrix = model.get_output_embeddings().weight.detach()
     vector = torch.randn(matrix.shape[1], device=device, dtype=matrix.dtype)
-    times = []
     with torch.no_grad():
-        for _ in range(10):
-            _synchronize(device)
-            began = time.perf_counter()
-            matrix @ vector
-            _synchronize(device)
-            times.append(time.perf_counter() - began)
+        times = [timed_call(lambda: matrix @ vector, device) for _ in range(10)]
     bandwidth = matrix.numel() * matrix.element_size() / statistics.median(times[1:])
     return {"weight_bytes": weight_bytes, "read_bytes_per_second": bandwidth,
             "weight_read_floor_seconds": weight_bytes / bandwidth}

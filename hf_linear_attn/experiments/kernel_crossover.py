@@ -185,9 +185,9 @@ def fastest_forms(rows: list[dict], suffix: str = "") -> list[tuple[int, str, in
     consecutive lengths; the first run starts at 0, as the table's rows do."""
     runs = []
     for r in sorted((r for r in rows if "seconds" in r), key=lambda r: r["n"]):
-        explicit = {name: s for name, s in r["seconds"].items()
-                    if name not in (SOFTMAX, f"auto{suffix}") and name.endswith(suffix)
-                    and (suffix or "bf16" not in name)}
+        # this precision's explicit forms: named "<form> C=<chunk><suffix>" (the table's pick is "auto<suffix>")
+        explicit = {name: s for name, s in r["seconds"].items() if " C=" in name
+                    and (name.endswith(suffix) if suffix else "bf16" not in name)}
         if not explicit:
             continue
         best = min(explicit, key=explicit.get)
