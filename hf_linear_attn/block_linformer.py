@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 
 class BlockLinformerState(NamedTuple):
@@ -160,6 +161,41 @@ class _BlockSummaryAttention(torch.autograd.Function):
         return d_q, d_k, d_v, d_sk, d_sv, None, None, None
 
 
+# The materialised form's scores per group of query blocks (float32 bytes): small enough that a group's scores,
+# weights and dropout mask stay in the tens of MB at any n, large enough that a short sequence is one group.
+_GROUP_SCORE_BYTES = 32 << 20
+
+
+def _block_weights(q_b, k_b, summary_keys, local_mask, first: int, slots: int, proj_k: int, scale: float):
+    """Softmax weights (B, H, g, b, slots k + b) of query blocks first..first+g-1 (q_b, k_b: (B, H, g, b, d)) over
+    the first ``slots`` block summaries (summary_keys (B, H, >= slots k, d); block j sees those of blocks < j),
+    then their own block's keys <= t that are real (local_mask (B, 1, g, 1, b))."""
+    batch, _, g, b, _ = q_b.shape
+    keys = summary_keys[:, :, : slots * proj_k]
+    summary_scores = torch.matmul(q_b, keys.transpose(-1, -2).unsqueeze(2)) * scale  # (B, H, g, b, slots k)
+    local_scores = torch.matmul(q_b, k_b.transpose(-1, -2)) * scale  # (B, H, g, b, b)
+    query_block = torch.arange(first, first + g, device=q_b.device)
+    summary_visible = (torch.arange(slots, device=q_b.device)[None, :] < query_block[:, None])  # (g, slots)
+    summary_visible = summary_visible.repeat_interleave(proj_k, dim=-1)[None, None, :, None, :]
+    local_visible = torch.ones(b, b, dtype=torch.bool, device=q_b.device).tril() & local_mask  # (B, 1, g, b, b)
+    visible = torch.cat([summary_visible.expand(batch, 1, g, b, -1), local_visible], dim=-1)
+    return _masked_softmax(torch.cat([summary_scores, local_scores], dim=-1), visible)
+
+
+def _weighted_values(weights, summary_values, v_b, dropout: float) -> torch.Tensor:
+    """(B, H, g, b, d): dropout on the weights, then their mix of the summaries' values and the own block's."""
+    summary_columns = weights.shape[-1] - v_b.shape[-2]
+    dropped = F.dropout(weights, p=dropout, training=dropout > 0).to(v_b.dtype)
+    summary_part, local_part = dropped.split([summary_columns, v_b.shape[-2]], dim=-1)
+    return torch.matmul(summary_part, summary_values[:, :, :summary_columns].unsqueeze(2)) + torch.matmul(local_part, v_b)
+
+
+def _blocks_output(q_b, k_b, v_b, summary_keys, summary_values, local_mask, first, slots, proj_k, scale, dropout):
+    """The output of one group of query blocks in the materialised form (the unit a checkpoint recomputes)."""
+    weights = _block_weights(q_b, k_b, summary_keys, local_mask, first, slots, proj_k, scale)
+    return _weighted_values(weights, summary_values, v_b, dropout)
+
+
 def causal_block_linformer_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -205,33 +241,39 @@ def causal_block_linformer_attention(
 
     scale = head_dim**-0.5
     block_index = torch.arange(num_blocks, device=q.device)
+    local_mask = key_mask.reshape(batch, 1, num_blocks, 1, b)  # real keys of each block
     if unpadded and not need_weights and dropout == 0.0 and q.device.type == "cpu" and q.dtype in _FLASH_DTYPES:
         # Fused path: two flash-attention calls (the own block, causal; the summaries of earlier blocks, block-causal)
         # merged by their log-sum-exp into one softmax; nothing n x (S k) is stored, memory grows linearly in n.
         output = _BlockSummaryAttention.apply(
             q, k, v, summary_keys.flatten(2, 3), summary_values.flatten(2, 3), b, proj_k, scale
         )
+    elif need_weights:
+        weights = _block_weights(q_b, k_b, summary_keys.flatten(2, 3), local_mask, 0, num_blocks, proj_k, scale)
+        # The maps returned (B, H, n, S k + b), in the caller's row order, are the very tensor the output is
+        # computed from, so gradients of the output reach them (gradient-based attribution), as with GPT-2.
+        returned = weights.reshape(batch, heads, num_blocks * b, -1)[:, :, :n]
+        returned = _roll_rows(returned, -shift) if shifted else returned
+        weights = _roll_rows(returned, shift) if shifted else returned
+        weights = F.pad(weights, (0, 0, 0, padded)).reshape(batch, heads, num_blocks, b, -1)
+        output = _weighted_values(weights, summary_values.flatten(2, 3), v_b, dropout)
     else:
-        local_scores = torch.matmul(q_b, k_b.transpose(-1, -2)) * scale  # (B, H, N, b, b)
-        summary_scores = torch.matmul(q_b, summary_keys.flatten(2, 3).transpose(-1, -2).unsqueeze(2)) * scale
-        # summary_scores: (B, H, N, b, N k); block j sees the summaries of blocks i < j only.
-        summary_visible = (block_index[None, :] < block_index[:, None]).repeat_interleave(proj_k, dim=-1)  # (N, N k)
-        local_visible = torch.ones(b, b, dtype=torch.bool, device=q.device).tril()
-        local_visible = local_visible & key_mask.reshape(batch, 1, num_blocks, 1, b)  # (B, 1, N, b, b)
-        visible = torch.cat(
-            [summary_visible[None, None, :, None, :].expand(batch, 1, num_blocks, b, -1), local_visible], dim=-1
-        )
-        weights = _masked_softmax(torch.cat([summary_scores, local_scores], dim=-1), visible)
-        if need_weights:
-            # The maps returned (B, H, n, S k + b), in the caller's row order, are the very tensor the output is
-            # computed from, so gradients of the output reach them (gradient-based attribution), as with GPT-2.
-            returned = weights.reshape(batch, heads, num_blocks * b, -1)[:, :, :n]
-            returned = _roll_rows(returned, -shift) if shifted else returned
-            weights = _roll_rows(returned, shift) if shifted else returned
-            weights = F.pad(weights, (0, 0, 0, padded)).reshape(batch, heads, num_blocks, b, -1)
-        dropped = F.dropout(weights, p=dropout, training=dropout > 0).to(v.dtype)
-        summary_part, local_part = dropped.split([num_blocks * proj_k, b], dim=-1)
-        output = torch.matmul(summary_part, summary_values.flatten(2, 3).unsqueeze(2)) + torch.matmul(local_part, v_b)
+        # Materialised form (attention dropout, padding, or no flash kernel for the device / dtype), in groups of
+        # query blocks whose scores stay under _GROUP_SCORE_BYTES. Under autograd each group is recomputed in the
+        # backward (checkpoint, which restores the RNG: the same dropout mask), so what is kept for the backward
+        # grows linearly in n, as in the fused form, for about one more forward of the attention.
+        per_block = batch * heads * b * (num_blocks * proj_k + b) * 4
+        group = max(1, _GROUP_SCORE_BYTES // per_block)
+        recompute = group < num_blocks and torch.is_grad_enabled() and any(
+            t.requires_grad for t in (q, k, v, key_projection, value_projection))
+        keys, values = summary_keys.flatten(2, 3), summary_values.flatten(2, 3)
+        parts = []
+        for first in range(0, num_blocks, group):
+            last = min(first + group, num_blocks)
+            args = (q_b[:, :, first:last], k_b[:, :, first:last], v_b[:, :, first:last], keys, values,
+                    local_mask[:, :, first:last], first, last - 1, proj_k, scale, dropout)
+            parts.append(checkpoint(_blocks_output, *args, use_reentrant=False) if recompute else _blocks_output(*args))
+        output = torch.cat(parts, dim=2)
     output = output.reshape(batch, heads, num_blocks * b, head_dim)[:, :, :n]
 
     state = None

@@ -485,13 +485,17 @@ def configurations(preset: dict, dtype: str = "float32", data_dir=None, output_d
     for n in preset["decoder_n"]:
         # Every model with its default dropout (0.1), as it trains; with attention dropout PyTorch's CPU SDPA takes
         # its math path (an n x n matrix per head), so GPT-2 also runs without dropout, where SDPA uses its flash
-        # kernel: today's best softmax on the same hardware.
+        # kernel: today's best softmax on the same hardware. The causal Linformer likewise: without dropout (and
+        # unpadded) it takes its fused form (two flash-attention calls, memory linear in n), with dropout the
+        # materialised one (n x n k / b scores per head).
         specs += [{**dec, "kind": "decoder_train", "n": n, "method": "gpt2 sdpa", "model": "gpt2"},
                   {**dec, "kind": "decoder_train", "n": n, "method": "gpt2 sdpa, no dropout", "model": "gpt2",
                    "dropout": False},
                   {**dec, "kind": "decoder_train", "n": n, "method": "linear attention", "model": "linear_gpt2"},
                   {**dec, "kind": "decoder_train", "n": n, "method": f"causal linformer k={k} b={block}",
-                   "model": "linformer_gpt2", "k": k, "block": block}]
+                   "model": "linformer_gpt2", "k": k, "block": block},
+                  {**dec, "kind": "decoder_train", "n": n, "method": f"causal linformer k={k} b={block}, no dropout",
+                   "model": "linformer_gpt2", "k": k, "block": block, "dropout": False}]
     for context in preset["generation_context"]:
         gen = {**dec, "kind": "generation", "context": context, "new_tokens": preset["new_tokens"]}
         specs += [{**gen, "method": "gpt2 (key/value cache)", "model": "gpt2"},

@@ -128,7 +128,7 @@ def test_attention_weights_see_only_completed_blocks():
         assert weights[:, :, t, 12 + t % 8 + 1:].abs().sum() < 1e-12  # later keys of the own block: no weight
 
 
-def _saved_bytes(n, b=64, k=16, heads=2, d=16):
+def _saved_bytes(n, b=64, k=16, heads=2, d=16, dropout=0.0):
     """Bytes autograd keeps for the backward of one causal block Linformer call (inputs excluded)."""
     q, k_, v = (t.requires_grad_(True) for t in qkv(b=1, h=heads, n=n, d=d))
     e, f = projections(heads, k, b)
@@ -141,7 +141,7 @@ def _saved_bytes(n, b=64, k=16, heads=2, d=16):
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out, _, _ = causal_block_linformer_attention(q, k_, v, e, f, b)
+        out, _, _ = causal_block_linformer_attention(q, k_, v, e, f, b, dropout=dropout)
     out.sum().backward()
     return sum(saved.values())
 
@@ -181,3 +181,55 @@ def test_fused_form_equals_per_token_reference_with_left_padding(dtype):
     torch.manual_seed(0)
     dropped, _, _ = causal_block_linformer_attention(q, k_, v, e, f, b, key_mask=mask, dropout=0.5)
     assert torch.isfinite(dropped).all() and not torch.allclose(dropped.float(), out.float())
+
+
+def test_materialised_form_in_checkpointed_groups_equals_the_reference(monkeypatch):
+    """With dropout or padding the materialised form runs; split into groups of query blocks (a tiny group budget
+    forces one block per group) it still gives the per-token reference's values and gradients."""
+    import hf_linear_attn.block_linformer as block_linformer
+
+    monkeypatch.setattr(block_linformer, "_GROUP_SCORE_BYTES", 1)
+    n, b, k = 37, 8, 4
+    q, k_, v = qkv(n=n)
+    e, f = projections(3, k, b)
+    mask = torch.ones(2, n, dtype=torch.bool)
+    mask[1, :5] = False  # padding: the materialised form
+    for t in (q, k_, v, e, f):
+        t.requires_grad_(True)
+    out, _, _ = causal_block_linformer_attention(q, k_, v, e, f, b, key_mask=mask)
+    ref = torch.cat([per_token_reference(q[:1], k_[:1], v[:1], e, f, b)[:, :, 5:],
+                     per_token_reference(q[1:, :, 5:], k_[1:, :, 5:], v[1:, :, 5:], e, f, b)])
+    torch.testing.assert_close(out[:, :, 5:].double(), ref, atol=1e-5, rtol=1e-5)
+    grad = torch.randn_like(ref)
+    got = torch.autograd.grad(out[:, :, 5:], (q, k_, v, e, f), grad.float())
+    want = torch.autograd.grad(ref, (q, k_, v, e, f), grad)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.double(), w.double(), atol=1e-5, rtol=1e-4)
+
+
+def test_checkpointed_groups_recompute_the_same_dropout_mask(monkeypatch):
+    """Dropout in groups that are recomputed in the backward: the analytic gradient equals finite differences of the
+    same function (a fixed seed per call), which fails if the recomputation drew another mask."""
+    import hf_linear_attn.block_linformer as block_linformer
+
+    monkeypatch.setattr(block_linformer, "_GROUP_SCORE_BYTES", 1)
+    q, k_, v = (t.double().requires_grad_(True) for t in qkv(b=1, h=2, n=20, d=4))
+    e, f = (t.double() for t in projections(2, 3, 8))
+
+    def dropped(q, k_, v):
+        torch.manual_seed(0)
+        return causal_block_linformer_attention(q, k_, v, e, f, 8, dropout=0.3)[0]
+
+    out = dropped(q, k_, v)
+    assert (out == dropped(q, k_, v)).all()
+    assert torch.autograd.gradcheck(dropped, (q, k_, v), eps=1e-6, atol=1e-6, fast_mode=True)
+
+
+def test_training_memory_with_dropout_grows_linearly_in_n(monkeypatch):
+    """With attention dropout (the materialised form), what autograd keeps outside the recomputed groups at most
+    doubles when n doubles: nothing n x (n / b) k is stored for the backward."""
+    import hf_linear_attn.block_linformer as block_linformer
+
+    monkeypatch.setattr(block_linformer, "_GROUP_SCORE_BYTES", 1 << 16)
+    small, large = _saved_bytes(2048, dropout=0.1), _saved_bytes(4096, dropout=0.1)
+    assert large <= 2.1 * small, (small, large)
