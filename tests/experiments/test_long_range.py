@@ -12,7 +12,7 @@ from helpers import REPO_ROOT, SHARED_DATA
 
 from hf_linear_attn.experiments.long_range import load_preset, plan, run, select
 from hf_linear_attn.experiments.long_range.models import (
-    DECODERS, ENCODERS, Dims, build_decoder, build_encoder, check_length, model_dims,
+    DECODERS, ENCODERS, Dims, build_decoder, build_encoder, check_length, model_dims, pool_by_mean,
 )
 from hf_linear_attn.experiments.long_range.stages import Stage, run_stages
 from hf_linear_attn.experiments.long_range.tasks import (
@@ -113,6 +113,29 @@ def test_padding_does_not_break_stock_nystromformer_with_landmarks():
         assert torch.isfinite(model(input_ids=ids, attention_mask=mask).logits).all()
 
 
+def test_mean_pooling_hands_every_stock_head_the_mean_of_the_real_tokens_final_states():
+    """Each family's own head, applied by hand to the masked mean of the states it would have read, gives the logits
+    of the pooled model; pad positions count for nothing, so the logits differ from first-token pooling."""
+    ids = torch.randint(3, 20, (2, 256))
+    mask = torch.ones_like(ids)
+    mask[1, 100:] = 0
+    for name in ENCODERS:
+        torch.manual_seed(0)
+        model = build_encoder(name, SMALL, 256, 20, 3).eval()
+        seen = {}
+        model.classifier.register_forward_pre_hook(lambda module, args: seen.update(states=args[0]))
+        with torch.no_grad():
+            first = model(input_ids=ids, attention_mask=mask).logits
+            hooks = pool_by_mean(model)
+            pooled = model(input_ids=ids, attention_mask=mask).logits
+            for hook in hooks:
+                hook.remove()
+            states, weights = seen["states"], mask[:, :, None].float()
+            by_hand = model.classifier((states * weights).sum(1, keepdim=True) / weights.sum(1, keepdim=True))
+        torch.testing.assert_close(pooled, by_hand, msg=name)
+        assert not torch.allclose(pooled, first), name
+
+
 @pytest.mark.parametrize("call, message", [
     (lambda p: select(p, tasks=["pathfinder"]), "unknown task 'pathfinder'"),
     (lambda p: select(p, models=["performer"]), "unknown model 'performer'"),
@@ -134,6 +157,14 @@ def test_a_preset_that_mixes_dimensions_or_a_missing_data_folder_is_refused(tmp_
         load_preset(tmp_path / "mixed.json")
     with pytest.raises(UsageError, match="--data_dir"):
         run(PRESETS / "smoke.json", tmp_path / "out", tasks=["text"], data_dir=tmp_path / "nowhere")
+    for task, pooling in (("text", "max"), ("copy", "mean")):
+        preset = json.loads((PRESETS / "smoke.json").read_text())
+        preset["tasks"][task]["pooling"] = pooling
+        (tmp_path / "pooling.json").write_text(json.dumps(preset))
+        with pytest.raises(UsageError, match=f"task '{task}': 'pooling' '{pooling}' is not allowed"):
+            load_preset(tmp_path / "pooling.json")
+    with pytest.raises(UsageError, match="unknown pooling 'max'"):
+        build_encoder("roberta_sdpa", SMALL, 64, 20, 2, pooling="max")
 
 
 def test_stages_are_recorded_reused_and_refused_with_other_arguments(tmp_path):

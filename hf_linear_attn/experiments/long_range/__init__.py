@@ -16,7 +16,9 @@ from pathlib import Path
 
 from hf_linear_attn.training.errors import UsageError
 
-from .models import DECODERS, ENCODERS, Dims, build_decoder, build_encoder, check_length, check_model_names
+from .models import (
+    DECODERS, ENCODERS, POOLINGS, Dims, build_decoder, build_encoder, check_length, check_model_names,
+)
 from .stages import Stage, StageFailed, load_records, run_stages
 from .tasks import (
     BYTES_VOCAB_SIZE, COPY_VOCAB_SIZE, LISTOPS_VOCAB_SIZE, digest_of, encode_bytes, encode_listops, generate_listops,
@@ -49,6 +51,9 @@ def load_preset(path: Path) -> dict:
             raise UsageError(f"task {task!r}: models must be plain names")
         if "dims" in entry:
             Dims.from_preset(entry["dims"], f"task {task}")
+        if "pooling" in entry and (task not in ("listops", "text") or entry["pooling"] not in POOLINGS):
+            raise UsageError(f"task {task!r}: 'pooling' {entry['pooling']!r} is not allowed; ListOps and Text take "
+                             f"one of {', '.join(POOLINGS)}")
         check_model_names(entry.get("models", []), "copy" if task == "copy" else "encoder")
     eff = preset["tasks"].get("efficiency")
     if eff and eff.get("dims_from") not in preset["tasks"] and "dims" not in eff:
@@ -127,7 +132,7 @@ class DataCache:
 
     def examples(self, args: dict) -> tuple[list, list, dict]:
         key = json.dumps({k: v for k, v in args.items() if k not in ("model", "optimizer", "steps", "batch_size",
-                                                                      "log_every", "dropout")}, sort_keys=True)
+                                                                      "log_every", "dropout", "pooling")}, sort_keys=True)
         if key not in self.cache:
             self.cache[key] = self._build(args)
         return self.cache[key]
@@ -195,7 +200,8 @@ def _runner(data: DataCache):
         stage.digests = info
         vocab, labels = (LISTOPS_VOCAB_SIZE, 10) if a["task"] == "listops" else (BYTES_VOCAB_SIZE, 2)
         torch.manual_seed(a["seed"])
-        model = build_encoder(a["model"], dims, a["length"], vocab, labels, a["dropout"], a.get("position_table"))
+        model = build_encoder(a["model"], dims, a["length"], vocab, labels, a["dropout"], a.get("position_table"),
+                              pooling=a.get("pooling", "first"))
         metrics = train_classifier(model, train, evaluation, a["length"], a["steps"], a["batch_size"],
                                    a["optimizer"], a["seed"], a.get("log_every", 10), a.get("eval_batch_size"))
         metrics["parameters"] = sum(p.numel() for p in model.parameters())
@@ -206,6 +212,9 @@ def _runner(data: DataCache):
     return run_stage
 
 
+POOLING_NOTES = {"first": "classified from the first token", "mean": "classified from the mean of the real tokens"}
+
+
 def task_notes(preset: dict) -> str:
     t = preset["tasks"]
     parts = []
@@ -213,11 +222,12 @@ def task_notes(preset: dict) -> str:
         e = t["listops"]
         parts.append(f"ListOps n = {e['length']} ({e['min_tokens']}-{min(e['max_tokens'], e['length'] - 2)} tokens per "
                      f"expression, generator '{e.get('generator', 'sized')}', {e['train_size']} train / {e['eval_size']} "
-                     f"eval, {e['steps']} steps x batch {e['batch_size']})")
+                     f"eval, {e['steps']} steps x batch {e['batch_size']}, {POOLING_NOTES[e.get('pooling', 'first')]})")
     if "text" in t:
         e = t["text"]
         parts.append(f"Text n = {e['length']} bytes ({e['steps']} steps x batch {e['batch_size']}, eval "
-                     f"{e['eval_size']} rows: IMDB train held-out split with --dataset local)")
+                     f"{e['eval_size']} rows: IMDB train held-out split with --dataset local, "
+                     f"{POOLING_NOTES[e.get('pooling', 'first')]})")
     if "copy" in t:
         parts.append("copy " + ", ".join(f"n = {s['length']} ({s['steps']} steps x batch {s['batch_size']})"
                                          for s in t["copy"]["settings"]))

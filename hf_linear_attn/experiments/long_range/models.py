@@ -5,8 +5,9 @@ stock RoBERTa (SDPA), Longformer, BigBird (block sparse), Nystromformer and Refo
 (random init, no pretrained weights) with its usual settings for the length. Decoders (copy task): GPT-2 (SDPA),
 Reformer (causal LSH) and this package's linear_gpt2 and linformer_gpt2.
 
-All models share the token convention of `tasks` (<s> = 0, <pad> = 1) and classify from the first token with their
-own stock classification head.
+All models share the token convention of `tasks` (<s> = 0, <pad> = 1) and classify with their own stock
+classification head, from the first token (LRA's "CLS" pooling) or, with `pooling="mean"`, from the mean of the
+real tokens' final states.
 """
 
 import math
@@ -116,9 +117,49 @@ def _one_mask_row(module, args):
     return None
 
 
+POOLINGS = ("first", "mean")
+
+
+def pool_by_mean(model) -> list:
+    """Make a stock sequence classifier read the mean of its real tokens' final states instead of the first token's.
+
+    Every family's head (RoBERTa's, Longformer's, BigBird's, Nystromformer's, Reformer's, ours) takes the final
+    states (batch, n, width) and reads position 0; a pre-hook on the head hands it the masked mean as that one
+    position, so each model keeps its own head (dense, tanh, projection). The mask comes from the model's
+    `attention_mask` keyword (all tokens when absent). Returns the hook handles.
+    """
+    import torch
+
+    seen = {}
+
+    def keep_mask(module, args, kwargs):
+        seen["mask"] = kwargs.get("attention_mask")
+
+    def mean_of_real_tokens(module, args):
+        hidden, mask = args[0], seen.get("mask")
+        weights = torch.ones(hidden.shape[:2], device=hidden.device) if mask is None else mask[:, : hidden.shape[1]]
+        weights = weights.to(hidden.dtype)[..., None]
+        pooled = (hidden * weights).sum(1, keepdim=True) / weights.sum(1, keepdim=True).clamp(min=1)
+        return (pooled, *args[1:])
+
+    return [model.register_forward_pre_hook(keep_mask, with_kwargs=True),
+            model.classifier.register_forward_pre_hook(mean_of_real_tokens)]
+
+
 def build_encoder(name: str, dims: Dims, n: int, vocab_size: int, num_labels: int, dropout: float = 0.1,
-                  position_table: int | None = None, extra: dict | None = None):
-    """A randomly initialised sequence classifier `name` of the given dims for inputs of n tokens."""
+                  position_table: int | None = None, extra: dict | None = None, pooling: str = "first"):
+    """A randomly initialised sequence classifier `name` of the given dims for inputs of n tokens, classifying from
+    the first token or (pooling="mean") the mean of the real tokens."""
+    if pooling not in POOLINGS:
+        raise UsageError(f"unknown pooling {pooling!r}: use one of {', '.join(POOLINGS)}")
+    model = _build_encoder(name, dims, n, vocab_size, num_labels, dropout, position_table, extra)
+    if pooling == "mean":
+        pool_by_mean(model)
+    return model
+
+
+def _build_encoder(name: str, dims: Dims, n: int, vocab_size: int, num_labels: int, dropout: float,
+                   position_table: int | None, extra: dict | None):
     import transformers as tf
 
     import hf_linear_attn as ours
