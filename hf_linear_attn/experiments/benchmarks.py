@@ -544,9 +544,12 @@ def tables(results: list[dict]) -> str:
         methods = list(dict.fromkeys(r["method"] for r in enc))
         sizes = sorted({r["n"] for r in enc})
         cell = {(r["method"], r["n"]): r for r in enc}
+        memory_tables = [("Encoder inference: activation memory (MB, peak minus weights)", "activation_bytes", _mb)]
+        if any("profiler_bytes" in r for r in enc):  # the second probe, beside the first (see `measured`)
+            memory_tables.append(("Encoder inference: tensor peak (MB, torch.profiler; the second memory probe)",
+                                  "profiler_bytes", _mb))
         for title, key, fmt in (("Encoder inference, batch 1: seconds per forward", "seconds", lambda v: f"{v:.3f}"),
-                                ("Encoder inference: activation memory (MB, peak minus weights)", "activation_bytes",
-                                 _mb)):
+                                *memory_tables):
             out += [f"### {title}", "", "| n | " + " | ".join(methods) + " |", "|---" * (len(methods) + 1) + "|"]
             for n in sizes:
                 row = [fmt(cell[(m, n)][key]) if (m, n) in cell and key in cell[(m, n)] else
@@ -565,8 +568,10 @@ def tables(results: list[dict]) -> str:
                     out.append(f"| {n} | " + " | ".join(row) + " |")
                 out.append("")
     for kind, title, columns in (
-        ("decoder_train", "Decoder training step (forward + backward, batch 1; peak MB: above the weights)",
-         (("seconds", "s", lambda v: f"{v:.3f}"), ("peak_bytes", "peak MB", _mb))),
+        ("decoder_train", "Decoder training step (forward + backward, batch 1; peak MB: above the weights, resident "
+                          "set; tensor peak MB: torch.profiler, the second probe)",
+         (("seconds", "s", lambda v: f"{v:.3f}"), ("peak_bytes", "peak MB", _mb),
+          ("profiler_bytes", "tensor peak MB", _mb))),
         ("generation", "Generation, batch 1 (per token after a prompt of `context` tokens)",
          (("seconds_per_token", "ms / token", lambda v: f"{1000 * v:.2f}"),
           ("tokens_per_second", "tokens / s", lambda v: f"{v:.1f}"), ("cache_bytes", "cache MB", _mb))),

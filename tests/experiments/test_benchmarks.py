@@ -41,7 +41,8 @@ def test_smoke_preset_writes_complete_tables_json_and_plots(tmp_path):
     assert "cores" in report["machine"] and report["preset"] == "smoke"
     markdown = (tmp_path / "results.md").read_text()
     for title in ("seconds per forward", "activation memory", "time saved against roberta eager",
-                  "memory saved against roberta sdpa", "Decoder training step", "Generation", "matmul peak"):
+                  "memory saved against roberta sdpa", "Decoder training step", "Generation", "matmul peak",
+                  "tensor peak (MB, torch.profiler", "| tensor peak MB |"):
         assert title in markdown, title
     for result in results:  # every configuration has its row
         assert f"| {result.get('n', result.get('context'))} |" in markdown
