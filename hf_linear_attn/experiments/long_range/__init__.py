@@ -212,9 +212,6 @@ def _runner(data: DataCache):
     return run_stage
 
 
-POOLING_NOTES = {"first": "classified from the first token", "mean": "classified from the mean of the real tokens"}
-
-
 def task_notes(preset: dict) -> str:
     t = preset["tasks"]
     parts = []
@@ -222,12 +219,12 @@ def task_notes(preset: dict) -> str:
         e = t["listops"]
         parts.append(f"ListOps n = {e['length']} ({e['min_tokens']}-{min(e['max_tokens'], e['length'] - 2)} tokens per "
                      f"expression, generator '{e.get('generator', 'sized')}', {e['train_size']} train / {e['eval_size']} "
-                     f"eval, {e['steps']} steps x batch {e['batch_size']}, {POOLING_NOTES[e.get('pooling', 'first')]})")
+                     f"eval, {e['steps']} steps x batch {e['batch_size']}, {POOLINGS[e.get('pooling', 'first')]})")
     if "text" in t:
         e = t["text"]
         parts.append(f"Text n = {e['length']} bytes ({e['steps']} steps x batch {e['batch_size']}, eval "
                      f"{e['eval_size']} rows: IMDB train held-out split with --dataset local, "
-                     f"{POOLING_NOTES[e.get('pooling', 'first')]})")
+                     f"{POOLINGS[e.get('pooling', 'first')]})")
     if "copy" in t:
         parts.append("copy " + ", ".join(f"n = {s['length']} ({s['steps']} steps x batch {s['batch_size']})"
                                          for s in t["copy"]["settings"]))

@@ -117,7 +117,8 @@ def _one_mask_row(module, args):
     return None
 
 
-POOLINGS = ("first", "mean")
+# what a classifier reads, and how the report says it
+POOLINGS = {"first": "classified from the first token", "mean": "classified from the mean of the real tokens"}
 
 
 def pool_by_mean(model) -> list:
