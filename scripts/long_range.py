@@ -6,6 +6,7 @@ package's Linformer / linear attention against Transformers' RoBERTa, Longformer
     nohup nice -n 10 python scripts/long_range.py --preset cpu --output_dir results/long_range/cpu &  # ~6 h, resumable
     python scripts/long_range.py --preset cpu --output_dir results/long_range/cpu --report_only   # tables so far
     python scripts/long_range.py --preset paper --dry_run                              # LRA sizes, for GPUs
+    python scripts/long_range.py --preset cpu --profile 4096 --models linear_favor     # where a step's time goes
 
 Presets are configs/long_range/NAME.json (or a path). Rerunning the same command reuses finished stages.
 """
@@ -15,7 +16,7 @@ import sys
 from pathlib import Path
 
 from hf_linear_attn.experiments import find_preset
-from hf_linear_attn.experiments.long_range import run
+from hf_linear_attn.experiments.long_range import profile, run
 from hf_linear_attn.training.errors import UsageError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -35,9 +36,15 @@ def main(argv=None):
     parser.add_argument("--dry_run", action="store_true", help="print every stage and its arguments, run nothing")
     parser.add_argument("--report_only", action="store_true",
                         help="run nothing: write results.md / results.json / plots from the stages finished so far")
+    parser.add_argument("--profile", type=int, metavar="N",
+                        help="run nothing else: print torch.profiler's top operators of one training step of each "
+                             "efficiency model (or --models) at length N")
     args = parser.parse_args(argv)
     try:
         preset = find_preset(args.preset, REPO / "configs" / "long_range")
+        if args.profile:
+            profile(preset, args.models, args.profile, log=lambda s: print(s, flush=True))
+            return
         output_dir = Path(args.output_dir or f"outputs/long_range/{preset.stem}")
         run(preset, output_dir, args.tasks, args.models, args.dataset, Path(args.data_dir), args.dry_run,
             args.report_only, argv=sys.argv[1:] if argv is None else argv, log=lambda s: print(s, flush=True))

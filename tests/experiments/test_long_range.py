@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers import REPO_ROOT, SHARED_DATA
 
-from hf_linear_attn.experiments.long_range import load_preset, plan, run, select
+from hf_linear_attn.experiments.long_range import load_preset, plan, profile, run, select
 from hf_linear_attn.experiments.long_range.models import (
     DECODERS, ENCODERS, Dims, build_decoder, build_encoder, check_length, model_dims, pool_by_mean,
 )
@@ -69,6 +69,9 @@ def test_the_cpu_preset_keeps_listops_inputs_of_at_least_1000_tokens_and_text_at
     assert set(cpu["tasks"]["listops"]["models"]) == set(ENCODERS) == set(cpu["tasks"]["text"]["models"])
     assert set(cpu["tasks"]["copy"]["models"]) == set(DECODERS)
     assert 128 in [s["length"] for s in cpu["tasks"]["copy"]["settings"]]
+    # `--tasks efficiency` alone plans the same measurements: the dims it borrows from Text come along
+    alone = [s for s in plan(select(cpu, ["efficiency"])) if s.kind == "efficiency"]
+    assert [s.args for s in alone] == [s.args for s in plan(cpu) if s.kind == "efficiency"] and len(alone) == 48
 
 
 def test_bytes_round_trip_including_multibyte_characters_and_truncate_to_a_byte_prefix():
@@ -142,11 +145,24 @@ def test_mean_pooling_hands_every_stock_head_the_mean_of_the_real_tokens_final_s
     (lambda p: check_length("roberta_sdpa", 4096, 2048), "beyond the position table"),
     (lambda p: check_length("linformer_k256", 128, None), "exceeds the length"),
     (lambda p: build_encoder("gpt2_sdpa", SMALL, 64, 13, 2), "is a decoder"),
+    (lambda p: profile(PRESETS / "smoke.json", None, 300), r"lengths are \[256, 512\]"),
+    (lambda p: profile(PRESETS / "smoke.json", ["gpt2_sdpa"], 256), "no efficiency task with the models"),
 ])
 def test_bad_input_gets_a_usage_error_naming_the_fix(call, message):
     preset = load_preset(PRESETS / "smoke.json")
     with pytest.raises(UsageError, match=message):
         call(preset)
+
+
+def test_profile_prints_the_operators_of_one_training_step_of_each_chosen_model():
+    printed = []
+    profile(PRESETS / "smoke.json", ["linear_elu", "roberta_sdpa"], 256, log=printed.append)
+    tables = dict(zip(printed[::2], printed[1::2]))
+    assert sorted(tables) == ["## linear_elu at n = 256: one training step, batch 1",
+                              "## roberta_sdpa at n = 256: one training step, batch 1"]
+    elu, softmax = (tables[f"## {m} at n = 256: one training step, batch 1"] for m in ("linear_elu", "roberta_sdpa"))
+    assert "aten::elu" in elu and "aten::elu" not in softmax  # each table is its own model's step
+    assert "aten::mm" in softmax and "Self CPU time total" in softmax
 
 
 def test_a_preset_that_mixes_dimensions_or_a_missing_data_folder_is_refused(tmp_path):
@@ -191,6 +207,46 @@ def test_a_measurement_recorded_as_contended_is_taken_again_on_the_next_run(tmp_
     assert records["efficiency/x-n8"]["metrics"] == {"steps_per_second": 3.0}
 
 
+def test_an_efficiency_measurement_counts_as_contended_when_its_matmul_probe_fell_under_the_best_on_record():
+    from hf_linear_attn.experiments.long_range.efficiency import CONTENDED_BELOW, best_probe, contended
+    from hf_linear_attn.experiments.long_range.report import collect, goals
+
+    def record(model, probes, steps):
+        metrics = {"steps_per_second": steps, "best_steps_per_second": steps, "profiler_bytes": 1000,
+                   **({"probe_gflops": probes} if probes else {})}
+        return {"kind": "efficiency", "args": {"model": model, "n": 8}, "metrics": metrics}
+
+    records = {"soft": record("roberta_sdpa", [100.0, 97.0], 1.0),
+               "quiet": record("linear_elu", [99.0, 100.0], 5.0),
+               "shared": record("linformer_k128", [100.0, 50.0], 2.0),  # the lower probe counts: shared at the end
+               "unchecked": record("linear_hedgehog", None, 9.0)}
+    assert best_probe(records) == 99.0  # the best measurement's lower probe
+    assert [contended(r["metrics"], 99.0) for r in records.values()] == [False, False, True, True]
+    assert not contended({"failed": "out of memory (killed)"}, 100.0)  # a failure is a finding, not a disturbance
+    assert contended({"probe_gflops": [CONTENDED_BELOW * 100 - 1] * 2}, 100.0)
+    efficiency = collect(records)["efficiency"]
+    assert [efficiency[m][8]["contended"] for m in ("roberta_sdpa", "linear_elu", "linformer_k128",
+                                                    "linear_hedgehog")] == [False, False, True, True]
+    judged = goals({"accuracy": {}, "efficiency": efficiency})
+    assert any(line.startswith("- linear_elu at n = 8: 5.00x") for line in judged)
+    assert not any("linformer_k128 at" in line or "linear_hedgehog at" in line for line in judged)
+
+
+def test_a_stage_file_finished_after_records_json_wins_and_retake_measures_again(tmp_path):
+    from hf_linear_attn.experiments.long_range.stages import load_records, stage_file
+
+    stage = [Stage("efficiency/x-n8", "efficiency", {"n": 8})]
+    values = iter([1.0, 2.0, 3.0])
+    run_stages(stage, lambda s: {"steps_per_second": next(values)}, tmp_path, "m", log=lambda s: None)
+    taken = run_stages(stage, lambda s: {"steps_per_second": next(values)}, tmp_path, "m", log=lambda s: None,
+                       retake=lambda r: r["metrics"]["steps_per_second"] < 1.5)
+    assert taken["efficiency/x-n8"]["metrics"] == {"steps_per_second": 2.0}
+    # another process (or a run killed between the two writes) leaves a newer stage file than records.json's entry
+    newer = {**taken["efficiency/x-n8"], "metrics": {"steps_per_second": 3.0}, "finished": "2999-01-01 00:00:00"}
+    stage_file(tmp_path, "efficiency/x-n8").write_text(json.dumps(newer))
+    assert load_records(tmp_path)["efficiency/x-n8"]["metrics"] == {"steps_per_second": 3.0}
+
+
 def test_the_paper_preset_plans_every_stage_without_running_any():
     stages = plan(load_preset(PRESETS / "paper.json"))
     assert len(stages) == 4 * len(ENCODERS) + 2 * len(DECODERS) + 2 * len(ENCODERS)
@@ -211,6 +267,8 @@ def test_the_smoke_preset_runs_every_model_end_to_end_and_writes_every_table_and
     for task in ("listops", "text"):
         assert set(m for m, v in report["accuracy"].items() if task in v) == set(smoke["tasks"][task]["models"])
     assert set().union(*(v.keys() for v in report["copy"].values())) == set(DECODERS)
+    for by_length in report["efficiency"].values():  # every measurement carries its two availability probes
+        assert all(len(m["probe_gflops"]) == 2 and min(m["probe_gflops"]) > 0 for m in by_length.values())
     markdown = (tmp_path / "results.md").read_text()
     for heading in ("## Accuracy", "## Training efficiency", "## Copy task", "## Goals", "- machine:", "- command:"):
         assert heading in markdown

@@ -3,7 +3,7 @@
 import json
 from pathlib import Path
 
-from .efficiency import memory_bytes
+from .efficiency import CONTENDED_BELOW, PROBE_SIZE, best_probe, contended, memory_bytes
 from .models import LABELS, OURS
 from .stages import write_atomic
 
@@ -24,8 +24,10 @@ def _fmt(value, spec=".2f", missing="-"):
 
 
 def collect(records: dict) -> dict:
-    """Accuracy by model and task, efficiency by model and n, copy curves by setting and model."""
+    """Accuracy by model and task, efficiency by model and n, copy curves by setting and model. Each efficiency
+    measurement is judged `contended` against the best availability probe among all of them."""
     accuracy, efficiency, copy, notes = {}, {}, {}, {}
+    best = best_probe(records)
     for record in records.values():
         a, m = record["args"], record["metrics"]
         if record["kind"] == "classify":
@@ -33,7 +35,7 @@ def collect(records: dict) -> dict:
             if "bigbird_attention" in m:
                 notes[f"bigbird {a['task']}"] = m["bigbird_attention"]
         elif record["kind"] == "efficiency":
-            efficiency.setdefault(a["model"], {})[a["n"]] = m
+            efficiency.setdefault(a["model"], {})[a["n"]] = {**m, "contended": contended(m, best)}
         elif record["kind"] == "copy":
             copy.setdefault(a["length"], {})[a["model"]] = m
     return {"accuracy": accuracy, "efficiency": efficiency, "copy": copy, "notes": notes}
@@ -138,8 +140,10 @@ def render_markdown(meta: dict, summary: dict) -> str:
             out.append(f"| {LABELS[model]} | " + " | ".join(speeds + mems) + f" | {rel_s} | {rel_m} |")
         out += ["", "LRA Table 2 (TPU v3, batch as in LRA; steps/s at 1K / 2K / 3K / 4K, peak memory at 4K): "
                 + "; ".join(f"{k} {' / '.join(map(str, v[0]))} steps/s, {v[1]} GB" for k, v in LRA_TABLE2.items()),
-                "", "\\* measured while other jobs shared the cores (CPU seconds per wall second under 90% of the "
-                "threads, after three tries): not comparable, left out of the goals."]
+                "", f"\\* measured while other jobs shared the cores (a {PROBE_SIZE} x {PROBE_SIZE} float32 matmul timed "
+                f"before and after the steps ran under {CONTENDED_BELOW:.0%} of the best such probe among these "
+                "measurements, or was not taken): not comparable, left out of the goals. Rerun the command to measure "
+                "them again."]
     if copy:
         out += ["", "## Copy task (\"Transformers are RNNs\" 4.1; loss curves in copy_task.png, Figure 2's shape)", "",
                 "Steps/s here is the stage's wall clock, with no check that the cores were free (some stages shared "

@@ -5,7 +5,8 @@ run resumes stage by stage over several sittings.
     <output_dir>/records.json        every finished stage, rewritten the same way after each stage
 
 A rerun reuses a finished stage whose arguments are identical and refuses one finished with other arguments; a
-measurement recorded as `contended` (other jobs shared the cores) is taken again.
+measurement recorded as `contended` (other jobs shared the cores), or one the caller's `retake` rejects, is taken
+again, and the new record replaces it.
 """
 
 import json
@@ -44,12 +45,15 @@ def stage_file(output_dir: Path, key: str) -> Path:
 
 
 def load_records(output_dir: Path) -> dict:
-    """Finished stages by key: records.json, completed by any stage file written after it (an interrupted rewrite)."""
+    """Finished stages by key: records.json, where a stage file finished later wins (a stage taken again while
+    records.json was not rewritten: an interrupted rewrite, or another process's run)."""
     path = output_dir / "records.json"
     records = json.loads(path.read_text()) if path.is_file() else {}
     for file in sorted((output_dir / "stages").glob("*.json")) if (output_dir / "stages").is_dir() else []:
         record = json.loads(file.read_text())
-        records.setdefault(record["key"], record)
+        known = records.get(record["key"])
+        if known is None or record["finished"] >= known["finished"]:  # "YYYY-mm-dd HH:MM:SS" sorts by time
+            records[record["key"]] = record
     return records
 
 
@@ -67,12 +71,13 @@ def check_reuse(stage: Stage, records: dict, output_dir: Path) -> dict | None:
     return record
 
 
-def run_stages(stages: list[Stage], run, output_dir: Path, machine: str, log=print) -> dict:
-    """Run each stage not yet finished with `run(stage) -> metrics`, recording it; returns every record."""
+def run_stages(stages: list[Stage], run, output_dir: Path, machine: str, log=print, retake=None) -> dict:
+    """Run each stage not yet finished with `run(stage) -> metrics`, recording it; returns every record. A finished
+    record is taken again when its metrics say `contended` or `retake(record)` is true."""
     records = load_records(output_dir)
     for index, stage in enumerate(stages, 1):
         earlier = check_reuse(stage, records, output_dir)
-        if earlier is not None and not earlier["metrics"].get("contended"):
+        if earlier is not None and not (earlier["metrics"].get("contended") or (retake and retake(earlier))):
             log(f"[{index}/{len(stages)}] {stage.key}: finished earlier, reused")
             continue
         if earlier is not None:  # a measurement disturbed by other jobs: measure again, the new one replaces it
