@@ -19,7 +19,7 @@ from hf_linear_attn.training.errors import UsageError
 from .models import (
     DECODERS, ENCODERS, POOLINGS, Dims, build_decoder, build_encoder, check_length, check_model_names,
 )
-from .stages import Stage, StageFailed, load_records, run_stages
+from .stages import Stage, StageFailed, load_records, run_stages, write_atomic
 from .tasks import (
     BYTES_VOCAB_SIZE, COPY_VOCAB_SIZE, LISTOPS_VOCAB_SIZE, digest_of, encode_bytes, encode_listops, generate_listops,
     generate_listops_sized, load_imdb,
@@ -232,9 +232,9 @@ def task_notes(preset: dict) -> str:
     return "; ".join(parts)
 
 
-def profile(preset_path: Path, models, n: int, log=print) -> None:
-    """Print where each model's training step goes at length n (the preset's efficiency settings): the operators
-    taking the most self time, from torch.profiler in this process. Measures nothing for the tables."""
+def profile(preset_path: Path, models, n: int, log=print, rows: int = 15) -> None:
+    """Print where each model's training step goes at length n (the preset's efficiency settings): the `rows`
+    operators taking the most self time, from torch.profiler in this process. Measures nothing for the tables."""
     from .efficiency import profile_training_step
 
     preset = select(load_preset(preset_path), ["efficiency"], models)
@@ -248,7 +248,7 @@ def profile(preset_path: Path, models, n: int, log=print) -> None:
     for stage in stages:
         spec = {k: v for k, v in stage.args.items() if k not in ("timeout", "retries")}
         log(f"## {stage.args['model']} at n = {n}: one training step, batch {spec['batch_size']}")
-        log(profile_training_step(spec))
+        log(profile_training_step(spec, rows=rows))
 
 
 def run(preset_path: Path, output_dir: Path, tasks=None, models=None, dataset="local", data_dir=None,
@@ -276,6 +276,8 @@ def run(preset_path: Path, output_dir: Path, tasks=None, models=None, dataset="l
     output_dir.mkdir(parents=True, exist_ok=True)
     if report_only:
         records = load_records(output_dir)
+        if (output_dir / "records.json").is_file():  # fold in stage files finished after it (another run's)
+            write_atomic(output_dir / "records.json", json.dumps(records, indent=1))
         for stage in stages:  # refuse a report mixing stages run with other arguments
             from .stages import check_reuse
             check_reuse(stage, records, output_dir)
