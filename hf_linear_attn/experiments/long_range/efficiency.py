@@ -27,7 +27,7 @@ from .models import Dims, build_encoder
 # never fired while other jobs halved the speed).
 PROBE_SIZE = 1024
 CONTENDED_BELOW = 0.75  # a probe under 75% of the best on record: other jobs held the cores (quiet probes vary
-# by up to 18% on the 2-core EPYC, 152-186 GFLOP/s over 48 quiet measurements; shared cores read about 60)
+# by up to 18% on the 2-core EPYC, 152-186 GFLOP/s over 48 quiet measurements; beside a training job, under half)
 
 
 def availability_probe(device: str) -> float:
