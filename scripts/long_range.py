@@ -33,6 +33,8 @@ def main(argv=None):
                              "stanfordnlp/imdb and its test split")
     parser.add_argument("--data_dir", default=str(REPO.parent / "shared" / "data"),
                         help="folder holding imdb/train.jsonl (default: ../shared/data)")
+    parser.add_argument("--seed", type=int, help="replace the preset's seed (initialisation, batch order, ListOps "
+                                                  "generation, IMDB's held-out split); use its own --output_dir")
     parser.add_argument("--dry_run", action="store_true", help="print every stage and its arguments, run nothing")
     parser.add_argument("--report_only", action="store_true",
                         help="run nothing: write results.md / results.json / plots from the stages finished so far")
@@ -47,7 +49,8 @@ def main(argv=None):
             return
         output_dir = Path(args.output_dir or f"outputs/long_range/{preset.stem}")
         run(preset, output_dir, args.tasks, args.models, args.dataset, Path(args.data_dir), args.dry_run,
-            args.report_only, argv=sys.argv[1:] if argv is None else argv, log=lambda s: print(s, flush=True))
+            args.report_only, argv=sys.argv[1:] if argv is None else argv, log=lambda s: print(s, flush=True),
+            seed=args.seed)
     except UsageError as error:
         sys.exit(f"error: {error}")
     if not args.dry_run:

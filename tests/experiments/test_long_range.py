@@ -247,6 +247,17 @@ def test_a_stage_file_finished_after_records_json_wins_and_retake_measures_again
     assert load_records(tmp_path)["efficiency/x-n8"]["metrics"] == {"steps_per_second": 3.0}
 
 
+def test_seed_replaces_the_presets_seed_in_every_stage_and_a_finished_stage_refuses_another(tmp_path):
+    printed = []
+    run(PRESETS / "smoke.json", tmp_path, tasks=["listops"], dry_run=True, log=printed.append, seed=7)
+    planned = [json.loads(line.split(": ", 1)[1]) for line in printed[:-1]]
+    assert planned and all(args["seed"] == 7 for args in planned)
+    stage = Stage("listops/x", "classify", {"seed": 0})
+    run_stages([stage], lambda s: {"eval_accuracy": 0.5}, tmp_path, "m", log=lambda s: None)
+    with pytest.raises(UsageError, match="changed: seed"):
+        run_stages([Stage("listops/x", "classify", {"seed": 7})], lambda s: {}, tmp_path, "m", log=lambda s: None)
+
+
 def test_the_paper_preset_plans_every_stage_without_running_any():
     stages = plan(load_preset(PRESETS / "paper.json"))
     assert len(stages) == 4 * len(ENCODERS) + 2 * len(DECODERS) + 2 * len(ENCODERS)

@@ -252,13 +252,16 @@ def profile(preset_path: Path, models, n: int, log=print, rows: int = 15) -> Non
 
 
 def run(preset_path: Path, output_dir: Path, tasks=None, models=None, dataset="local", data_dir=None,
-        dry_run=False, report_only=False, argv=None, log=print) -> dict:
-    """Run (or reuse) every stage of the preset, then write the report; returns the report's summary."""
+        dry_run=False, report_only=False, argv=None, log=print, seed=None) -> dict:
+    """Run (or reuse) every stage of the preset, then write the report; returns the report's summary. `seed`
+    replaces the preset's seed (model initialisation, batch order, ListOps generation, the IMDB held-out split)."""
     from hf_linear_attn.experiments.benchmarks import describe_machine
 
     from .report import write_report
 
     full = load_preset(preset_path)
+    if seed is not None:
+        full["seed"] = seed
     preset = select(full, tasks, models)
     stages = plan(preset)
     if dry_run:
