@@ -161,13 +161,13 @@ def _runner(data: DataCache, best: list[float]):
     """run_stage(stage) -> metrics; `best` holds the best availability probe on record and grows with this run's."""
     import torch
 
-    from .efficiency import contended, probe_of, run_isolated
+    from .efficiency import contended, measurement_spec, probe_of, run_isolated
     from .training import train_classifier, train_copy
 
     def run_stage(stage: Stage) -> dict:
         a = stage.args
         if stage.kind == "efficiency":
-            spec = {k: v for k, v in a.items() if k not in ("timeout", "retries")}
+            spec = measurement_spec(a)
             result = run_isolated(spec, a["timeout"])
             best[0] = max(best[0], probe_of(result) or 0.0)
             for _ in range(a.get("retries", 0)):  # other jobs took our cores: measure again, keep the least disturbed
@@ -235,7 +235,7 @@ def task_notes(preset: dict) -> str:
 def profile(preset_path: Path, models, n: int, log=print, rows: int = 15) -> None:
     """Print where each model's training step goes at length n (the preset's efficiency settings): the `rows`
     operators taking the most self time, from torch.profiler in this process. Measures nothing for the tables."""
-    from .efficiency import profile_training_step
+    from .efficiency import measurement_spec, profile_training_step
 
     preset = select(load_preset(preset_path), ["efficiency"], models)
     if "efficiency" not in preset["tasks"]:
@@ -246,7 +246,7 @@ def profile(preset_path: Path, models, n: int, log=print, rows: int = 15) -> Non
         raise UsageError(f"--profile {n}: the preset's efficiency lengths are "
                          f"{preset['tasks']['efficiency']['lengths']}; profile one of them")
     for stage in stages:
-        spec = {k: v for k, v in stage.args.items() if k not in ("timeout", "retries")}
+        spec = measurement_spec(stage.args)
         log(f"## {stage.args['model']} at n = {n}: one training step, batch {spec['batch_size']}")
         log(profile_training_step(spec, rows=rows))
 

@@ -56,6 +56,12 @@ def contended(result: dict, best_probe: float) -> bool:
     return probe is None or probe < CONTENDED_BELOW * best_probe
 
 
+def measurement_spec(stage_args: dict) -> dict:
+    """What the measuring process takes from an efficiency stage's arguments: all but the runner's own timeout and
+    retries."""
+    return {k: v for k, v in stage_args.items() if k not in ("timeout", "retries")}
+
+
 def training_step(spec: dict):
     """(model, step, device): one AdamW training step of the spec's model on random full-length byte inputs."""
     torch.manual_seed(spec.get("seed", 0))
