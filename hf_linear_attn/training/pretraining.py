@@ -24,7 +24,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from accelerate import Accelerator
+from accelerate import Accelerator, PartialState
+from accelerate.state import AcceleratorState
 from accelerate.utils import DistributedType, set_seed
 from torch.utils.data import DataLoader, StackDataset, Subset
 from tqdm.auto import tqdm
@@ -53,6 +54,7 @@ from .hub import HUB_ARGUMENTS, SECRET_ARGUMENTS, HubArguments, hub_repo_id, pus
 CHECKPOINTS = "checkpoints"
 STEP_PREFIX = "step_"
 RUN_ARGS = "run_args.json"
+CPUINFO = Path("/proc/cpuinfo")  # where "auto" precision reads the CPU's instruction-set flags
 # Arguments a resumed run may change; any other difference would make the continuation a different run.
 RESUMABLE_CHANGES = {"max_steps",  # may grow: checked by check_output_dir, the schedule change stated in the log
                      "resume", "resume_from_checkpoint", "overwrite_output_dir", "logging_steps", "report_to",
@@ -121,17 +123,45 @@ class PretrainArguments(HubArguments):
     trust_remote_code: bool = field(default=False)
 
 
+def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether the CPU computes bf16 natively (AVX512-BF16 or AMX): `cpuinfo` is /proc/cpuinfo's text (read if None)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = CPUINFO.read_text()
+        except OSError:  # not Linux: no way to tell, so no claim of native bf16
+            return False
+    flags = set()
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            flags.update(line.partition(":")[2].split())
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
 def resolve_mixed_precision(choice: str) -> str:
     """'auto' -> bf16 where the hardware computes in bf16 natively (CUDA with bf16, CPUs with AVX512-BF16 / AMX)."""
     if choice != "auto":
         return choice
     if torch.cuda.is_available():
         return "bf16" if torch.cuda.is_bf16_supported() else "no"
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "no"
-    return "bf16" if ("avx512_bf16" in flags or "amx_bf16" in flags) else "no"
+    return "bf16" if cpu_has_native_bf16() else "no"
+
+
+def release_stale_accelerator_state(mixed_precision: str) -> None:
+    """Drop an earlier run's AcceleratorState in a single process when it holds another mixed precision.
+
+    accelerate keeps one AcceleratorState per process and refuses a second Accelerator that asks for another
+    precision ("AcceleratorState has already been initialized and cannot be changed"). A user (or a test, or a
+    benchmark suite) that trains twice in one process, or fine-tunes with Trainer (which leaves its own state)
+    before pretraining, would hit that whenever "auto" resolves to bf16. In one process nothing else holds on to
+    the old state, so it is dropped; the PartialState (device, process group) is kept. Under a multi-process launch
+    the state is shared with the launcher's setup and is left alone: accelerate's own error then names the fix.
+    """
+    shared = AcceleratorState._shared_state
+    if not shared or shared.get("_mixed_precision") in (None, mixed_precision):
+        return
+    if PartialState._shared_state and PartialState().num_processes > 1:
+        return
+    AcceleratorState._reset_state(reset_partial_state=False)
 
 
 def max_model_length(config) -> int:
@@ -559,7 +589,9 @@ def make_accelerator(args: PretrainArguments) -> Accelerator:
     GPUs by accelerate itself, without GPUs by `use_fsdp_on_cpu` (accelerate would run plain data parallel)."""
     # Without cpu=True accelerate treats several launched processes on a CPU-only machine as independent runs.
     on_cpu = not (torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available()))
-    accelerator = Accelerator(cpu=on_cpu, mixed_precision=resolve_mixed_precision(args.mixed_precision),
+    mixed_precision = resolve_mixed_precision(args.mixed_precision)
+    release_stale_accelerator_state(mixed_precision)
+    accelerator = Accelerator(cpu=on_cpu, mixed_precision=mixed_precision,
                               log_with=None if args.report_to == "none" else args.report_to,
                               project_dir=args.output_dir)
     if on_cpu and fsdp_requested() and accelerator.distributed_type == DistributedType.MULTI_CPU:
