@@ -41,6 +41,8 @@ def orthogonal_gaussian_matrix(
     num_rows: int, dim: int, generator: torch.Generator | None = None, device=None
 ) -> torch.Tensor:
     """(num_rows, dim) matrix whose rows are orthogonal in blocks of ``dim`` with Gaussian-distributed norms."""
+    if device is None and generator is not None:
+        device = generator.device  # draw where the generator lives (the same numbers whatever the default device)
     blocks = []
     for _ in range(math.ceil(num_rows / dim)):
         gaussian = torch.randn(dim, dim, generator=generator, device=device)

@@ -203,20 +203,23 @@ def causal_linear_attention(
     earlier call (prefill, then decoding).
 
     ``precision``: float32 inputs are computed in float32 (z rides along as a column of ones after V, so one product
-    gives numerator and normaliser). With "bfloat16", bf16 inputs (phi(Q), phi(K) and V all bf16) take the bf16
-    compute path ("auto" and "float32": the float32 path; see :func:`_bf16_compute` for why "auto" waits): the
-    products run in bf16, the state S, z and the normaliser phi(q) . z_t are accumulated in float32 (z_t is a float32
-    prefix sum, the normaliser a float32 dot product, never a bf16 product).
+    gives numerator and normaliser). bf16 inputs (phi(Q), phi(K) and V all bf16) take the bf16 compute path with
+    "bfloat16", and with "auto" where the device computes bf16 natively (CUDA, CPUs with AVX512-BF16 / AMX; see
+    :func:`_bf16_compute`); "float32" keeps the float32 path. On the bf16 path the products run in bf16, the state S,
+    z and the normaliser phi(q) . z_t are accumulated in float32 (z_t is a float32 prefix sum, the normaliser a
+    float32 dot product, never a bf16 product).
 
     ``form``: "scan" visits the chunks in order carrying the state (cache-resident steps, a hand-written backward
     of three more scans that stores nothing but the inputs); "parallel" computes every chunk at once with a prefix
-    sum of per-chunk states (few, large kernels; autograd's backward). "auto" (and ``chunk_size=None``) picks both
-    from :data:`CAUSAL_FORM_TABLE`, by device, compute dtype, batch x heads x n and whether gradients are needed. Under
+    sum of per-chunk states (few, large kernels; autograd's backward); "fla" runs flash-linear-attention's Triton
+    chunk kernel for the numerator (bf16 path on CUDA only, see :func:`_causal_fla`). "auto" takes "fla" where it
+    can run (:func:`fla_chunk_kernel`), else picks form and chunk size (also when ``chunk_size=None``) from
+    :data:`CAUSAL_FORM_TABLE`, by device, compute dtype, batch x heads x n and whether gradients are needed. Under
     ``torch.export`` ``form`` and ``chunk_size`` are set aside for the prefix-sum form (:func:`_prefix_sum_form`),
     the one whose exported program holds for every n.
     """
-    if form not in ("auto", "scan", "parallel"):
-        raise ValueError(f"form must be 'auto', 'scan' or 'parallel', got {form!r}.")
+    if form not in ("auto", "scan", "parallel", "fla"):
+        raise ValueError(f"form must be 'auto', 'scan', 'parallel' or 'fla', got {form!r}.")
     out_dtype = v.dtype
     batch, heads, n, m = phi_q.shape
     d_v = v.shape[-1]
@@ -228,14 +231,24 @@ def causal_linear_attention(
         # one exported program serves every length. Eager and torch.compile keep the forms below.
         form, c = "prefix-sum", None
     else:
-        if form == "auto" or chunk_size is None:
+        if form == "fla":
+            if not low:
+                raise ValueError("form='fla' (flash-linear-attention's Triton chunk kernel) computes the bf16 path "
+                                 "only: pass bfloat16 phi(Q), phi(K) and V, or choose form 'scan' or 'parallel'.")
+            if fla_chunk_kernel(phi_q.device.type) is None:
+                raise ValueError("form='fla' needs flash-linear-attention's kernels on a CUDA device: install the "
+                                 "'fla' extra (pip install fla-core) and run on CUDA, or choose form 'scan' or "
+                                 "'parallel'.")
+        elif form == "auto" and low and n > 0 and fla_chunk_kernel(phi_q.device.type) is not None:
+            form = "fla"  # where fla's Triton kernel computes this same function (see _causal_fla), it runs it
+        if form != "fla" and (form == "auto" or chunk_size is None):
             needs_grad = torch.is_grad_enabled() and any(
                 t.requires_grad for t in (phi_q, phi_k, v, *(state if state is not None else ()))
             )
             auto_form, auto_chunk = choose_causal_form(phi_q.device.type, low, batch * heads * n, needs_grad)
             form = auto_form if form == "auto" else form
             chunk_size = auto_chunk if chunk_size is None else chunk_size
-        c = max(1, min(chunk_size, n))
+        c = max(1, min(chunk_size or 64, n))
     with _no_autocast(v):
         if low:
             return _causal_bf16(phi_q, phi_k, v, key_mask, eps, c, state, form)
@@ -271,15 +284,19 @@ def native_bf16(device_type: str) -> bool:
 
 
 def _bf16_compute(precision: str, *tensors: torch.Tensor) -> bool:
-    """Whether the bf16 compute path applies: every input (features and values) bf16 and ``precision`` "bfloat16"
-    ("auto" is the float32 path until the bf16 one is measured on a device with native bf16 products)."""
+    """Whether the bf16 compute path applies: every input (features and values) bf16, and ``precision``
+    "bfloat16", or "auto" on a device that computes bf16 products natively (:func:`native_bf16`)."""
     if precision not in ("auto", "float32", "bfloat16"):
         raise ValueError(f"precision must be 'auto', 'float32' or 'bfloat16', got {precision!r}.")
     if precision == "float32" or not all(t.dtype == torch.bfloat16 for t in tensors):
         return False
-    # "auto" keeps the float32 path for now: the bf16 path is tested for accuracy, but its speed has not been measured
-    # on a machine with native bf16 products yet (on others it would be far slower), so it is opt-in until then.
-    return precision == "bfloat16"
+    if precision == "bfloat16":
+        return True
+    # "auto": bf16 products where they are native. Measured on a Zen 5 EPYC (AVX512-BF16): the bf16 path with the
+    # table's forms beats the float32 path on bf16 inputs at every size of the crossover grid (see
+    # CAUSAL_FORM_TABLE), with an error against float64 within bf16 rounding of it. Without native bf16 (AVX2) a
+    # bf16 product is a reference loop, thousands of times slower: "auto" keeps the float32 path there.
+    return native_bf16(tensors[0].device.type)
 
 
 def _causal_bf16(phi_q, phi_k, v, key_mask, eps, c, state, form):
@@ -297,7 +314,9 @@ def _causal_bf16(phi_q, phi_k, v, key_mask, eps, c, state, form):
         z0 = phi_q.new_zeros(batch, heads, 1, m, dtype=torch.float32)
     else:
         s0, z0 = state[0].float(), state[1].float().unsqueeze(2)
-    if form == "scan":
+    if form == "fla":
+        numerator, s_n = _causal_fla(phi_q, phi_k, v, s0)
+    elif form == "scan":
         numerator, s_n = _CausalLinearAttentionScan.apply(_flat(phi_q), _flat(phi_k), _flat(v), _flat(s0), c)
         numerator, s_n = numerator.view(batch, heads, n, d_v), s_n.view(batch, heads, m, d_v)
     elif form == "prefix-sum":
@@ -308,6 +327,41 @@ def _causal_bf16(phi_q, phi_k, v, key_mask, eps, c, state, form):
     normaliser = (phi_q.float() * z_t).sum(-1, keepdim=True)
     y = numerator / (normaliser + eps)
     return y.to(v.dtype), (s_n, z_t[:, :, -1] if n else z0.squeeze(2))
+
+
+@functools.lru_cache(maxsize=None)
+def fla_chunk_kernel(device_type: str):
+    """flash-linear-attention's Triton chunk kernel (``fla.ops.linear_attn.chunk_linear_attn``) where it can run
+    here (CUDA, the package installed: the optional ``fla`` extra), else None. ``HF_LINEAR_ATTN_FLA=0`` turns it off.
+
+    Transformers picks kernels the same way (a Hub kernel, then an installed package, then its torch reference):
+    the torch forms stay the fallback everywhere and the reference the tests compare fla with.
+    """
+    import os
+
+    if device_type != "cuda" or os.environ.get("HF_LINEAR_ATTN_FLA", "1") == "0":
+        return None
+    try:
+        from fla.ops.linear_attn import chunk_linear_attn
+    except Exception:  # not installed, or no Triton / no usable GPU: the torch forms run instead
+        return None
+    return chunk_linear_attn
+
+
+def _causal_fla(phi_q, phi_k, v, s0):
+    """Numerator tril(phi(Q) phi(K)^T) V + phi(Q) S_0 and S_n by fla's Triton chunk kernel (bf16 products, float32
+    state), the same function as the torch forms of the bf16 path: (B, H, n, d_v) float32 and (B, H, m, d_v).
+
+    fla is called without its own normalisation (``normalize=False``) and with ``scale=1``: phi(Q), phi(K) are
+    already features, pads already zeroed in phi(K) and V (so fla's own masking, which covers only V, is not relied
+    on), and the normaliser phi(q_t) . z_t is computed by the caller in float32 (fla's sums the keys in bf16).
+    """
+    kernel = fla_chunk_kernel(phi_q.device.type)
+    # fla takes (B, T, H, K): the head axis after the sequence
+    q, k, val = (t.transpose(1, 2).contiguous() for t in (phi_q, phi_k, v))
+    out, s_n = kernel(q, k, val, scale=1.0, initial_state=s0.float().contiguous(), output_final_state=True,
+                      normalize=False)
+    return out.transpose(1, 2).float(), s_n.float()
 
 
 def _chunkwise_parallel(q, k, v, state, c: int):

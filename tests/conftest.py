@@ -7,11 +7,26 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a Hub miss otherwise costs ~25 s
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest
+import torch
 
 import hf_linear_attn  # noqa: F401  (registers the Auto classes)
 from helpers import CORPUS, REPO_ROOT, TINY, WIKITEXT
 
 sys.path.insert(0, str(REPO_ROOT / "scripts"))  # the scripts' helpers are tested as users run them
+
+# Devices the math tests run on: the CPU always, CUDA where there is one (scripts/gpu_check.sh runs `-k cuda`).
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture(params=DEVICES)
+def on_each_device(request):
+    """Run the test once per device with that device as torch's default, so every tensor and module the test
+    makes (and the library makes for it) lives there; the float64 references too. Test ids end in [cpu] / [cuda]."""
+    torch.set_default_device(request.param)
+    try:
+        yield torch.device(request.param)
+    finally:
+        torch.set_default_device("cpu")
 
 
 @pytest.fixture(scope="session")

@@ -81,10 +81,15 @@ def random_ids(batch, n, vocab=TINY["vocab_size"], seed=0):
     return torch.randint(5, vocab, (batch, n), generator=g)
 
 
+def draw(generator: torch.Generator, *shape, dtype=torch.float32) -> torch.Tensor:
+    """torch.randn from a (CPU) generator, moved to the default device: the same numbers on every device."""
+    return torch.randn(*shape, generator=generator, device=generator.device).to(torch.get_default_device(), dtype)
+
+
 def qkv(b=2, h=3, n=10, d=8, seed=0, dtype=torch.float32):
-    """Random queries, keys and values (b, h, n, d)."""
+    """Random queries, keys and values (b, h, n, d), on the default device."""
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(b, h, n, d, generator=g, dtype=dtype) for _ in range(3)]
+    return [draw(g, b, h, n, d, dtype=dtype) for _ in range(3)]
 
 
 # Every Auto class an encoder checkpoint must open with.

@@ -6,12 +6,14 @@ import socket
 
 import pytest
 import torch
-from helpers import qkv
+from helpers import draw, qkv
 import torch.multiprocessing as mp
 
 from hf_linear_attn.feature_maps import FavorFeatureMap, build_feature_map
 from hf_linear_attn.linear_attention import bidirectional_linear_attention, linear_attention_weights
 from hf_linear_attn.linformer_projection import linformer_attention, project_sequence
+
+pytestmark = pytest.mark.usefixtures("on_each_device")  # every test here on the CPU and on CUDA
 
 
 def softmax_attention(q, k, v, key_mask=None):
@@ -44,10 +46,10 @@ def test_linformer_with_identity_projection_equals_softmax_attention():
 @pytest.mark.parametrize("layout", ["contiguous", "head-split view"])
 def test_linformer_projection_slices_first_columns_and_drops_pads(matrices, layout):
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(2, 3, 5, 4, generator=g)
+    x = draw(g, 2, 3, 5, 4)
     if layout == "head-split view":  # as the models make it: (B, n, H * d) -> (B, H, n, d) without a copy
         x = x.transpose(1, 2).contiguous().transpose(1, 2)
-    e = torch.randn(matrices, 7, 9, generator=g)  # max length 9
+    e = draw(g, matrices, 7, 9)  # max length 9
     mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]], dtype=torch.bool)
     x[1, :, 3:] = float("nan")  # pad rows must not leak, even as NaN
     for key_mask, real in ((mask, (5, 3)), (None, (5, 5))):
@@ -161,7 +163,7 @@ def test_favor_pair_equals_its_exact_estimator_whatever_the_norms(scale):
 def test_accumulation_is_float32_under_bf16():
     q, k, v = qkv(b=1, h=2, n=4096, d=16, dtype=torch.bfloat16)
     phi = build_feature_map("elu", 2, 16)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(torch.get_default_device().type, dtype=torch.bfloat16):
         out = bidirectional_linear_attention(phi(q, True), phi(k, False), v)
     assert out.dtype == torch.bfloat16
     reference = quadratic_reference(phi(q, True), phi(k, False), v, None, 1e-6).to(torch.bfloat16)

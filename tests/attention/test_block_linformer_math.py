@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from helpers import qkv
+from helpers import draw, qkv
 
 from hf_linear_attn.block_linformer import (
     block_linformer_step,
@@ -10,6 +10,8 @@ from hf_linear_attn.block_linformer import (
     empty_block_linformer_state,
 )
 from hf_linear_attn.linformer_projection import project_sequence
+
+pytestmark = pytest.mark.usefixtures("on_each_device")  # every test here on the CPU and on CUDA
 
 
 def per_token_reference(q, k, v, key_projection, value_projection, b):
@@ -29,7 +31,7 @@ def per_token_reference(q, k, v, key_projection, value_projection, b):
 
 def projections(heads, k, b, seed=1):
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(heads, k, b, generator=g) / b**0.5, torch.randn(1, k, b, generator=g) / b**0.5
+    return draw(g, heads, k, b) / b**0.5, draw(g, 1, k, b) / b**0.5
 
 
 @pytest.mark.parametrize("n, b, k", [(24, 8, 4), (21, 8, 4), (5, 8, 3), (17, 1, 1), (30, 6, 6)])
@@ -107,7 +109,7 @@ def test_prefill_then_steps_equal_one_pass_with_staggered_left_padding():
 def test_steps_from_an_empty_state_equal_one_pass():
     q, k, v = qkv(n=19)
     e, f = projections(3, 2, 4)
-    state = empty_block_linformer_state(2, 3, 8, 2, 4, torch.float32, "cpu")
+    state = empty_block_linformer_state(2, 3, 8, 2, 4, torch.float32, torch.get_default_device())
     outputs = []
     for t in range(19):
         y, state = block_linformer_step(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], state, e, f)

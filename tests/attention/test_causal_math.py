@@ -2,10 +2,12 @@
 
 import pytest
 import torch
-from helpers import qkv
+from helpers import draw, qkv
 
 from hf_linear_attn.feature_maps import build_feature_map
 from hf_linear_attn.linear_attention import causal_linear_attention, recurrent_linear_attention_step
+
+pytestmark = pytest.mark.usefixtures("on_each_device")  # every test here on the CPU and on CUDA
 
 
 def causal_quadratic_reference(phi_q, phi_k, v, eps):
@@ -123,7 +125,7 @@ def test_prefill_then_recurrent_steps_equal_one_full_pass():
 def test_causal_form_accumulates_in_float32_under_bf16():
     phi = build_feature_map("elu", 2, 16)
     q, k, v = qkv(b=1, h=2, n=2048, d=16, dtype=torch.bfloat16)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(torch.get_default_device().type, dtype=torch.bfloat16):
         out, (s, z) = causal_linear_attention(phi(q, True), phi(k, False), v, chunk_size=64)
     assert out.dtype == torch.bfloat16 and s.dtype == torch.float32 and z.dtype == torch.float32
     ref = causal_quadratic_reference(phi(q, True), phi(k, False), v, 1e-6).to(torch.bfloat16)
@@ -134,9 +136,9 @@ def test_causal_form_accumulates_in_float32_under_bf16():
 
 def _bf16_features(b, h, n, m, seed):
     g = torch.Generator().manual_seed(seed)
-    phi_q = (torch.nn.functional.elu(torch.randn(b, h, n, m, generator=g)) + 1).bfloat16()
-    phi_k = (torch.nn.functional.elu(torch.randn(b, h, n, m, generator=g)) + 1).bfloat16()
-    return phi_q, phi_k, torch.randn(b, h, n, m, generator=g).bfloat16()
+    phi_q = (torch.nn.functional.elu(draw(g, b, h, n, m)) + 1).bfloat16()
+    phi_k = (torch.nn.functional.elu(draw(g, b, h, n, m)) + 1).bfloat16()
+    return phi_q, phi_k, draw(g, b, h, n, m).bfloat16()
 
 
 def _relative(got, want):
@@ -199,13 +201,29 @@ def test_bidirectional_bf16_compute_path_against_float64():
     assert _relative(out, ref) <= _relative(full, ref) + BF16_ROUNDING
 
 
+@pytest.mark.parametrize("native", [False, True])
+def test_auto_precision_takes_the_bf16_path_exactly_where_bf16_is_native(monkeypatch, native):
+    """"auto" on bf16 inputs: the bf16 compute path on a device with native bf16 products (CUDA, AVX512-BF16 / AMX
+    CPUs), the float32 path elsewhere (an AVX2 CPU would emulate every bf16 product); explicit choices are kept."""
+    import hf_linear_attn.linear_attention as la
+
+    monkeypatch.setattr(la, "native_bf16", lambda device_type: native)
+    phi_q, phi_k, v = _bf16_features(1, 2, 200, 8, seed=6)
+    kw = dict(chunk_size=64, form="scan")
+    auto, (s_auto, _) = causal_linear_attention(phi_q, phi_k, v, **kw)
+    bf16, (s_bf16, _) = causal_linear_attention(phi_q, phi_k, v, precision="bfloat16", **kw)
+    f32, (s_f32, _) = causal_linear_attention(phi_q, phi_k, v, precision="float32", **kw)
+    assert not torch.equal(s_bf16, s_f32)  # the two paths differ, so the comparison below can tell them apart
+    assert torch.equal(s_auto, s_bf16 if native else s_f32) and torch.equal(auto, bf16 if native else f32)
+    both = (phi_q.float(), phi_k.float(), v.float())  # float32 inputs: the float32 path whatever the device
+    assert torch.equal(causal_linear_attention(*both, **kw)[0], causal_linear_attention(*both, precision="float32",
+                                                                                         **kw)[0])
+
+
 def test_auto_precision_and_form_follow_the_device_and_the_table():
     from hf_linear_attn.linear_attention import CAUSAL_FORM_TABLE, choose_causal_form, native_bf16
 
     phi_q, phi_k, v = _bf16_features(1, 2, 200, 8, seed=6)
-    auto, _ = causal_linear_attention(phi_q, phi_k, v, chunk_size=64)
-    same, _ = causal_linear_attention(phi_q, phi_k, v, chunk_size=64, precision="float32")
-    assert torch.equal(auto, same)  # auto = the float32 path until the bf16 one is measured where it is native
     assert isinstance(native_bf16("cpu"), bool)
     for (device, bf16, grad), rows in CAUSAL_FORM_TABLE.items():
         assert [r[0] for r in rows] == sorted(r[0] for r in rows) and rows[0][0] == 0
@@ -223,6 +241,94 @@ def test_auto_form_is_chosen_by_batch_times_heads_times_length(monkeypatch):
     monkeypatch.setattr(la, "choose_causal_form", lambda *args: asked.append(args) or ("scan", 16))
     phi_q, phi_k, v = (torch.rand(3, 2, 40, 8) + 0.1 for _ in range(3))
     out, _ = la.causal_linear_attention(phi_q, phi_k, v)
-    assert asked == [("cpu", False, 3 * 2 * 40, False)]
+    assert asked == [(torch.get_default_device().type, False, 3 * 2 * 40, False)]
     ref, _ = la.causal_linear_attention(phi_q, phi_k, v, form="parallel", chunk_size=64)
     torch.testing.assert_close(out, ref)  # every form computes the same function
+
+
+# ------------------------------------------- flash-linear-attention's Triton kernel as the CUDA form (issue 40)
+
+def _fla_stand_in(calls):
+    """A stand-in for fla.ops.linear_attn.chunk_linear_attn with its interface ((B, T, H, K) layout, scale,
+    initial_state, output_final_state, normalize), computed by this package's parallel form: the dispatch (layouts,
+    state, masking, normaliser) is tested wherever the real kernel cannot run."""
+    import hf_linear_attn.linear_attention as la
+
+    def kernel(q, k, v, scale=None, initial_state=None, output_final_state=False, normalize=True):
+        calls.append(dict(shape=tuple(q.shape), scale=scale, normalize=normalize, dtype=q.dtype,
+                          state_dtype=initial_state.dtype, keys=k.detach().clone(), values=v.detach().clone()))
+        out, s_n = la._chunkwise_parallel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), initial_state, 16)
+        return out.transpose(1, 2).to(v.dtype), (s_n if output_final_state else None)
+
+    return kernel
+
+
+def test_auto_dispatches_the_bf16_path_to_the_fla_kernel_with_our_masking_and_normaliser(monkeypatch):
+    """Where fla's kernel can run, "auto" gives it the bf16 path's numerator: features in (B, T, H, K), scale 1, no
+    normalisation of its own, pads already zeroed in phi(K) and V, the float32 state in and out; the result equals the
+    torch forms of the same path, values, state and gradients, also continuing from a state."""
+    import hf_linear_attn.linear_attention as la
+
+    calls = []
+    monkeypatch.setattr(la, "fla_chunk_kernel", lambda device_type: _fla_stand_in(calls))
+    phi_q, phi_k, v = _bf16_features(2, 3, 45, 8, seed=7)
+    mask = torch.ones(2, 45, dtype=torch.bool)
+    mask[1, :6] = False  # left padding
+    s0, z0 = torch.rand(2, 3, 8, 8), torch.rand(2, 3, 8)
+    leaves = [t.clone().requires_grad_(True) for t in (phi_q, phi_k, v)]
+    out, (s, z) = causal_linear_attention(*leaves, key_mask=mask, state=(s0, z0), precision="bfloat16")
+    assert len(calls) == 1
+    call = calls[0]
+    assert call["shape"] == (2, 45, 3, 8) and call["scale"] == 1.0 and call["normalize"] is False
+    assert call["dtype"] == torch.bfloat16 and call["state_dtype"] == torch.float32
+    assert not call["keys"][1, :6].any() and not call["values"][1, :6].any()  # pads zeroed before the kernel
+    torch_leaves = [t.detach().clone().requires_grad_(True) for t in leaves]
+    ref, (s_ref, z_ref) = causal_linear_attention(*torch_leaves, key_mask=mask, state=(s0, z0), precision="bfloat16",
+                                                  form="parallel", chunk_size=16)
+    assert _relative(out, ref.double()) < BF16_ROUNDING  # the stand-in rounds the numerator to bf16 once, as fla does
+    torch.testing.assert_close(s, s_ref)
+    torch.testing.assert_close(z, z_ref)
+    g = torch.randn_like(out, dtype=torch.float32)
+    got = torch.autograd.grad((out.float() * g).sum() + s.sum(), leaves)
+    want = torch.autograd.grad((ref.float() * g).sum() + s_ref.sum(), torch_leaves)
+    for a, b in zip(got, want):
+        assert _relative(a, b.double()) < 2 * BF16_ROUNDING
+    # float32 inputs never go to fla (its float32 dots may run in tf32); neither does an explicit torch form
+    causal_linear_attention(phi_q.float(), phi_k.float(), v.float())
+    causal_linear_attention(phi_q, phi_k, v, precision="bfloat16", form="scan")
+    assert len(calls) == 1
+
+
+def test_the_fla_form_refuses_what_it_cannot_compute():
+    phi_q, phi_k, v = _bf16_features(1, 2, 16, 8, seed=8)
+    with pytest.raises(ValueError, match="bf16 path only"):
+        causal_linear_attention(phi_q.float(), phi_k.float(), v.float(), form="fla")
+    if torch.get_default_device().type != "cuda":
+        with pytest.raises(ValueError, match="on a CUDA device"):
+            causal_linear_attention(phi_q, phi_k, v, form="fla", precision="bfloat16")
+
+
+def test_the_real_fla_kernel_equals_the_torch_forms_against_float64():
+    """On CUDA with fla installed: fla's Triton chunk kernel, as dispatched, against float64 and the torch forms of
+    the bf16 path (values within the torch form's error plus bf16 rounding; state within bf16 rounding; gradients)."""
+    import hf_linear_attn.linear_attention as la
+
+    if la.fla_chunk_kernel(torch.get_default_device().type) is None:
+        pytest.skip("needs CUDA and flash-linear-attention (the 'fla' extra): scripts/gpu_check.sh runs it")
+    phi_q, phi_k, v = _bf16_features(2, 4, 1000, 64, seed=9)
+    mask = torch.ones(2, 1000, dtype=torch.bool)
+    mask[0, :37] = False
+    s0, z0 = torch.rand(2, 4, 64, 64), torch.rand(2, 4, 64)
+    leaves = [t.clone().requires_grad_(True) for t in (phi_q, phi_k, v)]
+    out, (s, z) = causal_linear_attention(*leaves, key_mask=mask, state=(s0, z0))  # auto: fla
+    exact = [t.detach().double().requires_grad_(True) for t in leaves]
+    ref, (s_ref, z_ref) = causal_linear_attention(*exact, key_mask=mask, state=(s0.double(), z0.double()))
+    torch_out, (torch_s, _) = causal_linear_attention(*(t.detach() for t in leaves), key_mask=mask, state=(s0, z0),
+                                                      form="scan", chunk_size=64)
+    assert _relative(out, ref) <= _relative(torch_out, ref) + BF16_ROUNDING
+    assert _relative(s, s_ref) < BF16_ROUNDING and _relative(z, z_ref) < 1e-6
+    g = torch.randn_like(out, dtype=torch.float32)
+    got = torch.autograd.grad((out.float() * g).sum(), leaves)
+    want = torch.autograd.grad((ref * g.double()).sum(), exact)
+    for a, b in zip(got, want):
+        assert _relative(a, b) < 2e-2
