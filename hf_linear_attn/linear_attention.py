@@ -304,7 +304,7 @@ def _causal_bf16(phi_q, phi_k, v, key_mask, eps, c, state, form):
 
     Numerator tril(phi(Q) phi(K)^T) V + phi(Q) S_0: bf16 products, float32 state and output. Normaliser
     phi(q_t) . (z_0 + sum_{j<=t} phi(k_j)): a float32 prefix sum and a float32 dot product (O(n m), a few percent of
-    the time), so its error is float32's, not bf16's.
+    the time; :func:`_float32_normaliser`), so its error is float32's, not bf16's.
     """
     batch, heads, n, m = phi_q.shape
     d_v = v.shape[-1]
@@ -323,10 +323,39 @@ def _causal_bf16(phi_q, phi_k, v, key_mask, eps, c, state, form):
         numerator, s_n = _prefix_sum_form(phi_q, phi_k, v, s0)
     else:
         numerator, s_n = _chunkwise_parallel(phi_q, phi_k, v, s0, c)
-    z_t = torch.cumsum(phi_k.float(), dim=2) + z0  # (B, H, n, m) float32
-    normaliser = (phi_q.float() * z_t).sum(-1, keepdim=True)
+    normaliser, z_n = _float32_normaliser(phi_q, phi_k, z0.squeeze(2), c)
     y = numerator / (normaliser + eps)
-    return y.to(v.dtype), (s_n, z_t[:, :, -1] if n else z0.squeeze(2))
+    return y.to(v.dtype), (s_n, z_n)
+
+
+def _float32_normaliser(phi_q, phi_k, z0, c: int):
+    """phi(q_t) . (z_0 + sum_{j<=t} phi(k_j)) in float32 (B, H, n, 1), and z_n (B, H, m): a prefix sum in two levels.
+
+    One torch.cumsum over the n axis is a sequential walk along the sequence per (batch, head, feature) column on a
+    GPU: measured on an H200 at B 4, H 12, n 65,536, m 64, it took ~25 ms of a 31 ms call, against 4 ms for fla's
+    whole kernel. Here the scans are short: inside chunks of C (parallel over every chunk) and over the n / C chunk
+    sums, the latter along the last axis (the fast, block-parallel scan). The chunk prefix is an exclusive sum built
+    directly, never an inclusive sum minus the chunk's own (which would cancel when one chunk dwarfs the earlier ones).
+    """
+    batch, heads, n, m = phi_q.shape
+    if c is None:  # torch.export's prefix-sum form: shapes linear in n, no chunk count (see causal_linear_attention)
+        z_t = torch.cumsum(phi_k.float(), dim=2) + z0.float().unsqueeze(2)
+        return (phi_q.float() * z_t).sum(-1, keepdim=True), z_t[:, :, -1]
+    if n == 0:
+        return phi_q.new_zeros(batch, heads, 0, 1, dtype=torch.float32), z0.float()
+    padded = -n % c
+    q, k = phi_q.float(), phi_k.float()
+    if padded:  # zero keys add nothing; the padded query rows are dropped at the end
+        q, k = (torch.nn.functional.pad(t, (0, 0, 0, padded)) for t in (q, k))
+    chunks = (n + padded) // c
+    q_c, k_c = q.view(batch, heads, chunks, c, m), k.view(batch, heads, chunks, c, m)
+    within = torch.cumsum(k_c, dim=3)  # (B, H, N, C, m): prefix sums inside each chunk
+    totals = within[:, :, :, -1]  # (B, H, N, m)
+    before = torch.cat([z0.float().unsqueeze(2), totals[:, :, :-1]], dim=2)  # z_0, then each chunk's own sum
+    before = torch.cumsum(before.transpose(2, 3).contiguous(), dim=3).transpose(2, 3)  # what precedes each chunk
+    normaliser = (q_c * (within + before.unsqueeze(3))).sum(-1)  # (B, H, N, C)
+    z_n = before[:, :, -1] + totals[:, :, -1]
+    return normaliser.reshape(batch, heads, -1)[:, :, :n, None], z_n
 
 
 @functools.lru_cache(maxsize=None)

@@ -171,8 +171,11 @@ class LinearAttentionStateLayer(RecurrentStateLayer):
     prefix of them is S + phi(K)^T V, z + sum phi(K), in float32 as the decoder accumulates it.
     """
 
-    # Fixed shapes: a compiled decoding step does not see the state change shape.
-    is_compileable = True
+    # Not for generate()'s automatic compilation: on CUDA it compiles the decoding step with CUDA graphs, whose
+    # outputs are overwritten by the next replay, and this layer keeps the step's output state until the next step
+    # (seen on an H200: "accessing tensor output of CUDAGraphs that has been overwritten by a subsequent run").
+    # The compiled and exported step is the explicit-state forward instead (docs/deployment.md).
+    is_compileable = False
     tail_token_dims = (2, 2)
 
     def _replay(self, state, tail):

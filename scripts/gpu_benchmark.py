@@ -49,6 +49,11 @@ PRESETS = {
                                3072: {"gpt2": [512], "linear_gpt2": [16384]}},
                 decoder_dims=GPT2_SMALL, linformer_block=256, train_batch=8, train_n=4096,
                 decode_batches=[1, 16, 64, 256], decode_context=4096, decode_steps=32),
+    # a short second call: the kernel rows and linear_gpt2's image rows again (after a fix)
+    "gpu-recheck": dict(kernel_n=[4096, 65536], kernel_batch=4, kernel_heads=12, kernel_head_dim=64,
+                        kernel_forms=[("parallel", 64)], image_lengths={784: 8, 3072: 16},
+                        image_dims=dict(n_embd=256, n_head=8, n_inner=1024),
+                        image_batches={784: {"linear_gpt2": [4096, 16384]}, 3072: {"linear_gpt2": [16384]}}),
     # a seconds-long run of every code path (CPU or GPU): what the tests run
     "smoke": dict(kernel_n=[64, 128], kernel_batch=1, kernel_heads=2, kernel_head_dim=16, encoder_n=[64],
                   encoder_dims=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
@@ -141,13 +146,13 @@ def machine(device, preset):
 
 # --------------------------------------------------------------------------------------------------------- kernel
 
-def kernel_methods(device):
+def kernel_methods(device, forms=(("parallel", 64), ("parallel", 128), ("scan", 64))):
     """name -> fn(phi_q, phi_k, v, q, k) -> output, the inputs in (B, H, n, d) except where the method's own layout
     is prepared for it outside the timed call (fla's (B, T, H, K))."""
     from hf_linear_attn.linear_attention import causal_linear_attention, fla_chunk_kernel
 
     methods = {"ours: default (auto)": lambda a, b, c, **_: causal_linear_attention(a, b, c)[0]}
-    for form, chunk in (("parallel", 64), ("parallel", 128), ("scan", 64)):
+    for form, chunk in forms:
         methods[f"ours: torch {form} C{chunk}"] = (
             lambda f, ch: lambda a, b, c, **_: causal_linear_attention(a, b, c, form=f, chunk_size=ch,
                                                                        precision="bfloat16")[0])(form, chunk)
@@ -174,7 +179,7 @@ def kernel(device, preset):
     from hf_linear_attn.linear_attention import causal_linear_attention
 
     rows = []
-    methods = kernel_methods(device)
+    methods = kernel_methods(device, *([preset["kernel_forms"]] if "kernel_forms" in preset else []))
     batch, heads, head_dim = preset["kernel_batch"], preset["kernel_heads"], preset["kernel_head_dim"]
     for n in preset["kernel_n"]:
         g = torch.Generator(device=device).manual_seed(n)
@@ -287,7 +292,7 @@ def decoder(name, device, n_positions, dtype=torch.bfloat16, **dims):
 
 def images(device, preset, deadline):
     for n, layers in preset["image_lengths"].items():
-        for name in ("gpt2", "linear_gpt2"):
+        for name in preset["image_batches"][n]:
             row = {"section": "images", "n": n, "model": name, "layers": layers, **preset["image_dims"], "runs": []}
             model = decoder(name, device, n, vocab_size=256, **preset["image_dims"], n_layer=layers,
                             bos_token_id=None, eos_token_id=None, pad_token_id=0)
