@@ -7,7 +7,7 @@ One fresh process per (batch, dtype, forward or training, n) times, side by side
 :data:`~hf_linear_attn.linear_attention.CAUSAL_FORM_TABLE` picks today. Shapes are the kernel rows' (H 12, d 64,
 feature map elu + 1 timed with the linear forms, since a layer pays for it), at batch 1 and 16. Training = forward +
 backward of a fixed cotangent. bfloat16 is measured where the hardware computes it natively (``--dtype bfloat16``
-forces it); there the linear forms run twice, with float32 products (``precision="auto"``) and with bf16 products
+forces it); there the linear forms run twice, with float32 products (``precision="float32"``) and with bf16 products
 (``precision="bfloat16"``).
 
 Reported in results.md:
@@ -120,7 +120,7 @@ def measure(spec: dict, device: str) -> dict:
             return causal_linear_attention(elu1(q), elu1(k), v, chunk_size=chunk, form=form, precision=precision)[0]
         return fn
 
-    precisions = ["auto"] + (["bfloat16"] if dtype == torch.bfloat16 else [])
+    precisions = ["float32"] + (["bfloat16"] if dtype == torch.bfloat16 else [])
     candidates = {}
     if spec.get("softmax_settled_since") is None:
         candidates[SOFTMAX] = softmax

@@ -1,0 +1,88 @@
+"""The GPU check prepared on the CPU (issue 40): the benchmark's every code path on its smoke preset, its report, its
+argument handling, and the shell script's refusals, so that a lent GPU's minutes go to measuring."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from helpers import REPO_ROOT
+
+SCRIPT = REPO_ROOT / "scripts" / "gpu_benchmark.py"
+
+
+def run(*args, env=None, script=SCRIPT):
+    command = ["bash", str(script), *args] if str(script).endswith(".sh") else [sys.executable, str(script), *args]
+    return subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT, env=env, timeout=900)
+
+
+@pytest.mark.slow
+def test_smoke_preset_runs_every_section_and_renders_every_table(tmp_path):
+    result = run("--preset", "smoke", "--device", "cpu", "--output_dir", str(tmp_path))
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads((tmp_path / "results.json").read_text())
+    sections = [r["section"] for r in data["records"]]
+    assert sections[0] == "machine" and not [r for r in data["records"] if r.get("skipped")], data["records"]
+    kernel = [r for r in data["records"] if r["section"] == "kernel"]
+    assert {r["mode"] for r in kernel} == {"fwd", "fwd+bwd"}
+    for row in kernel:
+        assert not row["failed"] and all(s > 0 for s in row["seconds"].values())
+    # the default path and every torch form compute the same function: one error against float64, bf16-sized
+    errors = next(r["errors"] for r in kernel if r["errors"])
+    assert errors and all(1e-4 < e < 2e-2 for e in errors.values()), errors
+    encoder = [r for r in data["records"] if r["section"] == "encoder"]
+    assert encoder and all(len(r["seconds"]) == 3 and not r["failed"] for r in encoder)
+    images = [r for r in data["records"] if r["section"] == "images"]
+    assert {r["model"] for r in images} == {"gpt2", "linear_gpt2"}
+    assert all(r.get("images_per_second", 0) > 0 for r in images), images
+    decode = [r for r in data["records"] if r["section"] == "decode"]
+    assert decode and all(r.get("tokens_per_second", 0) > 0 and r["cache_bytes"] > 0 for r in decode), decode
+    # the recurrent state is the same size at every batch's context; GPT-2's cache grows with the batch
+    linear = {r["batch"]: r["cache_bytes"] for r in decode if r["model"] == "linear_gpt2"}
+    assert linear[2] == 2 * linear[1]
+    train = next(r for r in data["records"] if r["section"] == "train")
+    assert set(train["seconds"]) == {"gpt2", "linear_gpt2", "linformer_gpt2"} and not train["failed"]
+    report = (tmp_path / "results.md").read_text()
+    for heading in ("Causal attention kernel", "Encoder forward", "Image generation", "Training step", "Decoding"):
+        assert heading in report
+    # the report re-renders from its records alone, byte for byte
+    before = report
+    (tmp_path / "results.md").unlink()
+    assert run("--output_dir", str(tmp_path), "--report_only").returncode == 0
+    assert (tmp_path / "results.md").read_text() == before
+
+
+def test_a_deadline_keeps_what_was_measured_and_names_what_was_not_run(tmp_path):
+    result = run("--preset", "smoke", "--device", "cpu", "--output_dir", str(tmp_path), "--deadline_s", "0",
+                 "--sections", "machine,kernel")
+    assert result.returncode == 0, result.stderr[-2000:]
+    records = json.loads((tmp_path / "results.json").read_text())["records"]
+    assert [r.get("skipped", "").split(" ")[0:2] for r in records] == [["the", "run's"], ["the", "run's"]]
+    assert "Section kernel not run: the run's 0 s deadline had passed" in (tmp_path / "results.md").read_text()
+
+
+def test_bad_arguments_are_refused_with_the_fix(tmp_path):
+    result = run("--output_dir", str(tmp_path), "--sections", "kernel,warp_speed", "--device", "cpu")
+    assert result.returncode == 2 and "unknown section(s) warp_speed; choose from machine" in result.stderr
+    import torch
+
+    if not torch.cuda.is_available():
+        result = run("--output_dir", str(tmp_path), "--device", "cuda")
+        assert result.returncode == 2 and "torch sees no CUDA device here" in result.stderr
+
+
+def test_the_shell_script_refuses_a_machine_without_cuda_and_names_the_cpu_commands(tmp_path):
+    import os
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the script would run")
+    # the script's python3 must be one with torch: the test's own interpreter first on PATH
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"}
+    (tmp_path / "python3").symlink_to(sys.executable)
+    result = run(str(tmp_path / "out"), env=env, script=REPO_ROOT / "scripts" / "gpu_check.sh")
+    assert result.returncode == 2
+    assert "torch sees no CUDA device here" in result.stderr and "scripts/test.sh" in result.stderr
+    help_text = run("--help", script=REPO_ROOT / "scripts" / "gpu_check.sh").stdout
+    assert "--download" in help_text and "/tmp/site" in help_text
