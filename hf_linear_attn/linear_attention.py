@@ -159,13 +159,21 @@ class _CausalLinearAttentionScan(torch.autograd.Function):
 # parallel C=64 (autograd's backward) beats scan C=64 (the hand-written backward) on small calls, 1.05-1.35x at
 # batch 1 up to n 2,048 (1.19x at n 1,024) and 1.05-1.11x at batch 16 up to n 256; from batch 16 x n 1,024
 # (196,608 positions) the scan wins by 1.4-1.6x, and at batch 1 from n 4,096 by 1.05-1.17x. The boundary at 65,536
-# positions sits between. Not measured yet: bf16 products (no CPU with native bf16 here) and GPUs: those rows are
-# the earlier fixed choices (scan on CPU, parallel on GPUs). Fill them from the same suite on the machine in question.
+# positions sits between.
+# CPU bf16 products, from a grid on a 2-core Zen 5 EPYC with AVX512-BF16 (2026-11-26, idle cores; the same forms x
+# chunks at H 12, d 64, batch 1 and 16, n 512-4,096; kept in the team's shared measurements as bf16-forms-zen5.md,
+# to be replaced by this repository's crossover suite run with --dtype bfloat16 on such a machine). Forward: scan
+# C=128 up to batch 1 x n 1,024, parallel C=128 at n 2,048 and C=256 at n 4,096 (19.3 ms against 30-47 for the
+# rest), and from batch 16 the scan C=64 (at n >= 2,048 twice as fast as any parallel form). Forward + backward:
+# parallel C=64 on the smallest calls, C=128 from batch 1 x n 1,024 (at n 4,096 45.3 ms, fla's torch chunk form
+# 62.4, the float32 path 80.0), the scan C=64 from batch 16 x n 2,048 (393,216 positions: 967 ms against 1,259).
+# GPUs: fla's Triton kernel where installed (see causal_linear_attention), else these "cuda" rows, the earlier fixed
+# choice; not measured yet.
 CAUSAL_FORM_TABLE: dict[tuple[str, bool, bool], list[tuple[int, str, int]]] = {
     ("cpu", False, False): [(0, "scan", 64)],
     ("cpu", False, True): [(0, "parallel", 64), (65536, "scan", 64)],
-    ("cpu", True, False): [(0, "scan", 64)],
-    ("cpu", True, True): [(0, "scan", 64)],
+    ("cpu", True, False): [(0, "scan", 128), (24576, "parallel", 128), (49152, "parallel", 256), (98304, "scan", 64)],
+    ("cpu", True, True): [(0, "parallel", 64), (12288, "parallel", 128), (393216, "scan", 64)],
     ("cuda", False, False): [(0, "parallel", 64)],
     ("cuda", False, True): [(0, "parallel", 64)],
     ("cuda", True, False): [(0, "parallel", 64)],
