@@ -336,6 +336,18 @@ class GPT2StyleModel(GPT2StylePreTrainedModel):
         )
 
 
+def check_compile_config(config) -> None:
+    """Refuse a generate() compile config that would capture the decoding step in CUDA graphs (see
+    ``GPT2StyleForCausalLM._valid_auto_compile_criteria``), naming the fix."""
+    options = config.options or {}
+    if config.mode in ("reduce-overhead", "max-autotune") or options.get("triton.cudagraphs"):
+        raise ValueError(
+            f"CompileConfig(mode={config.mode!r}) captures the decoding step in CUDA graphs, whose next replay "
+            "overwrites the recurrent state this model's cache keeps between steps. Pass "
+            "CompileConfig(mode='default') (or 'max-autotune-no-cudagraphs') to compile without them."
+        )
+
+
 class GPT2StyleForCausalLM(GPT2StylePreTrainedModel, GenerationMixin):
     """Decoder with GPT-2's language-model head, tied to the token embeddings; generates with a recurrent cache."""
 
@@ -378,6 +390,23 @@ class GPT2StyleForCausalLM(GPT2StylePreTrainedModel, GenerationMixin):
         inputs.pop("position_ids", None)
         accepted = self._forward_parameters()
         return {name: value for name, value in inputs.items() if name in accepted}
+
+    def _valid_auto_compile_criteria(self, model_kwargs, generation_config) -> bool:
+        """Compile generate()'s decoding step only when asked (``compile_config``), never by default, and never with
+        CUDA graphs.
+
+        Transformers compiles the step on its own for a compileable cache on CUDA, with CUDA graphs ("reduce-overhead"):
+        each replay writes its outputs into the same memory, and these caches keep a step's output state until the
+        next step, which the replay has then overwritten (seen on an H200: "accessing tensor output of CUDAGraphs that
+        has been overwritten by a subsequent run"). Asked for explicitly, compilation runs as the config says, except
+        CUDA graphs on CUDA, refused with the fix.
+        """
+        config = generation_config.compile_config
+        if config is None:
+            return False
+        if self.device.type == "cuda":
+            check_compile_config(config)
+        return super()._valid_auto_compile_criteria(model_kwargs, generation_config)
 
     def create_masks_for_generate(self, attention_mask=None, **kwargs):
         """The 2-D padding mask as it is: these decoders are causal by construction and take no 4-D mask (generate()

@@ -171,11 +171,9 @@ class LinearAttentionStateLayer(RecurrentStateLayer):
     prefix of them is S + phi(K)^T V, z + sum phi(K), in float32 as the decoder accumulates it.
     """
 
-    # Not for generate()'s automatic compilation: on CUDA it compiles the decoding step with CUDA graphs, whose
-    # outputs are overwritten by the next replay, and this layer keeps the step's output state until the next step
-    # (seen on an H200: "accessing tensor output of CUDAGraphs that has been overwritten by a subsequent run").
-    # The compiled and exported step is the explicit-state forward instead (docs/deployment.md).
-    is_compileable = False
+    # Fixed shapes: a compiled decoding step does not see the state change shape. generate() compiles it only when
+    # asked, and never with CUDA graphs (GPT2StyleForCausalLM._valid_auto_compile_criteria says why).
+    is_compileable = True
     tail_token_dims = (2, 2)
 
     def _replay(self, state, tail):

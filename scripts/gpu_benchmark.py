@@ -151,7 +151,11 @@ def kernel_methods(device, forms=(("parallel", 64), ("parallel", 128), ("scan", 
     is prepared for it outside the timed call (fla's (B, T, H, K))."""
     from hf_linear_attn.linear_attention import causal_linear_attention, fla_chunk_kernel
 
-    methods = {"ours: default (auto)": lambda a, b, c, **_: causal_linear_attention(a, b, c)[0]}
+    methods = {"ours: default (auto)": lambda a, b, c, **_: causal_linear_attention(a, b, c)[0],
+               # the layout the models hand over: (B, H, n, d) views of (B, n, H, d) projections, which is fla's own
+               # layout, so the dispatch's transposes copy nothing
+               "ours: default, model layout": lambda a, b, c, fla_inputs, **_: causal_linear_attention(
+                   *(x.transpose(1, 2) for x in fla_inputs))[0]}
     for form, chunk in forms:
         methods[f"ours: torch {form} C{chunk}"] = (
             lambda f, ch: lambda a, b, c, **_: causal_linear_attention(a, b, c, form=f, chunk_size=ch,

@@ -7,20 +7,30 @@ from transformers import CompileConfig, GenerationConfig
 
 
 @pytest.mark.parametrize("variant", ["linear-elu", "linformer-headwise"])
-def test_generate_does_not_compile_the_recurrent_decoders_with_cuda_graphs(variant):
-    """On CUDA, generate() compiles the decoding step of a model whose cache says it is compileable, with CUDA
-    graphs, whose outputs the next replay overwrites; these caches keep the step's output state, so an H200 run
-    failed with "accessing tensor output of CUDAGraphs that has been overwritten". The decision is transformers'
-    own, checked here as it would be taken on any device."""
+def test_generate_compiles_the_recurrent_decoders_only_when_asked_and_never_with_cuda_graphs(variant, monkeypatch):
+    """On CUDA, transformers compiles the decoding step by itself for a compileable cache, with CUDA graphs, whose next
+    replay overwrites the state these caches keep between steps (an H200 run failed with "accessing tensor output of
+    CUDAGraphs that has been overwritten"). Here: no compile_config, no compilation, even where transformers' own
+    rule would say yes (as it does on CUDA); on CUDA a CUDA-graph mode is refused with the fix; generate() runs."""
+    from transformers import GenerationMixin
+
+    from hf_linear_attn.modeling_gpt2_style import check_compile_config
+
     model = causal_lm(variant)
-    config = GenerationConfig(compile_config=CompileConfig())
-    config.compile_config._compile_all_devices = True  # what a CUDA device would get without asking
     cache = model.transformer.new_cache()
-    assert not model._valid_auto_compile_criteria({"past_key_values": cache}, config)
-    # and generate() still runs, eagerly, with that request
+    monkeypatch.setattr(GenerationMixin, "_valid_auto_compile_criteria", lambda self, kwargs, config: True)
+    assert not model._valid_auto_compile_criteria({"past_key_values": cache}, GenerationConfig())
+    assert model._valid_auto_compile_criteria({"past_key_values": cache},
+                                              GenerationConfig(compile_config=CompileConfig(mode="default")))
+    for mode in ("reduce-overhead", "max-autotune"):
+        with pytest.raises(ValueError, match="mode='default'"):
+            check_compile_config(CompileConfig(mode=mode))
+    with pytest.raises(ValueError, match="CUDA graphs"):
+        check_compile_config(CompileConfig(mode="default", options={"triton.cudagraphs": True}))
+    check_compile_config(CompileConfig(mode="default"))
+    monkeypatch.undo()
     ids = torch.tensor([[0, 5, 7, 9]])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False,
-                         generation_config=config, pad_token_id=1)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False, pad_token_id=1)
     assert out.shape == (1, 9)
 
 
