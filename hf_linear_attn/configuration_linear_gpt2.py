@@ -5,6 +5,7 @@ from huggingface_hub.dataclasses import strict
 from .configuration_common import DECODER_HEADS, build_auto_map, plain_value_errors
 from .configuration_gpt2_style import GPT2StyleConfig
 from .feature_maps import check_feature_map_options
+from .sliding_window_attention import check_window_options
 
 
 @plain_value_errors
@@ -27,6 +28,11 @@ class LinearGPT2Config(GPT2StyleConfig):
         linear_attention_chunk_size (`int`, defaults to 64): chunk length C of the chunked form (exact masked
             attention inside a chunk, states across chunks). Any sequence length works; C trades the O(n C)
             intra-chunk work against the number of chunk steps.
+        attention_window (`int`, defaults to 0): W > 0 attends to the last W keys with exact softmax terms
+            (`g exp(q.k / sqrt(d))`, g a learned per-head factor, `attn.window_factor`) and to every earlier key
+            with the feature map, over one shared normaliser (LoLCATs' combination); generation keeps the window's
+            keys and values (W per layer) beside the linear state, still a fixed size. 0: plain linear attention,
+            exactly as before. At most `n_positions`; not with `feature_map="favor"`.
     """
 
     model_type = "linear_gpt2"
@@ -36,6 +42,7 @@ class LinearGPT2Config(GPT2StyleConfig):
     learned_feature_dim: int | None = None
     linear_attention_eps: float | int = 1e-6
     linear_attention_chunk_size: int = 64
+    attention_window: int = 0
 
     default_auto_map = build_auto_map("linear_gpt2", "LinearGPT2", DECODER_HEADS)
 
@@ -45,3 +52,4 @@ class LinearGPT2Config(GPT2StyleConfig):
         )
         if self.linear_attention_chunk_size < 1:
             raise ValueError(f"linear_attention_chunk_size must be positive, got {self.linear_attention_chunk_size}.")
+        check_window_options(self.attention_window, self.n_positions, "n_positions", self.feature_map)

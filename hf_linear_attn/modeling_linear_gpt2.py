@@ -6,6 +6,7 @@ so the cost of a token does not grow with the context.
 """
 
 import torch
+from transformers import initialization as init
 
 from .configuration_linear_gpt2 import LinearGPT2Config
 from .feature_maps import build_feature_map
@@ -22,7 +23,14 @@ from .modeling_gpt2_style import (
     GPT2StyleModel,
     GPT2StylePreTrainedModel,
 )
-from .recurrent_cache import LinearAttentionStateLayer
+from .recurrent_cache import LinearAttentionStateLayer, SlidingWindowStateLayer
+from .sliding_window_attention import (
+    SlidingWindowFactor,
+    causal_sliding_window_attention,
+    empty_sliding_window_state,
+    sliding_window_attention_step,
+    sliding_window_attention_weights,
+)
 from .weight_init import init_feature_map, redraw_random_features
 
 
@@ -43,16 +51,52 @@ class LinearGPT2Attention(GPT2StyleAttention):
             config.feature_map, self.num_heads, self.head_dim, num_random_features=config.num_random_features,
             learned_feature_dim=config.learned_feature_dim, causal=True,
         )
+        # attention_window > 0: exact softmax over the last W keys, the feature map beyond (sliding_window_attention)
+        self.window = config.attention_window
+        if self.window:
+            self.window_factor = SlidingWindowFactor(self.num_heads)
+            self.cache_layer_class = SlidingWindowStateLayer  # per instance: the cache holds the window too
 
-    def initial_state(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Zeros (S (B, H, m, d), z (B, H, m)) in float32, m the feature map's output width."""
+    def initial_state(self, batch_size: int) -> tuple[torch.Tensor, ...]:
+        """Zeros (S (B, H, m, d), z (B, H, m)) in float32, m the feature map's output width; with a window also the
+        empty window (keys, phi(keys), values (B, H, W, .) zeros, valid (B, W) False)."""
         device = self.c_attn.weight.device
         features = self.feature_map(torch.zeros(1, self.num_heads, 1, self.head_dim, device=device), is_query=False)
+        if self.window:
+            return empty_sliding_window_state(
+                batch_size, self.num_heads, self.window, self.head_dim, features.shape[-1], self.head_dim, device
+            )
         shape = (batch_size, self.num_heads, features.shape[-1])
         return torch.zeros(*shape, self.head_dim, device=device), torch.zeros(shape, device=device)
 
+    def _attend_window(self, q, k, v, phi_q, phi_k, key_mask, state, need_tail, output_attentions):
+        """attend() with a sliding window: chunked form for prompts, the step for single tokens after a state."""
+        theta = self.window_factor()
+        if state is not None and q.shape[2] == 1:
+            output, state = sliding_window_attention_step(q, k, v, phi_q, phi_k, state, key_mask, theta, self.eps)
+        else:
+            output, state = causal_sliding_window_attention(
+                q, k, v, phi_q, phi_k, self.window, key_mask, theta, self.eps, self.chunk_size, state
+            )
+        tail = None
+        if need_tail:  # rollback tail: keys (the window's scores), phi(k) and v, pads zeroed, and the real-token mask
+            real = key_mask if key_mask is not None else torch.ones(k.shape[0], k.shape[2], dtype=torch.bool, device=k.device)
+            keep = real.bool()[:, None, :, None]
+            tail = tuple(torch.where(keep, t.float(), 0.0) for t in (k, phi_k, v)) + (real.bool(),)
+        weights = None
+        if output_attentions:
+            weights = sliding_window_attention_weights(q, k, phi_q, phi_k, self.window, key_mask, True, theta, self.eps)
+        return output, weights, state, tail
+
     def attend(self, q, k, v, key_mask, state, use_cache, need_tail, output_attentions, shared_projection):
         phi_q, phi_k = self.feature_map.pair(q, k, key_mask)
+        if state is not None:
+            state = tuple(t.to(q.device) for t in state)
+        if self.window:
+            output, weights, state, tail = self._attend_window(
+                q, k, v, phi_q, phi_k, key_mask, state, need_tail, output_attentions
+            )
+            return output, weights, state if use_cache else None, tail
         if state is not None:
             state = tuple(t.to(q.device) for t in state)
         if state is not None and q.shape[2] == 1:
@@ -79,6 +123,8 @@ class LinearGPT2PreTrainedModel(GPT2StylePreTrainedModel):
     def _init_weights(self, module):
         super()._init_weights(module)
         init_feature_map(module)
+        if isinstance(module, SlidingWindowFactor):
+            init.zeros_(module.log_factor)  # g = 1: the window's exact terms unweighted
 
     def redraw_random_features(self, generator: torch.Generator | None = None) -> int:
         """Draw new FAVOR+ features in every layer (rank 0's draw on every process); returns the number redrawn."""

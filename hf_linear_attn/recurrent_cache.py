@@ -2,6 +2,7 @@
 
 * :class:`LinearAttentionStateLayer` holds the state of causal linear attention, S (B, H, m, d) and z (B, H, m)
   in float32: its size does not depend on the number of tokens seen ("Transformers are RNNs").
+* :class:`SlidingWindowStateLayer` holds that state plus the last W keys / values of window + linear attention.
 * :class:`BlockLinformerCacheLayer` holds the causal block Linformer's k-row summaries of completed blocks and the
   raw keys / values of the current block: it grows by k rows per block, not by one row per token.
 
@@ -18,6 +19,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .block_linformer import BlockLinformerState, block_linformer_step, empty_block_linformer_state
+from .sliding_window_attention import advance_sliding_window_state, empty_sliding_window_state
 
 
 class RecurrentStateLayer(CacheLayerMixin):
@@ -182,6 +184,28 @@ class LinearAttentionStateLayer(RecurrentStateLayer):
         phi_k, v = (t.float() for t in tail)
         s, z = torch.matmul(phi_k.transpose(-1, -2), v), phi_k.sum(-2)
         return (s, z) if state is None else (state[0] + s, state[1] + z)
+
+
+class SlidingWindowStateLayer(RecurrentStateLayer):
+    """State of window + linear attention: (S, z) of the keys that left the window (float32) and the window itself,
+    keys, phi(keys), values (B, H, W, .) and a valid mask (B, W), oldest first: a fixed size, W slots per layer.
+
+    Rollback tail: keys, phi(k), v (B, H, t, .) (pads zeroed) and the real-token mask (B, t) of the recorded tokens;
+    the state after a prefix of them is the committed state advanced by those tokens (the oldest leave the window
+    into S, z), as the decoder builds it.
+    """
+
+    is_compileable = True
+    tail_token_dims = (2, 2, 2, 1)
+
+    def _replay(self, state, tail):
+        keys, phi_keys, values, real = tail
+        if state is None:  # recording started before the first token: the current state gives the window's size
+            batch, heads, _, head_dim = keys.shape
+            state = empty_sliding_window_state(
+                batch, heads, self.state[2].shape[2], head_dim, phi_keys.shape[-1], values.shape[-1], keys.device
+            )
+        return advance_sliding_window_state(state, keys, phi_keys, values, real)
 
 
 class BlockLinformerCacheLayer(RecurrentStateLayer):

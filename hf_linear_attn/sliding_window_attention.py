@@ -45,6 +45,19 @@ anyway.
 """
 
 import torch
+from torch import nn
+
+
+class SlidingWindowFactor(nn.Module):
+    """The learned per-head factor of the window's exact terms, g = exp(log_factor), log_factor (H,); 0 at init."""
+
+    def __init__(self, num_heads: int):
+        super().__init__()
+        self.log_factor = nn.Parameter(torch.zeros(num_heads))
+
+    def forward(self) -> torch.Tensor:
+        """theta (H,), what the attention functions take as ``log_factor``."""
+        return self.log_factor
 
 
 def _no_autocast(tensor: torch.Tensor):
@@ -59,7 +72,7 @@ def _head_bias(log_factor: torch.Tensor | None, heads: int, ndim: int, like: tor
 
 
 def _masked_inputs(q, k, v, phi_q, phi_k, key_mask):
-    """float32 q, k, v, phi(Q), phi(K) with pad rows of phi(K) and V zeroed (``torch.where``: 0 x NaN stays NaN),
+    """float32 q, k, v, phi(Q), phi(K) with pad rows of K, phi(K) and V zeroed (``torch.where``: 0 x NaN stays NaN),
     and the (B, n) bool mask of real keys."""
     q, k, v, phi_q, phi_k = (t.float() for t in (q, k, v, phi_q, phi_k))
     if key_mask is None:
@@ -67,7 +80,8 @@ def _masked_inputs(q, k, v, phi_q, phi_k, key_mask):
     else:
         valid = key_mask.bool()
         keep = valid[:, None, :, None]
-        phi_k, v = torch.where(keep, phi_k, 0.0), torch.where(keep, v, 0.0)
+        # keys too: the window's buffer then holds zeros in pad slots, as a row alone holds in its empty slots
+        k, phi_k, v = torch.where(keep, k, 0.0), torch.where(keep, phi_k, 0.0), torch.where(keep, v, 0.0)
     return q, k, v, phi_q, phi_k, valid
 
 
@@ -89,6 +103,30 @@ def check_window(window: int) -> None:
     """Raise a ValueError unless ``window`` is a positive int."""
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ValueError(f"window must be a positive integer (the number of keys attended exactly), got {window!r}.")
+
+
+def check_window_options(attention_window, longest: int, longest_name: str, feature_map: str) -> None:
+    """Raise a ValueError naming the fix for a config's ``attention_window`` (0: off): a negative or non-int value, a
+    window longer than the positions the model has (``longest``, named ``longest_name``), or a feature map whose
+    phi(q).phi(k) is not a fixed kernel."""
+    if isinstance(attention_window, bool) or not isinstance(attention_window, int) or attention_window < 0:
+        raise ValueError(
+            f"attention_window must be an integer >= 0 (0: plain linear attention, W > 0: exact softmax over the last "
+            f"W keys), got {attention_window!r}."
+        )
+    if attention_window > longest:
+        raise ValueError(
+            f"attention_window={attention_window} is larger than the positions this model has ({longest_name} = "
+            f"{longest}): no key would ever leave the window, so it is plain softmax attention at quadratic cost. Use "
+            f"a window below {longest} (LoLCATs uses 64), or a softmax model."
+        )
+    if attention_window and feature_map == "favor":
+        raise ValueError(
+            "attention_window cannot be combined with feature_map='favor': FAVOR+'s stabilisers multiply phi(q).phi(k) "
+            "by a per-query constant, which cancels in plain linear attention but not against the window's exact "
+            "exp terms, so the balance between window and history would depend on the data. Use 'elu', 'relu' or "
+            "'hedgehog' with a window."
+        )
 
 
 def _chunked_form(q, k, v1, phi_q, phi_k, valid, window, causal, log_factor, eps, chunk, far_state=None):
@@ -380,10 +418,12 @@ def window_state_bytes(window: int, heads: int, head_dim: int, feature_dim: int)
 
 
 __all__ = [
+    "SlidingWindowFactor",
     "advance_sliding_window_state",
     "banded_sliding_window_attention",
     "causal_sliding_window_attention",
     "check_window",
+    "check_window_options",
     "empty_sliding_window_state",
     "sliding_window_attention_step",
     "sliding_window_attention_weights",

@@ -51,6 +51,10 @@ DECODER_VARIANTS = {
         **{**TINY_DECODER, "feature_map": "favor", "num_random_features": 32, "linear_attention_chunk_size": 4, **kw}
     ),
     "linear-hedgehog": lambda **kw: LinearGPT2Config(**{**TINY_DECODER, "feature_map": "hedgehog", **kw}),
+    # window + linear attention: W = 5 with chunks of 4, so windows straddle chunks and short prompts leave it
+    "linear-window": lambda **kw: LinearGPT2Config(
+        **{**TINY_DECODER, "attention_window": 5, "linear_attention_chunk_size": 4, **kw}
+    ),
     "linformer-none": lambda **kw: LinformerGPT2Config(
         **{**TINY_DECODER, "linformer_k": 4, "linformer_block_size": 8, "linformer_sharing": "none", **kw}
     ),
