@@ -33,6 +33,10 @@ FAMILY_VARIANTS = {
     "linear-relu": lambda **kw: LinearRobertaConfig(**{**TINY, "feature_map": "relu", **kw}),
     "linear-favor": lambda **kw: LinearRobertaConfig(**{**TINY, "feature_map": "favor", "num_random_features": 32, **kw}),
     "linear-hedgehog": lambda **kw: LinearRobertaConfig(**{**TINY, "feature_map": "hedgehog", **kw}),
+    # band + linear attention: |i - j| < 5 exact, chunks of 4, so the band straddles chunks
+    "linear-window": lambda **kw: LinearRobertaConfig(
+        **{**TINY, "attention_window": 5, "linear_attention_chunk_size": 4, **kw}
+    ),
 }
 
 # GPT-2-shaped decoders; token ids follow the test tokenizer (<s>=0, <pad>=1, </s>=2). A wider init than GPT-2's
@@ -108,7 +112,7 @@ def causal_lm(variant, seed=0, **overrides):
     model = transformers.AutoModelForCausalLM.from_config(DECODER_VARIANTS[variant](**overrides)).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if "feature_map" in name:
+            if "feature_map" in name or "window_factor" in name:
                 param.add_(0.1 * torch.randn_like(param))
     return model
 
