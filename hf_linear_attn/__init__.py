@@ -68,6 +68,7 @@ from .modeling_linformer_gpt2 import (
 )
 from .recurrent_cache import (
     BlockLinformerCacheLayer,
+    KeyValueStateLayer,
     LinearAttentionStateLayer,
     RecurrentStateCache,
     SlidingWindowStateLayer,
@@ -122,6 +123,7 @@ __all__ = [
     "LinformerGPT2Config",
     "RecurrentStateCache",
     "SlidingWindowStateLayer",
+    "KeyValueStateLayer",
     "banded_sliding_window_attention",
     "causal_sliding_window_attention",
     "sliding_window_attention_step",

@@ -3,6 +3,7 @@
 * :class:`LinearAttentionStateLayer` holds the state of causal linear attention, S (B, H, m, d) and z (B, H, m)
   in float32: its size does not depend on the number of tokens seen ("Transformers are RNNs").
 * :class:`SlidingWindowStateLayer` holds that state plus the last W keys / values of window + linear attention.
+* :class:`KeyValueStateLayer` holds the keys and values of a full-attention layer of a hybrid schedule.
 * :class:`BlockLinformerCacheLayer` holds the causal block Linformer's k-row summaries of completed blocks and the
   raw keys / values of the current block: it grows by k rows per block, not by one row per token.
 
@@ -206,6 +207,40 @@ class SlidingWindowStateLayer(RecurrentStateLayer):
                 batch, heads, self.state[2].shape[2], head_dim, phi_keys.shape[-1], values.shape[-1], keys.device
             )
         return advance_sliding_window_state(state, keys, phi_keys, values, real)
+
+
+class KeyValueStateLayer(RecurrentStateLayer):
+    """Keys, values (B, H, T, d) and the real-token mask (B, T) of every token so far: the cache of a full-attention
+    layer in a hybrid schedule (``layer_types``). It grows by one row per token, as GPT-2's does.
+
+    Rollback needs no record: ``crop(-r)`` drops the last r rows, exactly, at any time.
+    """
+
+    tail_token_dims = (2, 2, 1)
+
+    def update(self, state, num_new_tokens, tail=None, *args, **kwargs):
+        """Store the keys / values after ``num_new_tokens`` more tokens (no rollback tail: crop truncates)."""
+        self.state = state
+        self.seen_tokens += num_new_tokens
+        self.is_initialized = True
+        return state
+
+    @property
+    def is_croppable(self) -> bool:
+        return True
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last ``-tokens_to_remove`` tokens' keys and values (a negative count, as Transformers' caches)."""
+        if tokens_to_remove > 0:
+            raise ValueError(
+                f"Calling crop with a positive value ({tokens_to_remove}) is not supported: pass minus the number of "
+                "tokens to remove, as for every Transformers cache layer."
+            )
+        remove = min(-tokens_to_remove, self.seen_tokens)
+        if remove and self.state is not None:
+            keep = self.state[0].shape[2] - remove
+            self.state = tuple(t.narrow(dim, 0, keep) for t, dim in zip(self.state, self.tail_token_dims))
+        self.seen_tokens -= remove
 
 
 class BlockLinformerCacheLayer(RecurrentStateLayer):

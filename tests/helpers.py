@@ -59,6 +59,10 @@ DECODER_VARIANTS = {
     "linear-window": lambda **kw: LinearGPT2Config(
         **{**TINY_DECODER, "attention_window": 5, "linear_attention_chunk_size": 4, **kw}
     ),
+    # a hybrid schedule: GPT-2's softmax attention (key/value cache) in layer 0, linear attention in layer 1
+    "linear-hybrid": lambda **kw: LinearGPT2Config(
+        **{**TINY_DECODER, "layer_types": ["full_attention", "linear_attention"], "linear_attention_chunk_size": 8, **kw}
+    ),
     "linformer-none": lambda **kw: LinformerGPT2Config(
         **{**TINY_DECODER, "linformer_k": 4, "linformer_block_size": 8, "linformer_sharing": "none", **kw}
     ),

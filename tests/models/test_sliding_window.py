@@ -1,5 +1,6 @@
-"""Window + linear attention in the models (issue 41): a window covering the input is exactly GPT-2 / RoBERTa, a
-window of 0 is today's model, the learned factor and the cache, and the configs refused with the reason."""
+"""Window + linear attention and hybrid layer schedules in the models (issue 41): a window covering the input, or a
+schedule of full-attention layers, is exactly GPT-2 / RoBERTa; a window of 0 is today's model; the learned factor,
+the caches, and the configs refused with the reason."""
 
 import pytest
 import torch
@@ -7,6 +8,9 @@ from helpers import DECODER_VARIANTS, TINY, TINY_DECODER, causal_lm, random_ids
 from transformers import GPT2Config, GPT2LMHeadModel, RobertaConfig, RobertaForMaskedLM
 
 from hf_linear_attn import (
+    DecoderStateStep,
+    KeyValueStateLayer,
+    LinearAttentionStateLayer,
     LinearGPT2Config,
     LinearGPT2ForCausalLM,
     LinearRobertaConfig,
@@ -110,3 +114,62 @@ def test_a_window_assigned_after_construction_is_checked_when_the_model_is_built
     config.attention_window = 1000
     with pytest.raises(ValueError, match="larger than the positions"):
         LinearGPT2ForCausalLM(config)
+
+
+# ------------------------------------------------------------------------------------------ hybrid schedules
+
+
+def test_a_schedule_of_full_attention_layers_is_stock_gpt2_with_its_state_dict_one_to_one():
+    torch.manual_seed(0)
+    gpt2 = GPT2LMHeadModel(GPT2Config(**TINY_DECODER, attn_implementation="sdpa")).eval()
+    config = LinearGPT2Config(**TINY_DECODER, layer_types=["full_attention"] * 2)
+    model = LinearGPT2ForCausalLM(config).eval()
+    model.load_state_dict(gpt2.state_dict(), strict=True)
+    ids = random_ids(2, 40)
+    torch.testing.assert_close(model(ids).logits, gpt2(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_a_hybrid_mixes_exact_and_linear_layers_and_caches_each_its_own_way():
+    """Layer 0 full, layer 1 linear with a window: layer 0 equals GPT-2's layer (same weights), the cache holds a
+    growing key/value layer and a fixed-size window layer, and prefill + steps equal one forward."""
+    model = causal_lm("linear-hybrid", layer_types=["full_attention", "linear_attention"], attention_window=5)
+    ids = random_ids(2, 24)
+    cache = model(ids[:, :10], use_cache=True).past_key_values
+    assert isinstance(cache.layers[0], KeyValueStateLayer) and cache.layers[0].state[0].shape[2] == 10
+    assert type(cache.layers[1]).__name__ == "SlidingWindowStateLayer"
+    logits = [model(ids[:, :10], use_cache=True).logits]
+    cache = model(ids[:, :10], use_cache=True).past_key_values
+    for t in range(10, 24):
+        logits.append(model(ids[:, t : t + 1], past_key_values=cache).logits)
+    torch.testing.assert_close(torch.cat(logits, dim=1), model(ids).logits, atol=1e-5, rtol=1e-5)
+    assert cache.layers[0].state[0].shape[2] == 24 and cache.layers[1].state[2].shape[2] == 5
+
+
+def test_a_linear_schedule_is_todays_model():
+    base = causal_lm("linear-elu")
+    scheduled = causal_lm("linear-elu", layer_types=["linear_attention"] * 2)
+    ids = random_ids(2, 21)
+    assert torch.equal(base(ids).logits, scheduled(ids).logits)
+    assert all(isinstance(layer, LinearAttentionStateLayer) for layer in scheduled(ids, use_cache=True).past_key_values.layers)
+
+
+@pytest.mark.parametrize(
+    "layer_types, message",
+    [
+        # Transformers' own check of layer_types runs first: the length and its list of known kinds
+        (["full_attention"], r"`num_hidden_layers` \(2\) must be equal to the number of `layer_types` \(1\)"),
+        (["full_attention", "mamba2"], "The `layer_types` entries must be in"),
+        # then ours: kinds Transformers knows but this family does not run
+        (["full_attention", "sliding_attention"], "pure sliding-window softmax layer is not implemented"),
+        (["chunked_attention", "linear_attention"], "is not a layer kind; choose one of linear_attention, full_attention"),
+    ],
+)
+def test_bad_schedules_are_refused_at_construction(layer_types, message):
+    with pytest.raises(ValueError, match=message):
+        LinearGPT2Config(**TINY_DECODER, layer_types=layer_types)
+
+
+def test_exporting_a_hybrid_is_refused_with_the_reason():
+    step = DecoderStateStep(causal_lm("linear-hybrid"))
+    with pytest.raises(ValueError, match="no fixed-shape state to export"):
+        step.initial_state(1)
