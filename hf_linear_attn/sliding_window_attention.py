@@ -411,12 +411,6 @@ def sliding_window_attention_weights(
         return weights / (weights.sum(-1, keepdim=True) + eps * scale)
 
 
-def window_state_bytes(window: int, heads: int, head_dim: int, feature_dim: int) -> int:
-    """Bytes of one sequence's decoding state for one layer (float32, the bool mask one byte per slot)."""
-    per_head = feature_dim * head_dim + feature_dim + window * (2 * head_dim + feature_dim)
-    return 4 * heads * per_head + window
-
-
 __all__ = [
     "SlidingWindowFactor",
     "advance_sliding_window_state",
@@ -427,5 +421,4 @@ __all__ = [
     "empty_sliding_window_state",
     "sliding_window_attention_step",
     "sliding_window_attention_weights",
-    "window_state_bytes",
 ]

@@ -89,7 +89,10 @@ def test_torch_export_of_the_prompt_pass_serves_every_length_from_one_program(va
             want = model(ids[:batch, :n], use_cache=True)
             torch.testing.assert_close(logits, want.logits, atol=1e-5, rtol=1e-5)
             for got, expected in zip(state, states_of(want.past_key_values), strict=True):
-                torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+                # float32 sums of ~40 terms in two orders: an absolute bound relative to the state's largest entry
+                # (states reach ~60 here, so 1e-5 absolute on an entry near 0 is below their rounding)
+                scale = max(1.0, expected.float().abs().max().item())
+                torch.testing.assert_close(got, expected, atol=1e-5 * scale, rtol=1e-5)
 
 
 
