@@ -196,7 +196,9 @@ class SlidingWindowStateLayer(RecurrentStateLayer):
     into S, z), as the decoder builds it.
     """
 
-    is_compileable = True
+    # Not for generate()'s automatic compilation, as LinearAttentionStateLayer: CUDA graphs would overwrite the state
+    # this layer keeps from one step to the next. The explicit-state step (DecoderStateStep) compiles and exports.
+    is_compileable = False
     tail_token_dims = (2, 2, 2, 1)
 
     def _replay(self, state, tail):

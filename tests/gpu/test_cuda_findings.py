@@ -6,7 +6,7 @@ from helpers import causal_lm
 from transformers import CompileConfig, GenerationConfig
 
 
-@pytest.mark.parametrize("variant", ["linear-elu", "linformer-headwise"])
+@pytest.mark.parametrize("variant", ["linear-elu", "linear-window", "linear-hybrid", "linformer-headwise"])
 def test_generate_does_not_compile_the_recurrent_decoders_with_cuda_graphs(variant):
     """On CUDA, generate() compiles the decoding step of a model whose cache says it is compileable, with CUDA
     graphs, whose outputs the next replay overwrites; these caches keep the step's output state, so an H200 run
