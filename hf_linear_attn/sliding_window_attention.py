@@ -117,8 +117,8 @@ def check_window_options(attention_window, longest: int, longest_name: str, feat
     if attention_window > longest:
         raise ValueError(
             f"attention_window={attention_window} is larger than the positions this model has ({longest_name} = "
-            f"{longest}): no key would ever leave the window, so it is plain softmax attention at quadratic cost. Use "
-            f"a window below {longest} (LoLCATs uses 64), or a softmax model."
+            f"{longest}): it would hold keys that never exist (already at {longest} no key ever leaves it: softmax "
+            f"attention at quadratic cost). Use a window of at most {longest}, in practice far below (LoLCATs: 64)."
         )
     if attention_window and feature_map == "favor":
         raise ValueError(
