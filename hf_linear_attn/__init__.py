@@ -66,7 +66,19 @@ from .modeling_linformer_gpt2 import (
     LinformerGPT2Model,
     LinformerGPT2PreTrainedModel,
 )
-from .recurrent_cache import BlockLinformerCacheLayer, LinearAttentionStateLayer, RecurrentStateCache
+from .recurrent_cache import (
+    BlockLinformerCacheLayer,
+    KeyValueStateLayer,
+    LinearAttentionStateLayer,
+    RecurrentStateCache,
+    SlidingWindowStateLayer,
+)
+from .sliding_window_attention import (
+    banded_sliding_window_attention,
+    causal_sliding_window_attention,
+    sliding_window_attention_step,
+    sliding_window_attention_weights,
+)
 
 __version__ = "0.1.0"
 
@@ -110,6 +122,12 @@ __all__ = [
     "LinformerConfig",
     "LinformerGPT2Config",
     "RecurrentStateCache",
+    "SlidingWindowStateLayer",
+    "KeyValueStateLayer",
+    "banded_sliding_window_attention",
+    "causal_sliding_window_attention",
+    "sliding_window_attention_step",
+    "sliding_window_attention_weights",
     "bidirectional_linear_attention",
     "family_of",
     "pooling_matrix",

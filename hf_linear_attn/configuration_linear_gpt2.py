@@ -5,6 +5,29 @@ from huggingface_hub.dataclasses import strict
 from .configuration_common import DECODER_HEADS, build_auto_map, plain_value_errors
 from .configuration_gpt2_style import GPT2StyleConfig
 from .feature_maps import check_feature_map_options
+from .sliding_window_attention import check_window_options
+
+LAYER_TYPES = ("linear_attention", "full_attention")
+
+
+def check_layer_types(layer_types, n_layer: int) -> None:
+    """Raise a ValueError naming the fix for a hybrid schedule: one known kind per layer."""
+    if layer_types is None:
+        return
+    if len(layer_types) != n_layer:
+        raise ValueError(
+            f"layer_types has {len(layer_types)} entries for n_layer={n_layer}: give one kind per layer "
+            f"({' / '.join(LAYER_TYPES)}), or None for every layer linear."
+        )
+    for i, kind in enumerate(layer_types):
+        if kind == "sliding_attention":
+            raise ValueError(
+                f"layer_types[{i}] = 'sliding_attention': a pure sliding-window softmax layer is not implemented; "
+                "use 'linear_attention' with attention_window=W (exact softmax over the last W keys, linear attention "
+                "beyond), or 'full_attention'."
+            )
+        if kind not in LAYER_TYPES:
+            raise ValueError(f"layer_types[{i}] = {kind!r} is not a layer kind; choose one of {', '.join(LAYER_TYPES)}.")
 
 
 @plain_value_errors
@@ -27,6 +50,15 @@ class LinearGPT2Config(GPT2StyleConfig):
         linear_attention_chunk_size (`int`, defaults to 64): chunk length C of the chunked form (exact masked
             attention inside a chunk, states across chunks). Any sequence length works; C trades the O(n C)
             intra-chunk work against the number of chunk steps.
+        attention_window (`int`, defaults to 0): W > 0 attends to the last W keys with exact softmax terms
+            (`g exp(q.k / sqrt(d))`, g a learned per-head factor, `attn.window_factor`) and to every earlier key
+            with the feature map, over one shared normaliser (LoLCATs' combination); generation keeps the window's
+            keys and values (W per layer) beside the linear state, still a fixed size. 0: plain linear attention,
+            exactly as before. At most `n_positions`; not with `feature_map="favor"`.
+        layer_types (`list[str]`, *optional*): a hybrid schedule, one entry per layer, named as Transformers'
+            hybrid models name them: `"linear_attention"` (this family's attention, with its window if any) or
+            `"full_attention"` (GPT-2's causal softmax attention, SDPA, with a key/value cache that grows by one row
+            per token). None: every layer linear.
     """
 
     model_type = "linear_gpt2"
@@ -36,6 +68,8 @@ class LinearGPT2Config(GPT2StyleConfig):
     learned_feature_dim: int | None = None
     linear_attention_eps: float | int = 1e-6
     linear_attention_chunk_size: int = 64
+    attention_window: int = 0
+    layer_types: list[str] | None = None
 
     default_auto_map = build_auto_map("linear_gpt2", "LinearGPT2", DECODER_HEADS)
 
@@ -45,3 +79,5 @@ class LinearGPT2Config(GPT2StyleConfig):
         )
         if self.linear_attention_chunk_size < 1:
             raise ValueError(f"linear_attention_chunk_size must be positive, got {self.linear_attention_chunk_size}.")
+        check_window_options(self.attention_window, self.n_positions, "n_positions", self.feature_map)
+        check_layer_types(self.layer_types, self.n_layer)

@@ -5,6 +5,7 @@ from huggingface_hub.dataclasses import strict
 from .configuration_common import ENCODER_HEADS, build_auto_map, plain_value_errors
 from .configuration_roberta_style import RobertaStyleConfig
 from .feature_maps import check_feature_map_options
+from .sliding_window_attention import check_window_options
 
 
 @plain_value_errors
@@ -23,6 +24,11 @@ class LinearRobertaConfig(RobertaStyleConfig):
         num_random_features (`int`, defaults to 256): number of FAVOR+ random features m.
         learned_feature_dim (`int`, *optional*): width f of each half of the hedgehog map (defaults to the head size).
         linear_attention_eps (`float`, defaults to 1e-6): eps added to the normaliser phi(q) . z.
+        attention_window (`int`, defaults to 0): W > 0 attends to the band |i - j| < W with exact softmax terms
+            (`g exp(q.k / sqrt(d))`, g a learned per-head factor, `attention.self.window_factor`) and to every key
+            beyond it with the feature map, over one shared normaliser; computed in chunks, linear in n. 0: plain
+            linear attention, exactly as before. At most `max_sequence_length`; not with `feature_map="favor"`.
+        linear_attention_chunk_size (`int`, defaults to 64): chunk length C of the banded form (used with a window).
     """
 
     model_type = "linear_roberta"
@@ -31,6 +37,8 @@ class LinearRobertaConfig(RobertaStyleConfig):
     num_random_features: int = 256
     learned_feature_dim: int | None = None
     linear_attention_eps: float | int = 1e-6
+    attention_window: int = 0
+    linear_attention_chunk_size: int = 64
 
     default_auto_map = build_auto_map("linear_roberta", "LinearRoberta", ENCODER_HEADS)
 
@@ -38,3 +46,6 @@ class LinearRobertaConfig(RobertaStyleConfig):
         check_feature_map_options(
             self.feature_map, self.num_random_features, self.learned_feature_dim, self.linear_attention_eps
         )
+        if self.linear_attention_chunk_size < 1:
+            raise ValueError(f"linear_attention_chunk_size must be positive, got {self.linear_attention_chunk_size}.")
+        check_window_options(self.attention_window, self.max_sequence_length, "max_sequence_length", self.feature_map)

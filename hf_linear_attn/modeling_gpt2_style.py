@@ -179,13 +179,13 @@ class GPT2StyleModel(GPT2StylePreTrainedModel):
         self.wte = new_embeddings
 
     def new_cache(self) -> RecurrentStateCache:
-        """An empty cache for this model: one state layer per block."""
-        return RecurrentStateCache([self.attention_class.cache_layer_class() for _ in self.h])
+        """An empty cache for this model: one state layer per block (each attention names its own layer class)."""
+        return RecurrentStateCache([block.attn.cache_layer_class() for block in self.h])
 
     def _check_cache(self, cache) -> None:
         expected = self.attention_class.cache_layer_class
         if not isinstance(cache, RecurrentStateCache) or len(cache.layers) != len(self.h) or not all(
-            isinstance(layer, expected) for layer in cache.layers
+            isinstance(layer, block.attn.cache_layer_class) for layer, block in zip(cache.layers, self.h)
         ):
             raise ValueError(
                 f"past_key_values must be the RecurrentStateCache this model returned (one {expected.__name__} per "

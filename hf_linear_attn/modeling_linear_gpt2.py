@@ -6,6 +6,7 @@ so the cost of a token does not grow with the context.
 """
 
 import torch
+from transformers import initialization as init
 
 from .configuration_linear_gpt2 import LinearGPT2Config
 from .feature_maps import build_feature_map
@@ -22,7 +23,14 @@ from .modeling_gpt2_style import (
     GPT2StyleModel,
     GPT2StylePreTrainedModel,
 )
-from .recurrent_cache import LinearAttentionStateLayer
+from .recurrent_cache import KeyValueStateLayer, LinearAttentionStateLayer, SlidingWindowStateLayer
+from .sliding_window_attention import (
+    SlidingWindowFactor,
+    causal_sliding_window_attention,
+    empty_sliding_window_state,
+    sliding_window_attention_step,
+    sliding_window_attention_weights,
+)
 from .weight_init import init_feature_map, redraw_random_features
 
 
@@ -39,22 +47,98 @@ class LinearGPT2Attention(GPT2StyleAttention):
         super().__init__(config, layer_idx)
         self.eps = config.linear_attention_eps
         self.chunk_size = config.linear_attention_chunk_size
+        # A hybrid schedule's "full_attention" layer is GPT-2's softmax attention with a key/value cache: the same
+        # parameters (c_attn, c_proj), no feature map and no window.
+        self.full_attention = config.layer_types is not None and config.layer_types[layer_idx] == "full_attention"
+        self.window = 0
+        if self.full_attention:
+            self.attn_pdrop = config.attn_pdrop
+            self.feature_map = None
+            self.cache_layer_class = KeyValueStateLayer
+            return
         self.feature_map = build_feature_map(
             config.feature_map, self.num_heads, self.head_dim, num_random_features=config.num_random_features,
             learned_feature_dim=config.learned_feature_dim, causal=True,
         )
+        # attention_window > 0: exact softmax over the last W keys, the feature map beyond (sliding_window_attention)
+        self.window = config.attention_window
+        if self.window:
+            self.window_factor = SlidingWindowFactor(self.num_heads)
+            self.cache_layer_class = SlidingWindowStateLayer  # per instance: the cache holds the window too
 
-    def initial_state(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Zeros (S (B, H, m, d), z (B, H, m)) in float32, m the feature map's output width."""
+    def initial_state(self, batch_size: int) -> tuple[torch.Tensor, ...]:
+        """Zeros (S (B, H, m, d), z (B, H, m)) in float32, m the feature map's output width; with a window also the
+        empty window (keys, phi(keys), values (B, H, W, .) zeros, valid (B, W) False)."""
+        if self.full_attention:
+            raise ValueError(
+                "A hybrid schedule's full_attention layer keeps a key/value cache that grows with every token, so the "
+                "decoder has no fixed-shape state to export or compile (DecoderStateStep / DecoderPrefill). Export a "
+                "model whose layer_types are all 'linear_attention', or use generate()."
+            )
         device = self.c_attn.weight.device
         features = self.feature_map(torch.zeros(1, self.num_heads, 1, self.head_dim, device=device), is_query=False)
+        if self.window:
+            return empty_sliding_window_state(
+                batch_size, self.num_heads, self.window, self.head_dim, features.shape[-1], self.head_dim, device
+            )
         shape = (batch_size, self.num_heads, features.shape[-1])
         return torch.zeros(*shape, self.head_dim, device=device), torch.zeros(shape, device=device)
 
+    def _attend_window(self, q, k, v, phi_q, phi_k, key_mask, state, need_tail, output_attentions):
+        """attend() with a sliding window: chunked form for prompts, the step for single tokens after a state."""
+        theta = self.window_factor()
+        if state is not None and q.shape[2] == 1:
+            output, state = sliding_window_attention_step(q, k, v, phi_q, phi_k, state, key_mask, theta, self.eps)
+        else:
+            output, state = causal_sliding_window_attention(
+                q, k, v, phi_q, phi_k, self.window, key_mask, theta, self.eps, self.chunk_size, state
+            )
+        tail = None
+        if need_tail:  # rollback tail: keys (the window's scores), phi(k) and v, pads zeroed, and the real-token mask
+            real = key_mask if key_mask is not None else torch.ones(k.shape[0], k.shape[2], dtype=torch.bool, device=k.device)
+            keep = real.bool()[:, None, :, None]
+            tail = tuple(torch.where(keep, t.float(), 0.0) for t in (k, phi_k, v)) + (real.bool(),)
+        weights = None
+        if output_attentions:
+            weights = sliding_window_attention_weights(q, k, phi_q, phi_k, self.window, key_mask, True, theta, self.eps)
+        return output, weights, state, tail
+
+    def _attend_full(self, q, k, v, key_mask, state, output_attentions):
+        """GPT-2's causal softmax attention (SDPA) over the cached keys / values and the new ones; returns the output,
+        weights or None and the new cache (keys, values (B, H, T, d), real-token mask (B, T))."""
+        batch, _, n, _ = q.shape
+        real = torch.ones(batch, n, dtype=torch.bool, device=q.device) if key_mask is None else key_mask.bool()
+        if state is not None:
+            k, v = torch.cat([state[0].to(k.dtype), k], dim=2), torch.cat([state[1].to(v.dtype), v], dim=2)
+            real = torch.cat([state[2], real], dim=1)
+        total = k.shape[2]
+        query_positions = torch.arange(total - n, total, device=q.device)[:, None]
+        key_positions = torch.arange(total, device=q.device)[None, :]
+        # causal and real keys only; a (left) pad query keeps its own key, so that no row is empty (its output is
+        # never read)
+        allowed = ((key_positions <= query_positions)[None] & real[:, None, :]) | (key_positions == query_positions)[None]
+        dropout = self.attn_pdrop if self.training else 0.0
+        if output_attentions:
+            scores = torch.matmul(q, k.transpose(-1, -2)) * self.head_dim**-0.5
+            weights = torch.softmax(scores.masked_fill(~allowed[:, None], -torch.inf).float(), dim=-1)
+            output = torch.matmul(torch.nn.functional.dropout(weights, dropout, self.training).to(v.dtype), v)
+        else:
+            weights = None
+            output = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], dropout_p=dropout)
+        return output, weights, (k, v, real)
+
     def attend(self, q, k, v, key_mask, state, use_cache, need_tail, output_attentions, shared_projection):
-        phi_q, phi_k = self.feature_map.pair(q, k, key_mask)
         if state is not None:
             state = tuple(t.to(q.device) for t in state)
+        if self.full_attention:
+            output, weights, state = self._attend_full(q, k, v, key_mask, state, output_attentions)
+            return output, weights, state if use_cache else None, None
+        phi_q, phi_k = self.feature_map.pair(q, k, key_mask)
+        if self.window:
+            output, weights, state, tail = self._attend_window(
+                q, k, v, phi_q, phi_k, key_mask, state, need_tail, output_attentions
+            )
+            return output, weights, state if use_cache else None, tail
         if state is not None and q.shape[2] == 1:
             output, state = recurrent_linear_attention_step(phi_q, phi_k, v, state, key_mask, eps=self.eps)
         else:
@@ -79,6 +163,8 @@ class LinearGPT2PreTrainedModel(GPT2StylePreTrainedModel):
     def _init_weights(self, module):
         super()._init_weights(module)
         init_feature_map(module)
+        if isinstance(module, SlidingWindowFactor):
+            init.zeros_(module.log_factor)  # g = 1: the window's exact terms unweighted
 
     def redraw_random_features(self, generator: torch.Generator | None = None) -> int:
         """Draw new FAVOR+ features in every layer (rank 0's draw on every process); returns the number redrawn."""

@@ -7,6 +7,8 @@ feature map; S, z and the normaliser are float32 under bf16 / fp16.
 
 import torch
 from torch import nn
+from transformers import initialization as init
+
 from .configuration_linear_roberta import LinearRobertaConfig
 from .feature_maps import build_feature_map
 from .linear_attention import bidirectional_linear_attention, linear_attention_weights
@@ -18,6 +20,11 @@ from .modeling_roberta_style import (
     RobertaStyleForTokenClassification,
     RobertaStyleModel,
     RobertaStylePreTrainedModel,
+)
+from .sliding_window_attention import (
+    SlidingWindowFactor,
+    banded_sliding_window_attention,
+    sliding_window_attention_weights,
 )
 from .weight_init import init_feature_map, redraw_random_features
 
@@ -41,6 +48,11 @@ class LinearRobertaSelfAttention(nn.Module):
             config.feature_map, self.num_heads, self.head_dim,
             num_random_features=config.num_random_features, learned_feature_dim=config.learned_feature_dim,
         )
+        # attention_window > 0: exact softmax over the band |i - j| < W, the feature map beyond (one normaliser)
+        self.window = config.attention_window
+        self.chunk_size = config.linear_attention_chunk_size
+        if self.window:
+            self.window_factor = SlidingWindowFactor(self.num_heads)
 
     @staticmethod
     def build_shared_projection(config: LinearRobertaConfig) -> None:
@@ -53,6 +65,17 @@ class LinearRobertaSelfAttention(nn.Module):
     def forward(self, hidden_states, key_mask=None, output_attentions=False, shared_projection=None):
         q, k, v = (self._split_heads(proj(hidden_states)) for proj in (self.query, self.key, self.value))
         phi_q, phi_k = self.feature_map.pair(q, k, key_mask)
+        if self.window:
+            theta = self.window_factor()
+            output = banded_sliding_window_attention(
+                q, k, v, phi_q, phi_k, self.window, key_mask, theta, self.eps, self.chunk_size
+            )
+            weights = None
+            if output_attentions:
+                weights = sliding_window_attention_weights(
+                    q, k, phi_q, phi_k, self.window, key_mask, False, theta, self.eps
+                )
+            return output.transpose(1, 2).reshape(hidden_states.shape), weights
         output = bidirectional_linear_attention(phi_q, phi_k, v, key_mask, eps=self.eps)
         weights = linear_attention_weights(phi_q, phi_k, key_mask, eps=self.eps) if output_attentions else None
         return output.transpose(1, 2).reshape(hidden_states.shape), weights
@@ -68,6 +91,8 @@ class LinearRobertaPreTrainedModel(RobertaStylePreTrainedModel):
     def _init_weights(self, module):
         super()._init_weights(module)
         init_feature_map(module)
+        if isinstance(module, SlidingWindowFactor):
+            init.zeros_(module.log_factor)  # g = 1: the band's exact terms unweighted
 
     def redraw_random_features(self, generator: torch.Generator | None = None) -> int:
         """Draw new FAVOR+ features in every layer (rank 0's draw on every process); returns the number redrawn."""

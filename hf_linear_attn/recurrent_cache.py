@@ -2,6 +2,8 @@
 
 * :class:`LinearAttentionStateLayer` holds the state of causal linear attention, S (B, H, m, d) and z (B, H, m)
   in float32: its size does not depend on the number of tokens seen ("Transformers are RNNs").
+* :class:`SlidingWindowStateLayer` holds that state plus the last W keys / values of window + linear attention.
+* :class:`KeyValueStateLayer` holds the keys and values of a full-attention layer of a hybrid schedule.
 * :class:`BlockLinformerCacheLayer` holds the causal block Linformer's k-row summaries of completed blocks and the
   raw keys / values of the current block: it grows by k rows per block, not by one row per token.
 
@@ -18,6 +20,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .block_linformer import BlockLinformerState, block_linformer_step, empty_block_linformer_state
+from .sliding_window_attention import advance_sliding_window_state, empty_sliding_window_state
 
 
 class RecurrentStateLayer(CacheLayerMixin):
@@ -180,6 +183,64 @@ class LinearAttentionStateLayer(RecurrentStateLayer):
         phi_k, v = (t.float() for t in tail)
         s, z = torch.matmul(phi_k.transpose(-1, -2), v), phi_k.sum(-2)
         return (s, z) if state is None else (state[0] + s, state[1] + z)
+
+
+class SlidingWindowStateLayer(RecurrentStateLayer):
+    """State of window + linear attention: (S, z) of the keys that left the window (float32) and the window itself,
+    keys, phi(keys), values (B, H, W, .) and a valid mask (B, W), oldest first: a fixed size, W slots per layer.
+
+    Rollback tail: keys, phi(k), v (B, H, t, .) (pads zeroed) and the real-token mask (B, t) of the recorded tokens;
+    the state after a prefix of them is the committed state advanced by those tokens (the oldest leave the window
+    into S, z), as the decoder builds it.
+    """
+
+    # Not compiled by generate(), even when asked (a compile_config is then skipped with transformers' warning): its
+    # compiled step is untested; the explicit-state step (DecoderStateStep) compiles and exports.
+    is_compileable = False
+    tail_token_dims = (2, 2, 2, 1)
+
+    def _replay(self, state, tail):
+        keys, phi_keys, values, real = tail
+        if state is None:  # recording started before the first token: the current state gives the window's size
+            batch, heads, _, head_dim = keys.shape
+            state = empty_sliding_window_state(
+                batch, heads, self.state[2].shape[2], head_dim, phi_keys.shape[-1], values.shape[-1], keys.device
+            )
+        return advance_sliding_window_state(state, keys, phi_keys, values, real)
+
+
+class KeyValueStateLayer(RecurrentStateLayer):
+    """Keys, values (B, H, T, d) and the real-token mask (B, T) of every token so far: the cache of a full-attention
+    layer in a hybrid schedule (``layer_types``). It grows by one row per token, as GPT-2's does.
+
+    Rollback needs no record: ``crop(-r)`` drops the last r rows, exactly, at any time.
+    """
+
+    tail_token_dims = (2, 2, 1)
+
+    def update(self, state, num_new_tokens, tail=None, *args, **kwargs):
+        """Store the keys / values after ``num_new_tokens`` more tokens (no rollback tail: crop truncates)."""
+        self.state = state
+        self.seen_tokens += num_new_tokens
+        self.is_initialized = True
+        return state
+
+    @property
+    def is_croppable(self) -> bool:
+        return True
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last ``-tokens_to_remove`` tokens' keys and values (a negative count, as Transformers' caches)."""
+        if tokens_to_remove > 0:
+            raise ValueError(
+                f"Calling crop with a positive value ({tokens_to_remove}) is not supported: pass minus the number of "
+                "tokens to remove, as for every Transformers cache layer."
+            )
+        remove = min(-tokens_to_remove, self.seen_tokens)
+        if remove and self.state is not None:
+            keep = self.state[0].shape[2] - remove
+            self.state = tuple(t.narrow(dim, 0, keep) for t, dim in zip(self.state, self.tail_token_dims))
+        self.seen_tokens -= remove
 
 
 class BlockLinformerCacheLayer(RecurrentStateLayer):

@@ -33,6 +33,10 @@ FAMILY_VARIANTS = {
     "linear-relu": lambda **kw: LinearRobertaConfig(**{**TINY, "feature_map": "relu", **kw}),
     "linear-favor": lambda **kw: LinearRobertaConfig(**{**TINY, "feature_map": "favor", "num_random_features": 32, **kw}),
     "linear-hedgehog": lambda **kw: LinearRobertaConfig(**{**TINY, "feature_map": "hedgehog", **kw}),
+    # band + linear attention: |i - j| < 5 exact, chunks of 4, so the band straddles chunks
+    "linear-window": lambda **kw: LinearRobertaConfig(
+        **{**TINY, "attention_window": 5, "linear_attention_chunk_size": 4, **kw}
+    ),
 }
 
 # GPT-2-shaped decoders; token ids follow the test tokenizer (<s>=0, <pad>=1, </s>=2). A wider init than GPT-2's
@@ -51,6 +55,14 @@ DECODER_VARIANTS = {
         **{**TINY_DECODER, "feature_map": "favor", "num_random_features": 32, "linear_attention_chunk_size": 4, **kw}
     ),
     "linear-hedgehog": lambda **kw: LinearGPT2Config(**{**TINY_DECODER, "feature_map": "hedgehog", **kw}),
+    # window + linear attention: W = 5 with chunks of 4, so windows straddle chunks and short prompts leave it
+    "linear-window": lambda **kw: LinearGPT2Config(
+        **{**TINY_DECODER, "attention_window": 5, "linear_attention_chunk_size": 4, **kw}
+    ),
+    # a hybrid schedule: GPT-2's softmax attention (key/value cache) in layer 0, linear attention in layer 1
+    "linear-hybrid": lambda **kw: LinearGPT2Config(
+        **{**TINY_DECODER, "layer_types": ["full_attention", "linear_attention"], "linear_attention_chunk_size": 8, **kw}
+    ),
     "linformer-none": lambda **kw: LinformerGPT2Config(
         **{**TINY_DECODER, "linformer_k": 4, "linformer_block_size": 8, "linformer_sharing": "none", **kw}
     ),
@@ -104,7 +116,7 @@ def causal_lm(variant, seed=0, **overrides):
     model = transformers.AutoModelForCausalLM.from_config(DECODER_VARIANTS[variant](**overrides)).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if "feature_map" in name:
+            if "feature_map" in name or "window_factor" in name:
                 param.add_(0.1 * torch.randn_like(param))
     return model
 

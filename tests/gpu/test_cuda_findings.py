@@ -6,7 +6,7 @@ from helpers import causal_lm
 from transformers import CompileConfig, GenerationConfig
 
 
-@pytest.mark.parametrize("variant", ["linear-elu", "linformer-headwise"])
+@pytest.mark.parametrize("variant", ["linear-elu", "linear-window", "linear-hybrid", "linformer-headwise"])
 def test_generate_compiles_the_recurrent_decoders_only_when_asked_and_never_with_cuda_graphs(variant, monkeypatch):
     """On CUDA, transformers compiles the decoding step by itself for a compileable cache, with CUDA graphs, whose next
     replay overwrites the state these caches keep between steps (an H200 run failed with "accessing tensor output of

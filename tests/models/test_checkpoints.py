@@ -34,13 +34,14 @@ print(json.dumps(results))
 @pytest.mark.slow
 def test_every_head_of_both_families_loads_in_a_fresh_process(tmp_path):
     cases = []
-    for variant in ("linformer-layerwise", "linformer-none", "linear-favor", "linear-hedgehog"):
+    encoder_variants = ("linformer-layerwise", "linformer-none", "linear-favor", "linear-hedgehog", "linear-window")
+    for variant in encoder_variants:
         for auto in AUTO_HEADS:
             torch.manual_seed(0)
             model = auto.from_config(FAMILY_VARIANTS[variant]()).eval()
             with torch.no_grad():  # make the learned maps non-trivial so a wrong load would show
                 for name, param in model.named_parameters():
-                    if "feature_map" in name:
+                    if "feature_map" in name or "window_factor" in name:
                         param.add_(0.1 * torch.randn_like(param))
             ids = random_ids(2, 12)
             if auto.__name__ == "AutoModelForMultipleChoice":
@@ -62,7 +63,7 @@ def test_every_head_of_both_families_loads_in_a_fresh_process(tmp_path):
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(results) == len(cases) == 24
+    assert len(results) == len(cases) == len(AUTO_HEADS) * len(encoder_variants)
     for path, result in results.items():
         assert result["class"].startswith("transformers_modules."), result  # the copied code, not the package
         assert result["max_diff"] == 0.0, (path, result)
@@ -131,7 +132,8 @@ def test_decoders_load_in_a_fresh_process_and_generate_the_same_tokens(tmp_path)
     prompts = [random_ids(1, 9)[0], random_ids(1, 5, seed=1)[0]]
     ids, mask = left_padded_batch(prompts)
     inputs = {"input_ids": ids, "attention_mask": mask}
-    for variant in ("linear-favor", "linear-hedgehog", "linformer-layerwise", "linformer-none"):
+    variants = ("linear-favor", "linear-hedgehog", "linear-window", "linear-hybrid", "linformer-layerwise", "linformer-none")
+    for variant in variants:
         for auto in (AutoModelForCausalLM, AutoModel, AutoModelForSequenceClassification):
             if auto is AutoModelForCausalLM:
                 model = causal_lm(variant)
@@ -150,7 +152,7 @@ def test_decoders_load_in_a_fresh_process_and_generate_the_same_tokens(tmp_path)
             cases.append({"auto": auto.__name__, "path": str(path), "inputs": str(path / "inputs.pt"),
                           "expected": str(path / "expected.pt")})
             saved = set(os.listdir(path))
-            assert {"modeling_gpt2_style.py", "recurrent_cache.py", "block_linformer.py"} <= saved, saved
+            assert {"modeling_gpt2_style.py", "recurrent_cache.py", "block_linformer.py", "sliding_window_attention.py"} <= saved, saved
             config = json.loads((path / "config.json").read_text())
             assert set(config["auto_map"]) == {
                 "AutoConfig", "AutoModel", "AutoModelForCausalLM", "AutoModelForSequenceClassification"
@@ -162,7 +164,7 @@ def test_decoders_load_in_a_fresh_process_and_generate_the_same_tokens(tmp_path)
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(results) == len(cases) == 12
+    assert len(results) == len(cases) == 3 * len(variants)
     for path, result in results.items():
         assert result["class"].startswith("transformers_modules."), result
         assert result["equal"], (path, result)

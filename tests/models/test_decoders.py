@@ -255,8 +255,9 @@ def test_bf16_weights_and_autocast_stay_close_to_float32(variant):
     assert_close_to_reference(logits)
     # prefill + a step in bf16 matches the bf16 full pass; linear attention keeps its state in float32
     out = low(ids[:, :29], use_cache=True)
-    if variant.startswith("linear"):
-        assert all(layer.state[0].dtype == torch.float32 for layer in out.past_key_values.layers)
+    if variant.startswith("linear"):  # (a hybrid's full-attention layer keeps keys / values in bf16, as GPT-2)
+        assert all(layer.state[0].dtype == torch.float32 for layer in out.past_key_values.layers
+                   if type(layer).__name__ != "KeyValueStateLayer")
     step = low(ids[:, 29:], past_key_values=out.past_key_values).logits
     # Two bf16 computations of one function: the causal Linformer's full pass (fused flash attention) and its step
     # (a masked softmax) round differently; each stays within the float32 bound above (measured 2026-11-24: full

@@ -8,7 +8,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from hf_linear_attn import LinformerGPT2Config, LinformerGPT2ForCausalLM
 
-DECODERS = ["linear-elu", "linear-favor", "linformer-headwise", "linformer-key-value"]
+DECODERS = ["linear-elu", "linear-favor", "linear-window", "linear-hybrid", "linformer-headwise", "linformer-key-value"]
 
 
 def gpt2_and_its_one_block_linformer():
@@ -126,11 +126,14 @@ def test_a_state_without_recording_refuses_to_roll_back_and_says_how():
         cache.crop(-2)
 
 
-@pytest.mark.parametrize("variant", ["linear-elu", "linear-hedgehog", "linformer-headwise", "linformer-layerwise"])
+@pytest.mark.parametrize(
+    "variant", ["linear-elu", "linear-hedgehog", "linear-window", "linear-hybrid", "linformer-headwise", "linformer-layerwise"]
+)
 def test_assisted_greedy_equals_plain_greedy_token_for_token(variant):
     """A different (smaller-seed) draft of the same family proposes tokens; the target's verified output must be
     exactly its own greedy output. generate() allows assisted decoding for one sequence at a time only."""
-    model, draft = causal_lm(variant), causal_lm(variant, seed=1, n_layer=1)
+    one_layer = {"layer_types": ["full_attention"]} if variant == "linear-hybrid" else {}  # the schedule's length
+    model, draft = causal_lm(variant), causal_lm(variant, seed=1, n_layer=1, **one_layer)
     prompt = random_ids(1, 9)
     plain = model.generate(prompt, max_new_tokens=30, min_new_tokens=30, do_sample=False, pad_token_id=1)
     assisted = model.generate(prompt, max_new_tokens=30, min_new_tokens=30, do_sample=False, pad_token_id=1,

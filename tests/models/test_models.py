@@ -124,7 +124,7 @@ def test_padded_batch_equals_one_by_one(variant):
                 torch.testing.assert_close(left[i, 20 - len(row):], batched[i, : len(row)], atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("variant", ["linformer-none", "linformer-layerwise", "linear-favor", "linear-hedgehog"])
+@pytest.mark.parametrize("variant", ["linformer-none", "linformer-layerwise", "linear-favor", "linear-hedgehog", "linear-window"])
 def test_every_head_runs_trains_and_reports_attentions(variant):
     config = FAMILY_VARIANTS[variant]()  # num_labels = 2, as QA heads need
     ids = random_ids(2, 16)

@@ -20,9 +20,9 @@ ENCODERS = (
     "linformer_k128", "linformer_k128_rows", "linformer_k256", "linformer_k256_rows",
     "linear_elu", "linear_favor", "linear_hedgehog",
 )
-DECODERS = ("gpt2_sdpa", "reformer_lsh", "linear_gpt2", "linformer_gpt2")
+DECODERS = ("gpt2_sdpa", "reformer_lsh", "linear_gpt2", "linear_gpt2_window", "linformer_gpt2")
 OURS = {"linformer_k128", "linformer_k128_rows", "linformer_k256", "linformer_k256_rows", "linear_elu",
-        "linear_favor", "linear_hedgehog", "linear_gpt2", "linformer_gpt2"}
+        "linear_favor", "linear_hedgehog", "linear_gpt2", "linear_gpt2_window", "linformer_gpt2"}
 
 LABELS = {
     "roberta_sdpa": "Transformer (RoBERTa, SDPA)", "longformer": "Longformer", "bigbird": "BigBird (block sparse)",
@@ -32,7 +32,8 @@ LABELS = {
     "linear_elu": "Linear attention (elu+1)", "linear_favor": "Linear attention (FAVOR+)",
     "linear_hedgehog": "Linear attention (hedgehog)",
     "gpt2_sdpa": "GPT-2 (softmax, SDPA)", "reformer_lsh": "Reformer (causal LSH)",
-    "linear_gpt2": "linear_gpt2 (elu+1)", "linformer_gpt2": "linformer_gpt2 (causal block Linformer)",
+    "linear_gpt2": "linear_gpt2 (elu+1)", "linear_gpt2_window": "linear_gpt2 (elu+1, softmax window 64)",
+    "linformer_gpt2": "linformer_gpt2 (causal block Linformer)",
 }
 
 
@@ -218,6 +219,8 @@ def decoder_settings(name: str, n: int) -> dict:
         return {"linformer_block_size": block, "linformer_k": block // 4}
     if name == "linear_gpt2":
         return {"feature_map": "elu", "linear_attention_chunk_size": min(64, n)}
+    if name == "linear_gpt2_window":  # issue 41: exact softmax over the last 64 keys (LoLCATs' window), elu + 1 beyond
+        return {"feature_map": "elu", "linear_attention_chunk_size": min(64, n), "attention_window": min(64, n)}
     return {}
 
 
@@ -234,7 +237,7 @@ def build_decoder(name: str, dims: Dims, n: int, vocab_size: int, dropout: float
                attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=1)
     if name == "gpt2_sdpa":
         return tf.GPT2LMHeadModel._from_config(tf.GPT2Config(**gpt), attn_implementation="sdpa")
-    if name == "linear_gpt2":
+    if name in ("linear_gpt2", "linear_gpt2_window"):
         return ours.LinearGPT2ForCausalLM(ours.LinearGPT2Config(**gpt, **s))
     if name == "linformer_gpt2":
         return ours.LinformerGPT2ForCausalLM(ours.LinformerGPT2Config(**gpt, **s))

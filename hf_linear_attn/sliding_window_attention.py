@@ -1,0 +1,424 @@
+"""Sliding-window softmax + linear attention with one shared normaliser (layer 1: torch only, no transformers import).
+
+For query i, exact exponential terms for the keys inside the window and feature-map terms for every key outside it,
+over ONE normaliser (the LoLCATs combination, Zhang et al. 2024):
+
+    y_i = (sum_{j in win(i)} g exp(s_ij) v_j + sum_{j out(i)} phi(q_i).phi(k_j) v_j)
+          / (sum_{j in win(i)} g exp(s_ij)   + sum_{j out(i)} phi(q_i).phi(k_j) + eps),     s_ij = q_i.k_j / sqrt(d)
+
+causal: win(i) = the last W keys (i - W < j <= i), out(i) = every earlier key (j <= i - W);
+band (bidirectional): win(i) = |i - j| < W (2W - 1 keys), out(i) = |i - j| >= W.
+g = exp(theta_h) is a learned per-head factor (``log_factor`` theta, (H,)).
+
+**The stabiliser cancels.** Every term, exact and feature-map alike, and eps are multiplied by exp(-c_i) with
+c_i = max(max_{j in win(i)} s_ij + theta_h, log(sum_{j out(i)} phi(q_i).phi(k_j) + eps)): every term is then <= 1
+and the normaliser >= 1 (no overflow, and no lone very negative score underflowing to 0 / 0), and the output is the
+unstabilised formula above, exactly. LoLCATs subtracts the window's maximum from the
+exact terms only, which makes the balance between window and history depend on the largest window score; here it is
+a function of the scores alone: with a window covering the whole sequence and g = 1 it is softmax attention, and with
+a feature map whose phi(q).phi(k) equals exp(s) it is softmax attention at any window.
+
+**The factor.** g = exp(theta), theta initialised to 0 (g = 1: the formula above, unweighted), rather than LoLCATs'
+sigmoid (g in (0, 1), initialised to 1/2): with elu + 1 a key outside the window weighs phi(q).phi(k) ~ m (the feature
+width) at init against exp(s) ~ 1 inside it, so the model must be able to raise the window's weight, not only lower
+it. It adds theta to the window's scores, so it costs nothing.
+
+Padding: pad keys are removed after the feature map (``torch.where``, as in :mod:`linear_attention`) and excluded
+from the window's scores and its maximum; a query whose window holds no real key (a pad query) gets c = 0.
+
+Forms, all float32 with autocast off (the output in V's dtype):
+
+* :func:`causal_sliding_window_attention` / :func:`banded_sliding_window_attention`: chunked, linear in n. Chunks of C
+  positions; each chunk's queries take exact scores over their own chunk and the L = ceil((W - 1) / C) chunks on each
+  side that can hold window keys (masked to the window; the same block's keys outside the window go through phi),
+  and the float32 state phi(K)^T [V, 1] of every chunk beyond those (an exclusive prefix sum over chunks; the band
+  adds a suffix sum). Work O(n (L + 1) C (d + m)), memory O(n ((L + 1) C + m d / C)); autograd's backward.
+* :func:`sliding_window_attention_step`: one decoding step on the window's keys / values (a buffer of W, shifted by
+  one slot per token) and the linear state of the keys that left it: constant memory and work per token.
+* :func:`sliding_window_attention_weights`: the n x n matrix applied implicitly (quadratic; ``output_attentions``).
+
+The decoding state is (S (B, H, m, d_v), z (B, H, m), keys (B, H, W, d), phi(keys) (B, H, W, m), values
+(B, H, W, d_v), valid (B, W) bool): S, z the sums over the keys that left the window, the rest the window, oldest
+first. The buffer shifts by one slot per token instead of writing at a moving index: a ring index would have to be
+carried in the exported state, while the shift is O(W d) per token, what the step's scores over the window cost
+anyway.
+"""
+
+import torch
+from torch import nn
+
+
+class SlidingWindowFactor(nn.Module):
+    """The learned per-head factor of the window's exact terms, g = exp(log_factor), log_factor (H,); 0 at init."""
+
+    def __init__(self, num_heads: int):
+        super().__init__()
+        self.log_factor = nn.Parameter(torch.zeros(num_heads))
+
+    def forward(self) -> torch.Tensor:
+        """theta (H,), what the attention functions take as ``log_factor``."""
+        return self.log_factor
+
+
+def _no_autocast(tensor: torch.Tensor):
+    return torch.autocast(device_type=tensor.device.type, enabled=False)
+
+
+def _head_bias(log_factor: torch.Tensor | None, heads: int, ndim: int, like: torch.Tensor) -> torch.Tensor:
+    """theta (H,) shaped to broadcast against scores whose head axis is 1 (zeros without a factor)."""
+    if log_factor is None:
+        return like.new_zeros(())
+    return log_factor.float().view(1, heads, *([1] * (ndim - 2)))
+
+
+def _masked_inputs(q, k, v, phi_q, phi_k, key_mask):
+    """float32 q, k, v, phi(Q), phi(K) with pad rows of K, phi(K) and V zeroed (``torch.where``: 0 x NaN stays NaN),
+    and the (B, n) bool mask of real keys."""
+    q, k, v, phi_q, phi_k = (t.float() for t in (q, k, v, phi_q, phi_k))
+    if key_mask is None:
+        valid = torch.ones(k.shape[0], k.shape[2], dtype=torch.bool, device=k.device)
+    else:
+        valid = key_mask.bool()
+        keep = valid[:, None, :, None]
+        # keys too: the window's buffer then holds zeros in pad slots, as a row alone holds in its empty slots
+        k, phi_k, v = torch.where(keep, k, 0.0), torch.where(keep, phi_k, 0.0), torch.where(keep, v, 0.0)
+    return q, k, v, phi_q, phi_k, valid
+
+
+def _with_ones(v: torch.Tensor) -> torch.Tensor:
+    """[V, 1]: one product gives the numerator and the normaliser."""
+    return torch.cat([v, v.new_ones(*v.shape[:-1], 1)], dim=-1)
+
+
+def _stabiliser(scores: torch.Tensor, linear_normaliser: torch.Tensor, eps: float) -> torch.Tensor:
+    """c_i = max(max_j s_ij + theta, log(linear normaliser + eps)) over the window's scores (last axis; -inf where
+    masked) and the feature-map part's normaliser (..., 1). Every exact term exp(s - c) and the feature-map part times
+    exp(-c) are then <= 1 and the normaliser >= 1: neither overflow nor a lone very negative score underflowing to a
+    0 / 0. It multiplies every term and eps, so it cancels; no gradient flows through it."""
+    stabiliser = torch.maximum(scores.amax(-1, keepdim=True), torch.log(linear_normaliser + eps)).detach()
+    return torch.where(torch.isfinite(stabiliser), stabiliser, 0.0)  # no key at all (a pad query) and eps = 0
+
+
+def check_window(window: int) -> None:
+    """Raise a ValueError unless ``window`` is a positive int."""
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"window must be a positive integer (the number of keys attended exactly), got {window!r}.")
+
+
+def check_window_options(attention_window, longest: int, longest_name: str, feature_map: str) -> None:
+    """Raise a ValueError naming the fix for a config's ``attention_window`` (0: off): a negative or non-int value, a
+    window longer than the positions the model has (``longest``, named ``longest_name``), or a feature map whose
+    phi(q).phi(k) is not a fixed kernel."""
+    if isinstance(attention_window, bool) or not isinstance(attention_window, int) or attention_window < 0:
+        raise ValueError(
+            f"attention_window must be an integer >= 0 (0: plain linear attention, W > 0: exact softmax over the last "
+            f"W keys), got {attention_window!r}."
+        )
+    if attention_window > longest:
+        raise ValueError(
+            f"attention_window={attention_window} is larger than the positions this model has ({longest_name} = "
+            f"{longest}): it would hold keys that never exist (already at {longest} no key ever leaves it: softmax "
+            f"attention at quadratic cost). Use a window of at most {longest}, in practice far below (LoLCATs: 64)."
+        )
+    if attention_window and feature_map == "favor":
+        raise ValueError(
+            "attention_window cannot be combined with feature_map='favor': FAVOR+'s stabilisers multiply phi(q).phi(k) "
+            "by a per-query constant, which cancels in plain linear attention but not against the window's exact "
+            "exp terms, so the balance between window and history would depend on the data. Use 'elu', 'relu' or "
+            "'hedgehog' with a window."
+        )
+
+
+def _chunked_form(q, k, v1, phi_q, phi_k, valid, window, causal, log_factor, eps, chunk, far_state=None):
+    """Outputs (B, H, P, d_v) of the combination for every position, in chunks (see the module docstring).
+
+    q, k (B, H, P, d); v1 = [V, 1] (B, H, P, d_v + 1); phi_q, phi_k (B, H, P, m) with pad rows of phi(K) zeroed;
+    valid (B, P); far_state (B, H, m, d_v + 1): [S, z] of keys before position 0, linear for every query (causal).
+    """
+    batch, heads, p, d = q.shape
+    dv1 = v1.shape[-1]
+    c = max(1, min(chunk, p))
+    lookback = -(-(window - 1) // c)  # L chunks on each side can hold window keys
+    back = -p % c
+    chunks = (p + back) // c
+    front, tail = lookback * c, back + (0 if causal else lookback * c)
+
+    def pad(t, before, after):
+        return torch.nn.functional.pad(t, (0, 0, before, after))
+
+    span = lookback + 1 if causal else 2 * lookback + 1
+
+    def local(t):
+        """(B, H, P, x) -> (B, H, N, span * C, x): the keys of chunks c - L .. c (+ L) for every chunk c."""
+        padded = pad(t, front, tail).view(batch, heads, chunks + span - 1, c, t.shape[-1])
+        return torch.cat([padded[:, :, i : i + chunks] for i in range(span)], dim=3)
+
+    q_c = pad(q, 0, back).view(batch, heads, chunks, c, d)
+    phi_q_c = pad(phi_q, 0, back).view(batch, heads, chunks, c, phi_q.shape[-1])
+    k_loc, v_loc, phi_k_loc = local(k), local(v1), local(phi_k)
+    valid_loc = torch.nn.functional.pad(valid, (front, tail)).view(batch, chunks + span - 1, c)
+    valid_loc = torch.cat([valid_loc[:, i : i + chunks] for i in range(span)], dim=2)[:, None, :, None, :]
+
+    # i - j for query a of chunk c and local key b: L C + a - b, the same for every chunk.
+    rel = lookback * c + torch.arange(c, device=q.device)[:, None] - torch.arange(span * c, device=q.device)
+    in_window = ((rel >= 0) & (rel < window)) if causal else (rel.abs() < window)
+    outside = (rel >= window) if causal else (rel.abs() >= window)
+
+    scores = torch.matmul(q_c, k_loc.transpose(-1, -2)) * d**-0.5 + _head_bias(log_factor, heads, 5, q)
+    scores = scores.masked_fill(~(in_window & valid_loc), -torch.inf)
+    linear = torch.where(outside, torch.matmul(phi_q_c, phi_k_loc.transpose(-1, -2)), 0.0)
+
+    # Keys of chunks beyond the local ones: per-chunk states, summed over chunks < c - L (and > c + L).
+    chunk_states = torch.matmul(
+        pad(phi_k, 0, back).view(batch, heads, chunks, c, -1).transpose(-1, -2),
+        pad(v1, 0, back).view(batch, heads, chunks, c, dv1),
+    )  # (B, H, N, m, d_v + 1)
+    zeros = chunk_states.new_zeros(batch, heads, lookback + 1, *chunk_states.shape[-2:])
+    # exclusive prefix sums, summed directly (an inclusive sum minus a chunk's own state would cancel catastrophically)
+    far = torch.cumsum(torch.cat([zeros, chunk_states], dim=2), dim=2)[:, :, :chunks]
+    if not causal:
+        after = torch.cumsum(torch.cat([zeros, chunk_states.flip(2)], dim=2), dim=2)[:, :, :chunks].flip(2)
+        far = far + after
+    if far_state is not None:
+        far = far + far_state.float().unsqueeze(2)
+    linear_normaliser = linear.sum(-1, keepdim=True) + torch.matmul(phi_q_c, far[..., -1:])
+    stabiliser = _stabiliser(scores, linear_normaliser, eps)
+    scale = torch.exp(-stabiliser)
+    weights = torch.exp(scores - stabiliser) + linear * scale
+    out = torch.matmul(weights, v_loc) + torch.matmul(phi_q_c, far) * scale  # (B, H, N, C, d_v + 1)
+    y = out[..., :-1] / (out[..., -1:] + eps * scale)
+    return y.reshape(batch, heads, chunks * c, dv1 - 1)[:, :, :p]
+
+
+def _quadratic_form(q, k, v1, phi_q, phi_k, valid, window, causal, log_factor, eps, far_state=None):
+    """The same outputs as :func:`_chunked_form` from the explicit n x n weights (float32, O(P^2) memory).
+
+    Its shapes are P or fixed (no padding to whole chunks), so torch.export keeps P dynamic: the prompt pass takes it
+    under export. Also the form behind :func:`sliding_window_attention_weights`.
+    """
+    far_z = None if far_state is None else far_state[..., -1]
+    weights, scale = _quadratic_weights(q, k, phi_q, phi_k, valid, window, causal, log_factor, eps, far_z)
+    out = torch.matmul(weights, v1)
+    if far_state is not None:
+        out = out + torch.matmul(phi_q, far_state.float()) * scale
+    return out[..., :-1] / (out[..., -1:] + eps * scale)
+
+
+def _quadratic_weights(q, k, phi_q, phi_k, valid, window, causal, log_factor, eps, far_z=None):
+    """Unnormalised stabilised weights (B, H, P, P) and the per-query factor exp(-c) (B, H, P, 1)."""
+    p = q.shape[2]
+    positions = torch.arange(p, device=q.device)
+    rel = positions[:, None] - positions[None, :]
+    in_window = ((rel >= 0) & (rel < window)) if causal else (rel.abs() < window)
+    outside = (rel >= window) if causal else (rel.abs() >= window)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * q.shape[-1] ** -0.5 + _head_bias(log_factor, q.shape[1], 4, q)
+    scores = scores.masked_fill(~(in_window & valid[:, None, None, :]), -torch.inf)
+    linear = torch.where(outside, torch.matmul(phi_q, phi_k.transpose(-1, -2)), 0.0)
+    linear_normaliser = linear.sum(-1, keepdim=True)
+    if far_z is not None:
+        linear_normaliser = linear_normaliser + torch.matmul(phi_q, far_z.float().unsqueeze(-1))
+    stabiliser = _stabiliser(scores, linear_normaliser, eps)
+    scale = torch.exp(-stabiliser)
+    return torch.exp(scores - stabiliser) + linear * scale, scale
+
+
+def _last_window(t: torch.Tensor, window: int, dim: int) -> torch.Tensor:
+    """The last ``window`` entries of ``t`` along ``dim``, zero (or False) filled in front when it has fewer.
+
+    Always padded first, then sliced: no shape condition on the length (torch.export keeps it dynamic).
+    """
+    shape = list(t.shape)
+    shape[dim] = window
+    padded = torch.cat([t.new_zeros(shape), t], dim=dim)
+    return padded.narrow(dim, padded.shape[dim] - window, window)
+
+
+def empty_sliding_window_state(
+    batch: int, heads: int, window: int, head_dim: int, feature_dim: int, value_dim: int, device=None
+) -> tuple[torch.Tensor, ...]:
+    """The state before any token: zeros (S, z, keys, phi(keys), values) in float32 and an all-False valid mask."""
+    zeros = lambda *shape: torch.zeros(*shape, device=device)  # noqa: E731
+    return (
+        zeros(batch, heads, feature_dim, value_dim),
+        zeros(batch, heads, feature_dim),
+        zeros(batch, heads, window, head_dim),
+        zeros(batch, heads, window, feature_dim),
+        zeros(batch, heads, window, value_dim),
+        torch.zeros(batch, window, dtype=torch.bool, device=device),
+    )
+
+
+def advance_sliding_window_state(state, keys, phi_keys, values, valid):
+    """The state after more tokens, without outputs: keys (B, H, t, d), phi_keys (B, H, t, m) and values
+    (B, H, t, d_v) with pad rows zeroed, valid (B, t). Rebuilds the state for rollback (``crop``)."""
+    s, z, k_w, phi_w, v_w, valid_w = state
+    window = k_w.shape[2]
+    keys, phi_keys, values = (torch.cat([old, new.float()], dim=2) for old, new in ((k_w, keys), (phi_w, phi_keys), (v_w, values)))
+    valid = torch.cat([valid_w, valid.bool()], dim=1)
+    leaving = keys.shape[2] - window  # the oldest ones leave the window, into the linear state
+    s = s + torch.matmul(phi_keys[:, :, :leaving].transpose(-1, -2), values[:, :, :leaving])
+    z = z + phi_keys[:, :, :leaving].sum(-2)
+    return s, z, keys[:, :, leaving:], phi_keys[:, :, leaving:], values[:, :, leaving:], valid[:, leaving:]
+
+
+def _causal_forward(q, k, v, phi_q, phi_k, window, key_mask, log_factor, eps, chunk_size, state, quadratic):
+    """Shared body of the causal entry point (float32, autocast off); see :func:`causal_sliding_window_attention`."""
+    q, k, v, phi_q, phi_k, valid = _masked_inputs(q, k, v, phi_q, phi_k, key_mask)
+    batch, heads, n, _ = q.shape
+    far_state = None
+    if state is not None:
+        # The window's keys become the first W positions; their queries are placeholders whose outputs are dropped.
+        s0, z0, k_w, phi_w, v_w, valid_w = state
+        past = k_w.shape[2]
+        if past != window:
+            raise ValueError(f"The state holds a window of {past} keys, the call asks for {window}.")
+        k, phi_k, v = (torch.cat([a.float(), b], dim=2) for a, b in ((k_w, k), (phi_w, phi_k), (v_w, v)))
+        q = torch.cat([q.new_zeros(batch, heads, past, q.shape[-1]), q], dim=2)
+        phi_q = torch.cat([phi_q.new_zeros(batch, heads, past, phi_q.shape[-1]), phi_q], dim=2)
+        valid = torch.cat([valid_w.bool(), valid], dim=1)
+        far_state = torch.cat([s0.float(), z0.float().unsqueeze(-1)], dim=-1)
+    v1 = _with_ones(v)
+    if quadratic:
+        y = _quadratic_form(q, k, v1, phi_q, phi_k, valid, window, True, log_factor, eps, far_state)
+    else:
+        y = _chunked_form(q, k, v1, phi_q, phi_k, valid, window, True, log_factor, eps, chunk_size, far_state)
+    y = y[:, :, y.shape[2] - n :]
+    # Final state: every key but the last W leaves the window (a mask, not a slice: no shape condition on n).
+    p = k.shape[2]
+    leaving = (torch.arange(p, device=k.device) < p - window)[None, None, :, None]
+    final = torch.matmul(torch.where(leaving, phi_k, 0.0).transpose(-1, -2), v1)
+    if far_state is not None:
+        final = final + far_state
+    new_state = (
+        final[..., :-1].contiguous(),
+        final[..., -1].contiguous(),
+        _last_window(k, window, 2),
+        _last_window(phi_k, window, 2),
+        _last_window(v, window, 2),
+        _last_window(valid, window, 1),
+    )
+    return y, new_state
+
+
+def causal_sliding_window_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    phi_q: torch.Tensor,
+    phi_k: torch.Tensor,
+    window: int,
+    key_mask: torch.Tensor | None = None,
+    log_factor: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    chunk_size: int = 64,
+    state: tuple[torch.Tensor, ...] | None = None,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """Causal window + linear attention, chunked: q, k (B, H, n, d), v (B, H, n, d_v), phi_q, phi_k (B, H, n, m),
+    key_mask (B, n) -> outputs (B, H, n, d_v) and the decoding state after the n tokens (see the module docstring).
+
+    ``state`` continues from an earlier call or step (prefill, then decoding); ``log_factor`` theta (H,) or None
+    (g = 1). Under torch.export the quadratic form runs instead (its shapes keep n dynamic).
+    """
+    check_window(window)
+    out_dtype = v.dtype
+    with _no_autocast(v):
+        y, new_state = _causal_forward(
+            q, k, v, phi_q, phi_k, window, key_mask, log_factor, eps, chunk_size, state,
+            quadratic=torch.compiler.is_exporting(),
+        )
+    return y.to(out_dtype), new_state
+
+
+def banded_sliding_window_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    phi_q: torch.Tensor,
+    phi_k: torch.Tensor,
+    window: int,
+    key_mask: torch.Tensor | None = None,
+    log_factor: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    chunk_size: int = 64,
+) -> torch.Tensor:
+    """Bidirectional band + linear attention, chunked: exact terms for |i - j| < W, feature-map terms beyond, one
+    normaliser. q, k (B, H, n, d), v (B, H, n, d_v), phi_q, phi_k (B, H, n, m), key_mask (B, n) -> (B, H, n, d_v)."""
+    check_window(window)
+    out_dtype = v.dtype
+    with _no_autocast(v):
+        q, k, v, phi_q, phi_k, valid = _masked_inputs(q, k, v, phi_q, phi_k, key_mask)
+        y = _chunked_form(q, k, _with_ones(v), phi_q, phi_k, valid, window, False, log_factor, eps, chunk_size)
+    return y.to(out_dtype)
+
+
+def sliding_window_attention_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    phi_q: torch.Tensor,
+    phi_k: torch.Tensor,
+    state: tuple[torch.Tensor, ...],
+    key_mask: torch.Tensor | None = None,
+    log_factor: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """One decoding step: q, k (B, H, 1, d), v (B, H, 1, d_v), phi_q, phi_k (B, H, 1, m), key_mask (B, 1), state ->
+    y (B, H, 1, d_v) and the new state. The oldest window slot moves into (S, z); the new key takes the last slot."""
+    out_dtype = v.dtype
+    with _no_autocast(v):
+        q, k, v, phi_q, phi_k, valid = _masked_inputs(q, k, v, phi_q, phi_k, key_mask)
+        s, z, k_w, phi_w, v_w, valid_w = state
+        # Broadcast products instead of matmuls: batched matmuls with a dimension of 1 hit slow paths on CPU.
+        s = s.float() + phi_w[:, :, 0, :, None].float() * v_w[:, :, 0, None, :].float()  # the leaving key's phi(k) v^T
+        z = z.float() + phi_w[:, :, 0].float()
+        k_w = torch.cat([k_w[:, :, 1:].float(), k], dim=2)
+        phi_w = torch.cat([phi_w[:, :, 1:].float(), phi_k], dim=2)
+        v_w = torch.cat([v_w[:, :, 1:].float(), v], dim=2)
+        valid_w = torch.cat([valid_w[:, 1:].bool(), valid], dim=1)
+        heads = q.shape[1]
+        scores = (q * k_w).sum(-1) * q.shape[-1] ** -0.5 + _head_bias(log_factor, heads, 3, q)  # (B, H, W)
+        scores = scores.masked_fill(~valid_w[:, None, :], -torch.inf)
+        linear_normaliser = (phi_q.squeeze(2) * z).sum(-1, keepdim=True)  # (B, H, 1)
+        stabiliser = _stabiliser(scores, linear_normaliser, eps)
+        scale = torch.exp(-stabiliser)
+        weights = torch.exp(scores - stabiliser)
+        numerator = (weights[..., None] * v_w).sum(-2) + (phi_q.transpose(-1, -2) * s).sum(-2) * scale
+        normaliser = weights.sum(-1, keepdim=True) + linear_normaliser * scale
+        y = (numerator / (normaliser + eps * scale)).unsqueeze(2)
+    return y.to(out_dtype), (s, z, k_w, phi_w, v_w, valid_w)
+
+
+def sliding_window_attention_weights(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    phi_q: torch.Tensor,
+    phi_k: torch.Tensor,
+    window: int,
+    key_mask: torch.Tensor | None = None,
+    causal: bool = True,
+    log_factor: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """The n x n matrix the combination applies implicitly: (B, H, n, n) float32, rows summing to ~1.
+
+    Quadratic in n: for ``output_attentions`` and distillation, never for the forward pass itself.
+    """
+    check_window(window)
+    with _no_autocast(q):
+        v = q.new_zeros(*q.shape[:-1], 1)
+        q, k, _, phi_q, phi_k, valid = _masked_inputs(q, k, v, phi_q, phi_k, key_mask)
+        weights, scale = _quadratic_weights(q, k, phi_q, phi_k, valid, window, causal, log_factor, eps)
+        return weights / (weights.sum(-1, keepdim=True) + eps * scale)
+
+
+__all__ = [
+    "SlidingWindowFactor",
+    "advance_sliding_window_state",
+    "banded_sliding_window_attention",
+    "causal_sliding_window_attention",
+    "check_window",
+    "check_window_options",
+    "empty_sliding_window_state",
+    "sliding_window_attention_step",
+    "sliding_window_attention_weights",
+]
