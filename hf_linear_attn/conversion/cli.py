@@ -1,5 +1,6 @@
 """The conversion script's run: convert, optionally distill the new parts and extend the length, then save."""
 
+import copy
 import json
 import shutil
 import time
@@ -61,6 +62,16 @@ class ConvertArguments(HubArguments):
     overwrite_output_dir: bool = field(default=False)
 
 
+def _framing_tokenizer(tokenizer):
+    """The tokenizer to pack distillation rows with: BERT's WordPiece tokenizers frame a text as [CLS] ... [SEP] and
+    have no bos / eos, which packing reads, so a copy uses [CLS] / [SEP] as both (the saved tokenizer is unchanged)."""
+    if tokenizer.bos_token_id is None and tokenizer.eos_token_id is None and tokenizer.cls_token_id is not None \
+            and tokenizer.sep_token_id is not None:
+        tokenizer = copy.deepcopy(tokenizer)
+        tokenizer.bos_token, tokenizer.eos_token = tokenizer.cls_token, tokenizer.sep_token
+    return tokenizer
+
+
 def _rows(args, tokenizer, objective: str):
     """(train rows, validation rows, where the validation text came from): rows of distill_max_length tokens
     packed from the distillation corpus."""
@@ -69,7 +80,7 @@ def _rows(args, tokenizer, objective: str):
     corpus, validation_source = load_text_corpus(args.dataset_name, args.dataset_config_name, args.train_file,
                                                  args.validation_file, args.text_column,
                                                  args.validation_split_percentage, args.seed)
-    packed = pack_corpus(corpus, tokenizer, args.distill_max_length, objective)
+    packed = pack_corpus(corpus, _framing_tokenizer(tokenizer), args.distill_max_length, objective)
     train, validation = (packed[split].with_format("torch")[:]["input_ids"] for split in ("train", "validation"))
     return train, validation[: args.eval_rows], validation_source
 
