@@ -314,3 +314,18 @@ def test_real_minilm_converts_exactly_and_its_linformer_with_identity_projection
     assert proc.returncode == 0, proc.stderr[-2000:]
     name, tokenizer_name, labels = proc.stdout.split()[-3:]
     assert (name, labels) == ("LinformerForSequenceClassification", "2") and tokenizer_name.startswith("BertTokenizer")
+
+
+def test_distillation_reads_text_with_a_wordpiece_tokenizer(tmp_path):
+    """BERT's tokenizer has no bos / eos: distillation rows are framed [CLS] ... [SEP] instead of being refused."""
+    folder, _ = bert_folder(tmp_path)
+    lines = [" ".join(f"w{(7 * i + j) % 100}" for j in range(40)) for i in range(60)]
+    (tmp_path / "train.txt").write_text("\n".join(lines[:50]) + "\n")
+    (tmp_path / "valid.txt").write_text("\n".join(lines[50:]) + "\n")
+    report = convert_script.main([
+        "--model_name_or_path", str(folder), "--target", "linear_roberta", "--feature_map", "hedgehog",
+        "--distill_steps", "2", "--distill_batch_size", "2", "--distill_max_length", "16", "--eval_rows", "4",
+        "--train_file", str(tmp_path / "train.txt"), "--validation_file", str(tmp_path / "valid.txt"),
+        "--output_dir", str(tmp_path / "distilled")])
+    assert report["distillation"]["steps"] == 2 and report["distillation"]["mode"] == "attention"
+    assert BertTokenizerFast.from_pretrained(tmp_path / "distilled").bos_token is None  # the saved one unchanged
