@@ -219,6 +219,23 @@ def render_markdown(preset_name: str, preset: dict, results: dict, meta: dict) -
     return "\n".join(lines)
 
 
+def _majority(preset: dict, seeds: list[int], root: Path, cache: Path) -> dict:
+    """{task: {"share", "rows"}}: the commonest label's share of the evaluation rows, averaged over the seeds (IMDB's
+    held-out rows follow the seed). Reading the data takes minutes on busy cores, so it is kept in `cache`, keyed by
+    the task entries and seeds it was computed for."""
+    key = json.dumps({"finetune": preset["finetune"], "seeds": seeds}, sort_keys=True)
+    if cache.is_file():
+        stored = json.loads(cache.read_text())
+        if stored.get("key") == key:
+            return stored["majority"]
+    majority = {}
+    for task, entry in preset["finetune"].items():
+        shares = [majority_share(entry, seed, root) for seed in seeds]
+        majority[task] = {"share": statistics.fmean(share for share, _ in shares), "rows": shares[0][1]}
+    cache.write_text(json.dumps({"key": key, "majority": majority}, indent=2))
+    return majority
+
+
 def run(preset_path: Path, root: Path, output_dir=None, seeds=None, tasks=None, models=None, dry_run=False,
         report_only=False, max_stages=None, argv=None, results_dir=None) -> dict:
     """Run (or reuse) the preset's stages in order, rewriting results.json / results.md after each one (in the
@@ -238,10 +255,7 @@ def run(preset_path: Path, root: Path, output_dir=None, seeds=None, tasks=None, 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit("stopped (SIGTERM); rerun the same command to continue"))
     command = "python scripts/pretrained.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     seeds_used = list(seeds or preset["seeds"])
-    majority = {}
-    for task, entry in preset["finetune"].items():
-        shares = [majority_share(entry, seed, root) for seed in seeds_used]
-        majority[task] = {"share": statistics.fmean(share for share, _ in shares), "rows": shares[0][1]}
+    majority = _majority(preset, seeds_used, root, output_dir / "majority.json")
     records, ran = {}, 0
 
     def report() -> dict:

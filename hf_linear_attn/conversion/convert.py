@@ -151,9 +151,6 @@ def check_source(config, target: str) -> None:
             "converted encoders learn absolute positions only, so its relative-distance weights would be dropped and "
             "every attention score would change. Convert a checkpoint with position_embedding_type='absolute'."
         )
-    if config.model_type in BERT_LAYOUT and getattr(config, "hidden_act", "gelu") != "gelu":
-        raise UsageError(  # RoBERTa's masked-LM head, which the targets keep, applies gelu whatever hidden_act says
-            f"The source's hidden_act is {config.hidden_act!r}; BERT-layout sources convert with 'gelu' only.")
     _check_source(config, family, target)
 
 
@@ -258,6 +255,10 @@ def convert(source, target: str, head: str = "auto", **options):
     config = target_config(source.config, target, **options)
     if head not in _heads_of(config):
         raise UsageError(f"{target} has no {head} head; choose one of {', '.join(_heads_of(config))}.")
+    if head == "masked-lm" and source.config.model_type in BERT_LAYOUT and source.config.hidden_act != "gelu":
+        raise UsageError(  # RoBERTa's masked-LM head, which the targets keep, applies gelu whatever hidden_act says
+            f"The source's hidden_act is {source.config.hidden_act!r}, which BERT's masked-LM head applies and the "
+            "converted head (RoBERTa's, gelu) does not; convert another head (e.g. --head base) or a gelu checkpoint.")
     model = HEADS[head].from_config(config)
     report = copy_shared_weights(source, model, not_in_checkpoint=set(missing))
     report.source, report.head = getattr(source, "name_or_path", "") or "<model>", head
