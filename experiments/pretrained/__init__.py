@@ -17,6 +17,7 @@ on where the last sitting stopped.
 
 import importlib.util
 import json
+import os
 import shlex
 import signal
 import statistics
@@ -157,6 +158,16 @@ def _average_and_noise(entry: dict, baseline: dict, tasks: list[str]):
     return average, delta, 2 * (variance ** 0.5) / len(tasks)
 
 
+def _load_note(loads: dict) -> str:
+    """Whether other work shared the cores: the 5-minute load average when each stage ended, against the cores."""
+    if not loads:
+        return "load not recorded"
+    cores = os.cpu_count() or 1
+    low, high = min(loads.values()), max(loads.values())
+    shared = "shared with other work" if high > cores + 0.5 else "otherwise idle"
+    return f"{shared} (5-minute load average {low:.1f}-{high:.1f} at the stages' ends, {cores} cores)"
+
+
 def render_markdown(preset_name: str, preset: dict, results: dict, meta: dict) -> str:
     tasks = [task for task in TASK_ORDER if task in preset["finetune"]]
     baseline = results[preset["baseline"]]
@@ -165,7 +176,8 @@ def render_markdown(preset_name: str, preset: dict, results: dict, meta: dict) -
         f"# A real pretrained encoder and its conversions: preset `{preset_name}`", "",
         preset.get("description", ""), "",
         f"Command: `{meta['command']}`  ",
-        f"Machine: {meta['machine']}  ",
+        f"Machine: {meta['machine']}; {meta.get('cpu_features', 'unknown')}; fine-tuning in float32  ",
+        f"Cores: {_load_note(meta.get('loads', {}))}  ",
         f"Source checkpoint: {meta['source']}  ",
         f"Seeds (fine-tuning): {', '.join(map(str, meta['seeds']))}  ",
         f"Wall time of the stages: {meta['seconds'] / 60:.1f} min ({meta['stages_done']}/{meta['stages']} stages "
@@ -228,6 +240,16 @@ def render_markdown(preset_name: str, preset: dict, results: dict, meta: dict) -
     return "\n".join(lines)
 
 
+def cpu_features() -> str:
+    """The instruction-set extensions that decide CPU speed here (bf16 / AMX / AVX-512 / AVX2), from /proc/cpuinfo."""
+    try:
+        flags = next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags")), [])
+    except OSError:
+        return "unknown"
+    wanted = ("amx_bf16", "avx512_bf16", "avx512f", "avx2")
+    return ", ".join(flag for flag in wanted if flag in flags) or "none of " + ", ".join(wanted)
+
+
 def _majority(preset: dict, seeds: list[int], root: Path, cache: Path) -> dict:
     """{task: {"share", "rows"}}: the commonest label's share of the evaluation rows, averaged over the seeds (IMDB's
     held-out rows follow the seed). Reading the data takes minutes on busy cores, so it is kept in `cache`, keyed by
@@ -266,6 +288,8 @@ def run(preset_path: Path, root: Path, output_dir=None, seeds=None, tasks=None, 
     seeds_used = list(seeds or preset["seeds"])
     majority = _majority(preset, seeds_used, root, output_dir / "majority.json")
     records, ran = {}, 0
+    loads_file = output_dir / "loads.json"  # stage -> 5-minute load average when it ended: were the cores shared?
+    loads = json.loads(loads_file.read_text()) if loads_file.is_file() else {}
 
     def report() -> dict:
         results = collect(preset, stages, records)
@@ -273,7 +297,8 @@ def run(preset_path: Path, root: Path, output_dir=None, seeds=None, tasks=None, 
                 "stage_machines": sorted({r["machine"] for r in records.values() if r.get("machine")}),
                 "source": str(preset["source"].get("package", source)), "seeds": seeds_used, "majority": majority,
                 "seconds": sum(r.get("seconds", 0.0) for r in records.values()), "stages": len(stages),
-                "stages_done": len(records), "failed": failed, "written": time.strftime("%Y-%m-%d %H:%M:%S")}
+                "stages_done": len(records), "failed": failed, "cpu_features": cpu_features(),
+                "loads": {name: load for name, load in loads.items() if name in records}, "written": time.strftime("%Y-%m-%d %H:%M:%S")}
         markdown = render_markdown(preset_name, preset, results, meta)
         for folder in [output_dir] + ([Path(results_dir)] if results_dir else []):
             folder.mkdir(parents=True, exist_ok=True)
@@ -298,6 +323,8 @@ def run(preset_path: Path, root: Path, output_dir=None, seeds=None, tasks=None, 
                 print(f"    FAILED: {error}", flush=True)
                 continue
             ran += 1
+            loads[stage.name] = round(os.getloadavg()[1], 2)
+            loads_file.write_text(json.dumps(loads, indent=1))
             print(f"    done ({record['seconds']:.0f} s)", flush=True)
         records[stage.name] = record
         if not report_only:

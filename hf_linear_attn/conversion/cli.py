@@ -126,7 +126,8 @@ def run_conversion(args: ConvertArguments) -> dict:
                          f"({longest} tokens); leave it out to keep {longest}.")
     teacher, missing = load_source(args.model_name_or_path, args.head)
     torch.manual_seed(args.seed)
-    model, report = convert(teacher, args.target, args.head, **options)
+    # the head weights the source drew at load time (a classifier on a base checkpoint) are new, not copied
+    model, report = convert(teacher, args.target, args.head, not_in_checkpoint=missing, **options)
     print(report.summary())
     if args.distill_steps:
         objective = family_of(model).objective

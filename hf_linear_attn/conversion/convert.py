@@ -241,14 +241,16 @@ def load_source(name: str, head: str = "auto", target: str | None = None):
     return model, missing
 
 
-def convert(source, target: str, head: str = "auto", **options):
+def convert(source, target: str, head: str = "auto", not_in_checkpoint=(), **options):
     """(target model, ConversionReport): `source` (Hub id, folder or a loaded model) rebuilt as `target`.
 
     Every weight the two architectures share is copied exactly; options (linformer_k, feature_map, ...) go to
     the target config. A checkpoint that lacks weights of its model body is refused, not silently re-drawn.
+    `not_in_checkpoint`: for a model loaded with `load_source`, the head weights it drew at random (its second
+    value), reported as new rather than copied.
     """
     check_target(target)
-    missing = []
+    missing = list(not_in_checkpoint)
     if isinstance(source, (str, Path)):
         source, missing = load_source(str(source), head, target)
     head = _source_head(type(source).__name__, head)

@@ -238,6 +238,11 @@ def test_the_script_refuses_a_folder_without_tokenizer_and_lengths_beyond_the_po
     # the fix works: the tokenizer from elsewhere is saved with the converted model
     convert_script.main(["--model_name_or_path", str(bare), "--tokenizer_name", str(folder), *run])
     assert (tmp_path / "out" / "vocab.txt").exists() or (tmp_path / "out" / "tokenizer.json").exists()
+    # a bare BertModel into a classifier by the script: the pooler starts the head, out_proj is reported new
+    report = convert_script.main(["--model_name_or_path", str(folder), "--head", "sequence-classification",
+                                  *run[:-1], str(tmp_path / "classifier")])
+    assert "classifier.dense.weight" in report["copied"] and "classifier.out_proj.weight" in report["new"]
+    assert "classifier.out_proj.weight" not in report["copied"]
     error = script_error(convert_script.main, ["--model_name_or_path", str(folder), *run[:-1], str(tmp_path / "o2"),
                                                "--distill_steps", "1", "--distill_max_length", "64"])
     assert "exceeds the teacher's longest input (16 tokens" in error and "--extend_max_length" in error
