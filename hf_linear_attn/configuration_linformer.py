@@ -64,5 +64,5 @@ class LinformerConfig(RobertaStyleConfig):
             if not 1 <= k <= self.max_sequence_length:
                 raise ValueError(
                     f"linformer_k={k} must be between 1 and the maximum sequence length {self.max_sequence_length} "
-                    "(max_position_embeddings - pad_token_id - 1): lower k or raise max_position_embeddings."
+                    "(the position table's rows after the first position): lower k or raise max_position_embeddings."
                 )

@@ -38,6 +38,38 @@ from .configuration_common import validate_config
 from .sequence_classification import sequence_classification_loss
 
 
+class RobertaStyleEmbeddings(RobertaEmbeddings):
+    """RoBERTa's embeddings (same parameter names), with the first position row read from the config.
+
+    `config.position_offset` None: RoBERTa's numbering, unchanged (from pad_token_id + 1, pads at the pad row).
+    An int (0 for BERT and MiniLM checkpoints): real tokens are numbered from that row over real tokens only, so a
+    right-padded sequence gets BERT's own positions and a left-padded one the positions it has alone; pads sit at
+    the first row (their outputs are masked everywhere downstream).
+    """
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.position_offset = config.position_offset
+        if self.position_offset is not None:
+            # RoBERTa's table freezes the pad row (padding_idx gets no gradient); with BERT's numbering that row is
+            # the [CLS] position, a real row that must keep learning.
+            self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+
+    def forward(self, input_ids=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
+                past_key_values_length=0):
+        """input_ids (batch, n) or inputs_embeds (batch, n, hidden) -> embeddings (batch, n, hidden)."""
+        if position_ids is None and self.position_offset is not None:
+            if input_ids is not None:
+                real = input_ids.ne(self.padding_idx) if self.padding_idx is not None else torch.ones_like(
+                    input_ids, dtype=torch.bool)
+                position_ids = (real.cumsum(dim=1) - 1).clamp(min=0) * real + self.position_offset
+            else:
+                batch, n = inputs_embeds.shape[:2]
+                position_ids = torch.arange(n, device=inputs_embeds.device).expand(batch, n) + self.position_offset
+        return super().forward(input_ids=input_ids, token_type_ids=token_type_ids, position_ids=position_ids,
+                               inputs_embeds=inputs_embeds, past_key_values_length=past_key_values_length)
+
+
 class RobertaStyleAttention(nn.Module):
     """Self-attention of a family plus RoBERTa's output projection, residual and LayerNorm."""
 
@@ -109,7 +141,7 @@ class RobertaStylePreTrainedModel(PreTrainedModel):
 
     base_model_prefix = "roberta"
     supports_gradient_checkpointing = True
-    _no_split_modules = ["RobertaEmbeddings", "RobertaStyleLayer"]
+    _no_split_modules = ["RobertaStyleEmbeddings", "RobertaStyleLayer"]
     # Set by each family: its self-attention class (with build_shared_projection) and its base model class.
     self_attention_class = None
     base_model_class = None
@@ -137,7 +169,7 @@ class RobertaStyleModel(RobertaStylePreTrainedModel):
     def __init__(self, config, add_pooling_layer: bool = True):
         validate_config(config)  # again: a value assigned after the config was built is checked here
         super().__init__(config)
-        self.embeddings = RobertaEmbeddings(config)
+        self.embeddings = RobertaStyleEmbeddings(config)
         self.encoder = RobertaStyleEncoder(config, self.self_attention_class)
         self.pooler = RobertaPooler(config) if add_pooling_layer else None
         self.post_init()
@@ -180,8 +212,9 @@ class RobertaStyleModel(RobertaStylePreTrainedModel):
         if input_shape[-1] > self.config.max_sequence_length:
             raise ValueError(
                 f"The input has {input_shape[-1]} tokens but this model takes at most {self.config.max_sequence_length} "
-                "(max_position_embeddings - pad_token_id - 1). Truncate it, e.g. "
-                f"tokenizer(..., truncation=True, max_length={self.config.max_sequence_length})."
+                "(its position table's rows). Truncate it, e.g. "
+                f"tokenizer(..., truncation=True, max_length={self.config.max_sequence_length}), or grow the model "
+                "with `python scripts/convert.py --extend_max_length N` and fine-tune it at that length."
             )
         output_attentions = self.config.output_attentions if output_attentions is None else output_attentions
         if output_hidden_states is None:

@@ -1,5 +1,6 @@
 """The conversion script's run: convert, optionally distill the new parts and extend the length, then save."""
 
+import copy
 import json
 import shutil
 import time
@@ -15,7 +16,8 @@ from hf_linear_attn.training.errors import UsageError
 from hf_linear_attn.training.hub import HubArguments, hub_repo_id, push_folder, write_conversion_card
 from hf_linear_attn.training.pretraining import max_model_length
 
-from .convert import check_target, convert, extend_max_length, load_source, load_source_tokenizer, save_converted
+from .convert import (check_source, check_target, convert, extend_max_length, load_source, load_source_config,
+                      load_source_tokenizer, save_converted)
 from .distill import distill, distillation_distance, distillation_mode, language_model_quality
 
 FAMILY_OPTIONS = ("linformer_k", "linformer_sharing", "linformer_init", "linformer_normalize_rows",
@@ -26,9 +28,12 @@ FAMILY_OPTIONS = ("linformer_k", "linformer_sharing", "linformer_init", "linform
 class ConvertArguments(HubArguments):
     """Arguments of scripts/convert.py; the --push_to_hub flags come from HubArguments."""
 
-    model_name_or_path: str = field(metadata={"help": "RoBERTa-family encoder or GPT-2: Hub id or local folder"})
+    model_name_or_path: str = field(metadata={"help": "RoBERTa- or BERT-layout encoder (roberta, bert, MiniLM) or "
+                                                      "GPT-2: Hub id or local folder"})
     target: str = field(metadata={"help": "linformer | linear_roberta (from encoders), linear_gpt2 | linformer_gpt2"})
     output_dir: str = field(metadata={"help": "where the converted checkpoint is written"})
+    tokenizer_name: str | None = field(default=None, metadata={"help": "the source's tokenizer (Hub id or folder) "
+                                                                      "when --model_name_or_path holds none"})
     head: str = field(default="auto", metadata={"help": "auto (the source's own) or masked-lm, causal-lm, "
                                                         "sequence-classification, ..., base"})
     linformer_k: int | None = field(default=None, metadata={"help": "Linformer projected length k"})
@@ -57,6 +62,16 @@ class ConvertArguments(HubArguments):
     overwrite_output_dir: bool = field(default=False)
 
 
+def _framing_tokenizer(tokenizer):
+    """The tokenizer to pack distillation rows with: BERT's WordPiece tokenizers frame a text as [CLS] ... [SEP] and
+    have no bos / eos, which packing reads, so a copy uses [CLS] / [SEP] as both (the saved tokenizer is unchanged)."""
+    if tokenizer.bos_token_id is None and tokenizer.eos_token_id is None and tokenizer.cls_token_id is not None \
+            and tokenizer.sep_token_id is not None:
+        tokenizer = copy.deepcopy(tokenizer)
+        tokenizer.bos_token, tokenizer.eos_token = tokenizer.cls_token, tokenizer.sep_token
+    return tokenizer
+
+
 def _rows(args, tokenizer, objective: str):
     """(train rows, validation rows, where the validation text came from): rows of distill_max_length tokens
     packed from the distillation corpus."""
@@ -65,9 +80,26 @@ def _rows(args, tokenizer, objective: str):
     corpus, validation_source = load_text_corpus(args.dataset_name, args.dataset_config_name, args.train_file,
                                                  args.validation_file, args.text_column,
                                                  args.validation_split_percentage, args.seed)
-    packed = pack_corpus(corpus, tokenizer, args.distill_max_length, objective)
+    packed = pack_corpus(corpus, _framing_tokenizer(tokenizer), args.distill_max_length, objective)
     train, validation = (packed[split].with_format("torch")[:]["input_ids"] for split in ("train", "validation"))
     return train, validation[: args.eval_rows], validation_source
+
+
+def _source_tokenizer(args: ConvertArguments):
+    """The tokenizer saved beside the converted model: --tokenizer_name's, else the source's. A converted folder
+    without its tokenizer could not be fine-tuned or read, so a source without one is refused with the fix."""
+    source = args.tokenizer_name or args.model_name_or_path
+    tokenizer = load_source_tokenizer(source)
+    if tokenizer is None:
+        if args.tokenizer_name:
+            raise UsageError(f"Cannot load a tokenizer from --tokenizer_name {args.tokenizer_name!r}: give the Hub id "
+                             "or the folder of the tokenizer the source was trained with.")
+        raise UsageError(
+            f"{args.model_name_or_path} has no tokenizer (tokenizer.json, or vocab.txt for WordPiece / vocab.json + "
+            "merges.txt for BPE, with tokenizer_config.json). Copy the source's tokenizer files into that folder, or "
+            "pass --tokenizer_name with the Hub id or folder of the tokenizer it was trained with."
+        )
+    return tokenizer
 
 
 def run_conversion(args: ConvertArguments) -> dict:
@@ -80,18 +112,24 @@ def run_conversion(args: ConvertArguments) -> dict:
     repo_id = hub_repo_id(args)  # token, Hub, repo name: before the source is loaded
     validation_source = None
     options = {name: getattr(args, name) for name in FAMILY_OPTIONS if getattr(args, name) is not None}
+    # Everything that can be refused from the config and the tokenizer is, before the weights are read.
+    source_config = load_source_config(args.model_name_or_path)
+    check_source(source_config, args.target)
+    tokenizer = _source_tokenizer(args)
+    longest = max_model_length(source_config)
+    if args.distill_steps and args.distill_max_length > longest:
+        raise UsageError(f"--distill_max_length {args.distill_max_length} exceeds the teacher's longest input "
+                         f"({longest} tokens, its position table); lower it to at most {longest}. The teacher cannot "
+                         "read longer rows; --extend_max_length grows the student after distillation.")
+    if args.extend_max_length is not None and args.extend_max_length <= longest:
+        raise UsageError(f"--extend_max_length {args.extend_max_length} must exceed the source's longest input "
+                         f"({longest} tokens); leave it out to keep {longest}.")
     teacher, missing = load_source(args.model_name_or_path, args.head)
     torch.manual_seed(args.seed)
-    model, report = convert(teacher, args.target, args.head, **options)
-    tokenizer = load_source_tokenizer(args.model_name_or_path)
+    # the head weights the source drew at load time (a classifier on a base checkpoint) are new, not copied
+    model, report = convert(teacher, args.target, args.head, not_in_checkpoint=missing, **options)
     print(report.summary())
     if args.distill_steps:
-        if tokenizer is None:
-            raise UsageError(f"{args.model_name_or_path} has no tokenizer; distillation needs one to read text.")
-        longest = max_model_length(teacher.config)
-        if args.distill_max_length > longest:
-            raise UsageError(f"--distill_max_length {args.distill_max_length} exceeds the teacher's longest input "
-                                f"({longest} tokens); lower it.")
         objective = family_of(model).objective
         train_rows, eval_rows, validation_source = _rows(args, tokenizer, objective)
         mode = distillation_mode(model)

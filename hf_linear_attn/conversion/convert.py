@@ -1,9 +1,10 @@
-"""Start from pretrained weights: RoBERTa-family encoders and GPT-2 checkpoints -> this package's models.
+"""Start from pretrained weights: RoBERTa- and BERT-layout encoders and GPT-2 checkpoints -> this package's models.
 
 `convert` builds the target model from the source's own dimensions, copies every weight the two share (the
-families keep RoBERTa's and GPT-2's parameter names, so the mapping is one to one), leaves the new parts (Linformer
-E / F, feature maps) at the family's init, and returns a `ConversionReport` of what was copied, what is new and how
-it was initialised, and what was dropped. `extend_max_length` grows a model's maximum input length.
+families keep RoBERTa's and GPT-2's parameter names, so the mapping is one to one; BERT's names map by a fixed
+renaming, `BERT_NAMES`), leaves the new parts (Linformer E / F, feature maps) at the family's init, and returns a
+`ConversionReport` of what was copied, what is new and how it was initialised, and what was dropped.
+`extend_max_length` grows a model's maximum input length.
 """
 
 import json
@@ -21,7 +22,35 @@ from hf_linear_attn.training.errors import UsageError
 
 # target model_type -> the kind of checkpoints it is converted from (RoBERTa-family encoders, GPT-2 decoders)
 TARGETS = {model_type: family.kind for model_type, family in MODEL_FAMILIES.items()}
-SOURCE_TYPES = {"encoder": ("roberta", "xlm-roberta", "camembert"), "decoder": ("gpt2",)}
+SOURCE_TYPES = {"encoder": ("roberta", "xlm-roberta", "camembert", "bert"), "decoder": ("gpt2",)}
+# Sources with BERT's layout: positions from row 0, two token types, weights under 'bert.' and 'cls.predictions.'.
+# MiniLM checkpoints (all-MiniLM-L6-v2, ...) are saved as model_type "bert" and convert as BERT.
+BERT_LAYOUT = ("bert",)
+# BERT parameter name prefix -> this package's (RoBERTa's) name, by source head. BERT's sequence classifier reads
+# the pooler (dense + tanh on [CLS]) then a linear layer; RoBERTa's head is the same dense + tanh on <s> then
+# out_proj, so the pooler becomes classifier.dense and the linear layer classifier.out_proj: an exact match at
+# evaluation (RoBERTa's head adds one dropout before the dense layer in training).
+BERT_NAMES = {
+    "base": {},
+    "masked-lm": {"bert.": "roberta.", "cls.predictions.transform.dense.": "lm_head.dense.",
+                  "cls.predictions.transform.LayerNorm.": "lm_head.layer_norm.",
+                  "cls.predictions.decoder.": "lm_head.decoder.", "cls.predictions.bias": "lm_head.bias"},
+    "sequence-classification": {"bert.pooler.dense.": "classifier.dense.", "bert.": "roberta.",
+                                "classifier.": "classifier.out_proj."},
+    "token-classification": {"bert.": "roberta."},
+    "question-answering": {"bert.": "roberta."},
+    "multiple-choice": {"bert.": "roberta."},
+}
+# Encoders whose layout does not map onto these models, and what to convert instead.
+OTHER_LAYOUTS = {
+    "albert": "ALBERT shares one set of layer weights across all layers and factorises its embeddings "
+              "(embedding_size < hidden_size), so no weight maps one to one",
+    "distilbert": "DistilBERT names its weights differently (transformer.layer.N.attention.q_lin, ...) and has no "
+                  "token types; its teacher (e.g. bert-base-uncased) converts",
+    "deberta": "DeBERTa's disentangled attention uses relative positions, which the converted models do not compute",
+    "deberta-v2": "DeBERTa's disentangled attention uses relative positions, which the converted models do not compute",
+    "electra": "ELECTRA's discriminator names its weights 'electra.*' and may project embeddings to another width",
+}
 ENCODER_FIELDS = (
     "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "hidden_act",
     "hidden_dropout_prob", "attention_probs_dropout_prob", "max_position_embeddings", "type_vocab_size",
@@ -98,20 +127,35 @@ def _targets(kind: str) -> str:
     return ", ".join(target for target, target_kind in TARGETS.items() if target_kind == kind)
 
 
-def _check_source(config, family: str, target: str) -> None:
-    """Refuse sources whose architecture the target cannot reproduce, naming the difference."""
+def check_source(config, target: str) -> None:
+    """Refuse a source config whose architecture `target` cannot reproduce, naming the difference and the fix.
+
+    Reads only the config, so it runs before any weight is loaded.
+    """
+    check_target(target)
+    family = TARGETS[target]
     if config.model_type not in SOURCE_TYPES[family]:
         expected = " / ".join(SOURCE_TYPES[family])
+        why = OTHER_LAYOUTS.get(config.model_type)
         raise UsageError(
             f"Cannot convert a {config.model_type!r} checkpoint to {target!r}: {target} is converted from "
             f"{expected} checkpoints (same layer layout and parameter names). "
-            + ("BERT-family models number positions differently and name their weights 'bert.*'. "
-               if config.model_type in ("bert", "distilbert", "albert") else "")
-            + f"Targets by source: encoders ({', '.join(SOURCE_TYPES['encoder'])}) -> {_targets('encoder')}; "
-            f"gpt2 -> {_targets('decoder')}."
+            + (f"{why}. " if why else "")
+            + f"Convert a checkpoint of a supported layout instead. Targets by source: encoders "
+            f"({', '.join(SOURCE_TYPES['encoder'])}) -> {_targets('encoder')}; gpt2 -> {_targets('decoder')}."
         )
+    position_type = getattr(config, "position_embedding_type", "absolute")
+    if position_type != "absolute":
+        raise UsageError(
+            f"The source uses relative position embeddings (position_embedding_type={position_type!r}); the "
+            "converted encoders learn absolute positions only, so its relative-distance weights would be dropped and "
+            "every attention score would change. Convert a checkpoint with position_embedding_type='absolute'."
+        )
+    _check_source(config, family, target)
+
+
+def _check_source(config, family: str, target: str) -> None:
     unsupported = {
-        "position_embedding_type": ("absolute", getattr(config, "position_embedding_type", "absolute")),
         "is_decoder": (False, getattr(config, "is_decoder", False)),
         "add_cross_attention": (False, getattr(config, "add_cross_attention", False)),
         "scale_attn_weights": (True, getattr(config, "scale_attn_weights", True)),
@@ -130,11 +174,13 @@ def check_target(target: str) -> None:
 
 def target_config(source_config, target: str, **options):
     """The target family's config with the source's dimensions and special tokens, plus family `options`."""
-    check_target(target)
+    check_source(source_config, target)
     family = TARGETS[target]
-    _check_source(source_config, family, target)
     fields = ENCODER_FIELDS if family == "encoder" else DECODER_FIELDS
     values = {name: getattr(source_config, name) for name in fields if hasattr(source_config, name)}
+    if source_config.model_type in BERT_LAYOUT:  # positions from row 0; no <s> / </s> (BERT's [CLS] / [SEP])
+        values.update(position_offset=0, bos_token_id=getattr(source_config, "bos_token_id", None),
+                      eos_token_id=getattr(source_config, "eos_token_id", None))
     try:
         return AutoConfig.for_model(target, **values, **options)
     except (TypeError, ValueError, StrictDataclassClassValidationError) as error:  # an unknown or invalid option
@@ -151,16 +197,24 @@ def _describe_init(module, config, name: str) -> str:
     return f"new {type(module).__name__} ({name.rsplit('.', 1)[-1]}), the model's own init"
 
 
-def load_source(name: str, head: str = "auto"):
-    """(source model with eager attention, missing head weights): a RoBERTa-family / GPT-2 checkpoint by `head`.
+def load_source_config(name: str):
+    """The source's config, or an error naming the path."""
+    try:
+        return AutoConfig.from_pretrained(name)
+    except (OSError, ValueError) as error:
+        raise UsageError(f"Cannot read a model config from {name!r}: {error}") from error
 
+
+def load_source(name: str, head: str = "auto", target: str | None = None):
+    """(source model with eager attention, missing head weights): a RoBERTa / BERT-layout / GPT-2 checkpoint by `head`.
+
+    With `target`, the source's layout is checked against it from the config alone, before any weight is read.
     A checkpoint that lacks weights of the model body is refused; head weights it lacks (a masked-LM checkpoint
     loaded with a classification head) are returned so the conversion reports them as new, not as copied.
     """
-    try:
-        config = AutoConfig.from_pretrained(name)
-    except (OSError, ValueError) as error:
-        raise UsageError(f"Cannot read a model config from {name!r}: {error}") from error
+    config = load_source_config(name)
+    if target is not None:
+        check_source(config, target)
     head = _source_head((config.architectures or ["?"])[0], head)
     auto = HEADS[head]
     if type(config) not in auto._model_mapping:
@@ -187,20 +241,26 @@ def load_source(name: str, head: str = "auto"):
     return model, missing
 
 
-def convert(source, target: str, head: str = "auto", **options):
+def convert(source, target: str, head: str = "auto", not_in_checkpoint=(), **options):
     """(target model, ConversionReport): `source` (Hub id, folder or a loaded model) rebuilt as `target`.
 
     Every weight the two architectures share is copied exactly; options (linformer_k, feature_map, ...) go to
     the target config. A checkpoint that lacks weights of its model body is refused, not silently re-drawn.
+    `not_in_checkpoint`: for a model loaded with `load_source`, the head weights it drew at random (its second
+    value), reported as new rather than copied.
     """
     check_target(target)
-    missing = []
+    missing = list(not_in_checkpoint)
     if isinstance(source, (str, Path)):
-        source, missing = load_source(str(source), head)
+        source, missing = load_source(str(source), head, target)
     head = _source_head(type(source).__name__, head)
     config = target_config(source.config, target, **options)
     if head not in _heads_of(config):
         raise UsageError(f"{target} has no {head} head; choose one of {', '.join(_heads_of(config))}.")
+    if head == "masked-lm" and source.config.model_type in BERT_LAYOUT and source.config.hidden_act != "gelu":
+        raise UsageError(  # RoBERTa's masked-LM head, which the targets keep, applies gelu whatever hidden_act says
+            f"The source's hidden_act is {source.config.hidden_act!r}, which BERT's masked-LM head applies and the "
+            "converted head (RoBERTa's, gelu) does not; convert another head (e.g. --head base) or a gelu checkpoint.")
     model = HEADS[head].from_config(config)
     report = copy_shared_weights(source, model, not_in_checkpoint=set(missing))
     report.source, report.head = getattr(source, "name_or_path", "") or "<model>", head
@@ -219,6 +279,11 @@ def copy_shared_weights(source_model, model, not_in_checkpoint=frozenset()) -> C
     `not_in_checkpoint`: source tensors that were drawn at load time, not read from the checkpoint (never copied).
     """
     source_state = {k: v for k, v in source_model.state_dict().items() if k not in not_in_checkpoint}
+    source_buffers = {name for name, _ in source_model.named_buffers()}
+    if getattr(source_model.config, "model_type", None) in BERT_LAYOUT:
+        renames = BERT_NAMES[_source_head(type(source_model).__name__, "auto")]
+        source_state = {_rename(k, renames): v for k, v in source_state.items()}
+        source_buffers = {_rename(k, renames) for k in source_buffers}
     report = ConversionReport(source="", source_architecture=type(source_model).__name__,
                               target_architecture=type(model).__name__, head="")
     state = model.state_dict()
@@ -235,7 +300,6 @@ def copy_shared_weights(source_model, model, not_in_checkpoint=frozenset()) -> C
     parameters = dict(model.named_parameters())  # tied weights once
     report.copied_parameters = sum(p.numel() for name, p in parameters.items() if name not in report.new)
     report.new_parameters = sum(p.numel() for name, p in parameters.items() if name in report.new)
-    source_buffers = {name for name, _ in source_model.named_buffers()}
     base = model.base_model_prefix + "."
     for name in source_state:
         if name in state:
@@ -245,11 +309,19 @@ def copy_shared_weights(source_model, model, not_in_checkpoint=frozenset()) -> C
         elif name.startswith(base):
             raise UsageError(
                 f"The source has a learned weight the target cannot hold: {name}. The architectures differ; "
-                "only checkpoints with the stock RoBERTa / GPT-2 layer layout convert."
+                "only checkpoints with the stock RoBERTa / BERT / GPT-2 layer layout convert."
             )
         else:
             report.dropped[name] = "head weight not in the target head (choose head= to keep it)"
     return report
+
+
+def _rename(name: str, renames: dict[str, str]) -> str:
+    """`name` with its first matching prefix replaced (BERT_NAMES lists the longer prefixes first)."""
+    for old, new in renames.items():
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
 
 
 def save_converted(model, report: ConversionReport, output_dir: str | Path, tokenizer=None) -> Path:
@@ -263,12 +335,25 @@ def save_converted(model, report: ConversionReport, output_dir: str | Path, toke
     return output_dir
 
 
+# Files that hold a tokenizer's vocabulary (fast, WordPiece, BPE, SentencePiece).
+TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "sentencepiece.bpe.model", "spiece.model",
+                   "tokenizer.model")
+
+
 def load_source_tokenizer(source: str):
-    """The source's tokenizer, or None when the source folder has none."""
-    try:
-        return AutoTokenizer.from_pretrained(source)
-    except (OSError, ValueError):
+    """The source's tokenizer, or None when the source has none.
+
+    transformers 5 builds a tokenizer of special tokens alone from a folder holding only a config (every word
+    becomes [UNK]); that is no tokenizer, so a folder without a vocabulary file, or a tokenizer with no ordinary
+    token, counts as none.
+    """
+    if Path(source).is_dir() and not any((Path(source) / name).exists() for name in TOKENIZER_FILES):
         return None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError, TypeError):
+        return None
+    return tokenizer if len(tokenizer) > len(set(tokenizer.all_special_tokens)) else None
 
 
 # --------------------------------------------------------------------------------------------- length extension
@@ -294,7 +379,7 @@ def extend_max_length(model, new_max_length: int):
     old = config.max_sequence_length
     if new_max_length <= old:
         raise UsageError(f"new_max_length ({new_max_length}) must exceed the current maximum ({old}).")
-    offset = config.max_position_embeddings - old  # rows RoBERTa reserves at and below the pad index
+    offset = config.max_position_embeddings - old  # rows below the first position (RoBERTa's pad index; none for BERT)
     new_config = config.__class__.from_dict({**config.to_dict(), "max_position_embeddings": new_max_length + offset})
     new_model = type(model)(new_config)
     state = model.state_dict()

@@ -12,8 +12,7 @@ from helpers import (ENV, GLUE, REPO_ROOT, TINY, TINY_DECODER, needs_data, pretr
 from safetensors.torch import load_file, save_file
 from transformers import (
     AutoModelForMaskedLM,
-    BertConfig,
-    BertForMaskedLM,
+    DistilBertConfig,
     GPT2Config,
     GPT2LMHeadModel,
     RobertaConfig,
@@ -95,11 +94,11 @@ def test_a_new_head_is_reported_new_not_copied(roberta_folder):
 def test_conversion_refuses_what_it_cannot_convert(roberta_folder, gpt2_folder, tmp_path):
     folder, _ = roberta_folder
     gfolder, _ = gpt2_folder
-    BertForMaskedLM(BertConfig(vocab_size=300, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
-                               intermediate_size=64)).save_pretrained(tmp_path / "bert")
+    DistilBertConfig(vocab_size=300, dim=32, n_layers=1, n_heads=4, hidden_dim=64).save_pretrained(tmp_path / "distil")
     cases = [
-        ((tmp_path / "bert", "linformer"), "BERT-family models number positions differently"),
-        ((gfolder, "linformer"), "converted from roberta / xlm-roberta / camembert"),
+        ((tmp_path / "distil", "linformer"), "DistilBERT names its weights differently"),  # BERT itself converts
+        ((gfolder, "linear_roberta"), "converted from roberta / xlm-roberta / camembert / bert"),
+        ((gfolder, "linformer"), "converted from roberta / xlm-roberta / camembert / bert"),
         ((folder, "linear_gpt2"), "converted from gpt2"),
         ((folder, "performer"), "Unknown target 'performer'"),
         ((tmp_path / "nowhere", "linformer"), "Cannot read a model config"),

@@ -1,0 +1,335 @@
+"""A real pretrained encoder against its conversions (scripts/pretrained.py, configs/pretrained/*.json).
+
+Stock all-MiniLM-L6-v2 (transformers' own BERT classes, softmax attention) against the same weights converted with
+scripts/convert.py into Linformers and linear attention (hedgehog distilled before fine-tuning), each fine-tuned
+with the same recipe and seeds on SST-2, QNLI, QQP (subset) and IMDB, and scored beside each task's majority class
+and the spread over seeds. The run is a list of stages, each an ordinary subprocess writing its own folder:
+
+    convert/<model>/                   scripts/convert.py: the converted checkpoint (+ distillation figures)
+    finetune/<model>/<task>-seed<S>/   scripts/finetune.py on the stock folder or the converted one
+    logs/<stage>.log                   each stage's full output
+    results.json, results.md           written from the finished stages after every stage
+
+Stages run seed by seed, task by task (every model's SST-2 at the first seed comes first), so the table fills in
+a useful order; a finished stage with the same arguments and inputs is reused, so rerunning the same command goes
+on where the last sitting stopped.
+"""
+
+import importlib.util
+import json
+import os
+import shlex
+import signal
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from .reproduction_api import (
+    TASK_TITLES, ReproductionError, Stage, describe_machine, flags, majority_share, merged_config, resolve, run_stage,
+    slug,
+)
+
+PRESET_KEYS = {"description", "output_dir", "source", "seeds", "models", "baseline", "convert", "finetune"}
+TASK_ORDER = ("sst2", "qnli", "qqp", "imdb")
+
+
+def source_folder(source: dict, root: Path) -> Path:
+    """The pretrained checkpoint: a folder (`path`) or the folder inside an installed package (`package`, `folder`);
+    an error naming the install command when the package is missing."""
+    if "path" in source:
+        folder = resolve(source["path"], root)
+    else:
+        spec = importlib.util.find_spec(source["package"])
+        if spec is None or spec.origin is None:
+            raise ReproductionError(f"the pretrained checkpoint is not installed: {source['install']}")
+        folder = Path(spec.origin).parent / source.get("folder", "")
+    if not (folder / "config.json").is_file():
+        raise ReproductionError(f"{folder} holds no config.json: install the checkpoint with {source.get('install')}")
+    return folder
+
+
+def load_preset(path: Path, root: Path) -> dict:
+    """Read and check a preset: known keys, the baseline among the models, known tasks, existing config files."""
+    try:
+        preset = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise ReproductionError(f"cannot read the preset {path}: {error}") from error
+    unknown = set(preset) - PRESET_KEYS
+    if unknown:
+        raise ReproductionError(f"{path}: unknown keys {sorted(unknown)}; known: {sorted(PRESET_KEYS)}")
+    if preset.get("baseline") not in preset.get("models", {}):
+        raise ReproductionError(f"{path}: the baseline {preset.get('baseline')!r} is not one of its models")
+    for task, entry in preset["finetune"].items():
+        if task not in TASK_ORDER:
+            raise ReproductionError(f"{path}: unknown task {task!r}; use {', '.join(TASK_ORDER)}")
+        if not resolve(entry["config"], root).is_file():
+            raise ReproductionError(f"{path}: the {task} config {entry['config']} does not exist")
+        for key in ("train_file", "validation_file"):  # before hours of stages, not at the first fine-tune
+            data = merged_config(entry, root).get(key)
+            if data is not None and not Path(data).is_file():
+                raise ReproductionError(f"{path}: the {task} {key} {data} does not exist; see ../shared/data/README.md "
+                                        "or point the config at your copy")
+    for key in ("train_file", "validation_file"):
+        data = preset.get("convert", {}).get(key)
+        if data is not None and not resolve(data, root).is_file():
+            raise ReproductionError(f"{path}: the distillation {key} {data} does not exist")
+    for name, model in preset["models"].items():
+        if "target" not in model and not model.get("stock"):
+            raise ReproductionError(f"{path}: model {name!r} needs 'target' (linformer, linear_roberta) or 'stock'")
+    return preset
+
+
+def plan(preset: dict, source: Path, output_dir: Path, root: Path, seeds=None, tasks=None, models=None) -> list:
+    """Every stage in running order: for each seed, for each task, for each model (its conversion first)."""
+    seeds = list(seeds or preset["seeds"])
+    tasks = [task for task in TASK_ORDER if task in preset["finetune"] and (not tasks or task in tasks)]
+    names = [name for name in preset["models"] if not models or name in models or name == preset["baseline"]]
+    stages, converted = [], {}
+    for seed in seeds:
+        for task in tasks:
+            entry = preset["finetune"][task]
+            for name in names:
+                model = preset["models"][name]
+                folder = source
+                if not model.get("stock"):
+                    folder = output_dir / "convert" / slug(name)
+                    if name not in converted:
+                        argv = ["--model_name_or_path", str(source), "--target", model["target"],
+                                "--head", "sequence-classification", "--output_dir", str(folder),
+                                *flags({**(preset.get("convert", {}) if model.get("distill") else {}),
+                                        **model.get("args", {})})]
+                        converted[name] = Stage(f"convert {name}", "scripts/convert.py", folder, argv,
+                                                "conversion_report.json", output_dir, root,
+                                                {"kind": "convert", "model": name})
+                        stages.append(converted[name])
+                tuned = output_dir / "finetune" / slug(name) / f"{task}-seed{seed}"
+                argv = ["--config", entry["config"], "--model_name_or_path", str(folder), "--output_dir", str(tuned),
+                        "--seed", str(seed), *flags(entry.get("args", {}))]
+                stages.append(Stage(f"fine-tune {name} on {TASK_TITLES[task]} (seed {seed})", "scripts/finetune.py",
+                                    tuned, argv, "eval_results.json", output_dir, root,
+                                    {"kind": "finetune", "model": name, "task": task, "seed": seed}))
+    return stages
+
+
+def _accuracy(result: dict) -> float:
+    return 100 * float(result.get("eval_accuracy", result.get("accuracy")))
+
+
+def collect(preset: dict, stages: list, records: dict) -> dict:
+    """{model: {"tasks": {task: {"scores", "seeds", "mean", "std"}}, "conversion": ..., "seconds"}} from records."""
+    results = {name: {"tasks": {}, "conversion": None, "seconds": 0.0} for name in preset["models"]}
+    for stage in stages:
+        record = records.get(stage.name)
+        if record is None:
+            continue
+        entry = results[stage.info["model"]]
+        entry["seconds"] += record.get("seconds", 0.0)
+        if stage.info["kind"] == "convert":
+            report = record["result"]
+            entry["conversion"] = {"new_parameters": report["new_parameters"],
+                                   "copied_parameters": report["copied_parameters"],
+                                   "distillation": report.get("distillation")}
+            continue
+        task = entry["tasks"].setdefault(stage.info["task"], {"scores": [], "seeds": []})
+        task["scores"].append(_accuracy(record["result"]))
+        task["seeds"].append(stage.info["seed"])
+    for entry in results.values():
+        for task in entry["tasks"].values():
+            task["mean"] = statistics.fmean(task["scores"])
+            task["std"] = statistics.stdev(task["scores"]) if len(task["scores"]) > 1 else None
+    return results
+
+
+def _average_and_noise(entry: dict, baseline: dict, tasks: list[str]):
+    """(average over `tasks`, its difference to the baseline, seed noise): twice the standard error of the difference
+    of the two averages, from each task's spread over seeds; noise None where a task has a single seed."""
+    if not all(task in entry["tasks"] and task in baseline["tasks"] for task in tasks) or not tasks:
+        return None, None, None
+    average = statistics.fmean(entry["tasks"][task]["mean"] for task in tasks)
+    delta = average - statistics.fmean(baseline["tasks"][task]["mean"] for task in tasks)
+    variance = 0.0
+    for task in tasks:
+        for side in (entry, baseline):
+            cell = side["tasks"][task]
+            if cell["std"] is None:
+                return average, delta, None
+            variance += cell["std"] ** 2 / len(cell["scores"])
+    return average, delta, 2 * (variance ** 0.5) / len(tasks)
+
+
+def _load_note(loads: dict) -> str:
+    """Whether other work shared the cores: the 5-minute load average when each stage ended, against the cores."""
+    if not loads:
+        return "load not recorded"
+    cores = os.cpu_count() or 1
+    low, high = min(loads.values()), max(loads.values())
+    shared = "shared with other work" if high > cores + 0.5 else "otherwise idle"
+    return f"{shared} (5-minute load average {low:.1f}-{high:.1f} at the stages' ends, {cores} cores)"
+
+
+def render_markdown(preset_name: str, preset: dict, results: dict, meta: dict) -> str:
+    tasks = [task for task in TASK_ORDER if task in preset["finetune"]]
+    baseline = results[preset["baseline"]]
+    done = [task for task in tasks if all(task in entry["tasks"] for entry in results.values())]
+    lines = [
+        f"# A real pretrained encoder and its conversions: preset `{preset_name}`", "",
+        preset.get("description", ""), "",
+        f"Command: `{meta['command']}`  ",
+        f"Machine: {meta['machine']}; {meta.get('cpu_features', 'unknown')}; fine-tuning in float32  ",
+        f"Cores: {_load_note(meta.get('loads', {}))}  ",
+        f"Source checkpoint: {meta['source']}  ",
+        f"Seeds (fine-tuning): {', '.join(map(str, meta['seeds']))}  ",
+        f"Wall time of the stages: {meta['seconds'] / 60:.1f} min ({meta['stages_done']}/{meta['stages']} stages "
+        "finished)", "",
+        "## Accuracy (%) after fine-tuning", "",
+        "| Model | " + " | ".join(TASK_TITLES[t] for t in tasks) + " | Average (tasks every model has) | vs baseline "
+        "| wall time |",
+        "|---|" + "---:|" * (len(tasks) + 3),
+        "| majority class | " + " | ".join(f"{100 * meta['majority'][t]['share']:.1f}" if t in meta["majority"]
+                                          else "" for t in tasks) + " | | | |",
+    ]
+    for name, entry in results.items():
+        cells = []
+        for task in tasks:
+            cell = entry["tasks"].get(task)
+            if cell is None:
+                cells.append("")
+            else:
+                spread = f" ± {cell['std']:.1f}" if cell["std"] is not None else ""
+                cells.append(f"{cell['mean']:.1f}{spread}" + (f" ({len(cell['scores'])} seeds)"
+                                                             if len(cell["scores"]) > 1 else ""))
+        average, delta, noise = _average_and_noise(entry, baseline, done)
+        if average is None:
+            versus = ""
+        elif name == preset["baseline"]:
+            versus = "baseline"
+        else:
+            versus = f"{delta:+.2f} pt " + (f"(seed noise ± {noise:.2f}: {'beyond' if abs(delta) > noise else 'within'})"
+                                            if noise is not None else "(noise unknown: one seed)")
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {'' if average is None else f'{average:.2f}'} | "
+                     f"{versus} | {entry['seconds'] / 60:.1f} min |")
+    lines += ["", "± is the standard deviation over fine-tuning seeds; seed noise is twice the standard error of the "
+              "difference of averages, from those spreads: a difference inside it is not a finding. The average "
+              f"covers the tasks every model has finished ({', '.join(TASK_TITLES[t] for t in done) or 'none yet'}).",
+              "", "## Conversions", "",
+              "| Model | target options | copied parameters | new parameters | distillation (distance before -> after) |",
+              "|---|---|---:|---:|---|"]
+    for name, entry in results.items():
+        model = preset["models"][name]
+        if model.get("stock"):
+            continue
+        conversion = entry["conversion"]
+        options = ", ".join(f"{k}={v}" for k, v in model.get("args", {}).items())
+        if conversion is None:
+            lines.append(f"| {name} | {model['target']}: {options} | (not yet) | | |")
+            continue
+        distillation = conversion["distillation"]
+        distilled = (f"{distillation['mode']}: {distillation['distance_before']:.4f} -> "
+                     f"{distillation['distance_after']:.4f} ({distillation['steps']} steps, "
+                     f"{distillation['seconds']:.0f} s)") if distillation else "none"
+        lines.append(f"| {name} | {model['target']}: {options} | {conversion['copied_parameters']:,} | "
+                     f"{conversion['new_parameters']:,} | {distilled} |")
+    if meta.get("failed"):
+        lines += ["", "Failed stages (rerun the command to retry them; each one's output is in logs/):", ""]
+        lines += [f"- {name}: {why}" for name, why in meta["failed"].items()]
+    lines += ["", "Evaluation rows:", ""]
+    for task in tasks:
+        rows = meta["majority"].get(task, {}).get("rows")
+        lines.append(f"- {TASK_TITLES[task]}: {rows} rows ({preset['finetune'][task].get('note', '')})")
+    return "\n".join(lines)
+
+
+def cpu_features() -> str:
+    """The instruction-set extensions that decide CPU speed here (bf16 / AMX / AVX-512 / AVX2), from /proc/cpuinfo."""
+    try:
+        flags = next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags")), [])
+    except OSError:
+        return "unknown"
+    wanted = ("amx_bf16", "avx512_bf16", "avx512f", "avx2")
+    return ", ".join(flag for flag in wanted if flag in flags) or "none of " + ", ".join(wanted)
+
+
+def _majority(preset: dict, seeds: list[int], root: Path, cache: Path) -> dict:
+    """{task: {"share", "rows"}}: the commonest label's share of the evaluation rows, averaged over the seeds (IMDB's
+    held-out rows follow the seed). Reading the data takes minutes on busy cores, so it is kept in `cache`, keyed by
+    the task entries and seeds it was computed for."""
+    key = json.dumps({"finetune": preset["finetune"], "seeds": seeds}, sort_keys=True)
+    if cache.is_file():
+        stored = json.loads(cache.read_text())
+        if stored.get("key") == key:
+            return stored["majority"]
+    majority = {}
+    for task, entry in preset["finetune"].items():
+        shares = [majority_share(entry, seed, root) for seed in seeds]
+        majority[task] = {"share": statistics.fmean(share for share, _ in shares), "rows": shares[0][1]}
+    cache.write_text(json.dumps({"key": key, "majority": majority}, indent=2))
+    return majority
+
+
+def run(preset_path: Path, root: Path, output_dir=None, seeds=None, tasks=None, models=None, dry_run=False,
+        report_only=False, max_stages=None, argv=None, results_dir=None) -> dict:
+    """Run (or reuse) the preset's stages in order, rewriting results.json / results.md after each one (in the
+    output folder, and in `results_dir` too when given: the committed copy, e.g. results/pretrained/cpu)."""
+    preset = load_preset(preset_path, root)
+    preset_name = Path(preset_path).stem
+    source = source_folder(preset["source"], root)
+    output_dir = Path(output_dir or resolve(preset.get("output_dir", f"outputs/pretrained/{preset_name}"), root))
+    output_dir = output_dir if output_dir.is_absolute() else Path.cwd() / output_dir
+    stages = plan(preset, source, output_dir, root, seeds, tasks, models)
+    launcher = [sys.executable]
+    if dry_run:
+        for stage in stages:
+            print(shlex.join([*launcher, stage.script, *stage.argv]))
+        return {}
+    output_dir.mkdir(parents=True, exist_ok=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("stopped (SIGTERM); rerun the same command to continue"))
+    command = "python scripts/pretrained.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    seeds_used = list(seeds or preset["seeds"])
+    majority = _majority(preset, seeds_used, root, output_dir / "majority.json")
+    records, ran = {}, 0
+    loads_file = output_dir / "loads.json"  # stage -> 5-minute load average when it ended: were the cores shared?
+    loads = json.loads(loads_file.read_text()) if loads_file.is_file() else {}
+
+    def report() -> dict:
+        results = collect(preset, stages, records)
+        meta = {"preset": preset_name, "command": command, "machine": describe_machine(),
+                "stage_machines": sorted({r["machine"] for r in records.values() if r.get("machine")}),
+                "source": str(preset["source"].get("package", source)), "seeds": seeds_used, "majority": majority,
+                "seconds": sum(r.get("seconds", 0.0) for r in records.values()), "stages": len(stages),
+                "stages_done": len(records), "failed": failed, "cpu_features": cpu_features(),
+                "loads": {name: load for name, load in loads.items() if name in records}, "written": time.strftime("%Y-%m-%d %H:%M:%S")}
+        markdown = render_markdown(preset_name, preset, results, meta)
+        for folder in [output_dir] + ([Path(results_dir)] if results_dir else []):
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "results.json").write_text(json.dumps({"meta": meta, "models": results}, indent=2))
+            (folder / "results.md").write_text(markdown + "\n")
+        return {"meta": meta, "models": results, "markdown": markdown}
+
+    failed = {}  # stage name -> why; its fine-tunes are skipped, the rest go on (a rerun retries them)
+    for number, stage in enumerate(stages, 1):
+        record = stage.finished()
+        if record is None and (report_only or (max_stages is not None and ran >= max_stages)):
+            continue
+        upstream = f"convert {stage.info['model']}"
+        if record is None and upstream in failed:
+            continue
+        if record is None:
+            print(f"[{number}/{len(stages)}] {stage.name} ...", flush=True)
+            try:
+                record, _ = run_stage(stage, launcher)
+            except ReproductionError as error:
+                failed[stage.name] = str(error).splitlines()[0]
+                print(f"    FAILED: {error}", flush=True)
+                continue
+            ran += 1
+            loads[stage.name] = round(os.getloadavg()[1], 2)
+            loads_file.write_text(json.dumps(loads, indent=1))
+            print(f"    done ({record['seconds']:.0f} s)", flush=True)
+        records[stage.name] = record
+        if not report_only:
+            report()
+    final = report()
+    print(final["markdown"])
+    print(f"Wrote {output_dir / 'results.json'} and results.md")
+    return final

