@@ -10,12 +10,12 @@ import pytest
 import torch
 from helpers import REPO_ROOT, SHARED_DATA
 
-from hf_linear_attn.experiments.long_range import load_preset, plan, profile, run, select
-from hf_linear_attn.experiments.long_range.models import (
+from experiments.long_range import load_preset, plan, profile, run, select
+from experiments.long_range.models import (
     DECODERS, ENCODERS, Dims, build_decoder, build_encoder, check_length, model_dims, pool_by_mean,
 )
-from hf_linear_attn.experiments.long_range.stages import Stage, run_stages
-from hf_linear_attn.experiments.long_range.tasks import (
+from experiments.long_range.stages import Stage, run_stages
+from experiments.long_range.tasks import (
     LISTOPS_VOCAB, copy_batch, decode_bytes, encode_bytes, encode_listops, generate_listops, generate_listops_sized,
 )
 from hf_linear_attn.training.errors import UsageError
@@ -208,8 +208,8 @@ def test_a_measurement_recorded_as_contended_is_taken_again_on_the_next_run(tmp_
 
 
 def test_an_efficiency_measurement_counts_as_contended_when_its_matmul_probe_fell_under_the_best_on_record():
-    from hf_linear_attn.experiments.long_range.efficiency import CONTENDED_BELOW, best_probe, contended
-    from hf_linear_attn.experiments.long_range.report import collect, goals
+    from experiments.long_range.efficiency import CONTENDED_BELOW, best_probe, contended
+    from experiments.long_range.report import collect, goals
 
     def record(model, probes, steps):
         metrics = {"steps_per_second": steps, "best_steps_per_second": steps, "profiler_bytes": 1000,
@@ -233,7 +233,7 @@ def test_an_efficiency_measurement_counts_as_contended_when_its_matmul_probe_fel
 
 
 def test_a_stage_file_finished_after_records_json_wins_and_retake_measures_again(tmp_path):
-    from hf_linear_attn.experiments.long_range.stages import load_records, stage_file
+    from experiments.long_range.stages import load_records, stage_file
 
     stage = [Stage("efficiency/x-n8", "efficiency", {"n": 8})]
     values = iter([1.0, 2.0, 3.0])

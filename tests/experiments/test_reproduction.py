@@ -12,10 +12,10 @@ from helpers import REPO_ROOT as REPO
 from transformers import AutoConfig
 
 import hf_linear_attn  # noqa: F401  (registers the model types read below)
-from hf_linear_attn.experiments.reproduction import TASKS, ReproductionError, Stage, load_preset, plan, reproduce
-from hf_linear_attn.experiments.reproduction.preset import _merged_config, finetune_seeds, select_models
-from hf_linear_attn.experiments.reproduction.report import collect, describe_seeds, render_markdown
-from hf_linear_attn.experiments.reproduction.stages import with_outcome
+from experiments.reproduction import TASKS, ReproductionError, Stage, load_preset, plan, reproduce
+from experiments.reproduction.preset import _merged_config, finetune_seeds, select_models
+from experiments.reproduction.report import collect, describe_seeds, render_markdown
+from experiments.reproduction.stages import with_outcome
 
 DATA = REPO.parent / "shared" / "data"
 PRESETS = sorted((REPO / "configs" / "reproduce").glob("*.json"))

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hf_linear_attn.experiments.benchmarks import describe_machine
+from benchmarks.measuring import describe_machine
 from hf_linear_attn.training.data import load_text_corpus, train_bpe_tokenizer
 
 from .preset import (
