@@ -10,6 +10,7 @@ blocks at once (see `release_freed_memory_at_once`), checked against torch.profi
 """
 
 import ctypes
+import functools
 import gc
 import json
 import os
@@ -66,9 +67,13 @@ def instruction_sets(cpuinfo: str | None = None) -> list[str]:
 
 def describe_hardware(device: str | None = None) -> dict:
     """What a results file records beside `describe_machine()`'s line: the CPU's instruction sets, cores, torch
-    version, and the float32 and bfloat16 matmul peaks measured now (GFLOP/s, `matmul_peak`), so that a figure can be
-    read against the machine that made it."""
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    version, and the float32 and bfloat16 matmul peaks (GFLOP/s, `matmul_peak`), measured once per process (a
+    runner asks for it once per stage), so that a figure can be read against the machine that made it."""
+    return dict(_hardware(device or ("cuda" if torch.cuda.is_available() else "cpu")))
+
+
+@functools.lru_cache(maxsize=None)
+def _hardware(device: str) -> dict:
     return {"instruction_sets": instruction_sets(), "cores": os.cpu_count(), "torch": torch.__version__,
             "matmul_peak_gflops": {name: round(matmul_peak(getattr(torch, name), device), 1)
                                    for name in ("float32", "bfloat16")}}
@@ -76,12 +81,18 @@ def describe_hardware(device: str | None = None) -> dict:
 
 def hardware_text(hardware: dict | None) -> str:
     """The hardware record as a report says it ("" for a report made before it was recorded, which then renders
-    as it did): 'instruction sets avx2; matmul peak 152.0 GFLOP/s float32, 0.4 GFLOP/s bfloat16'."""
+    as it did): 'instruction sets avx2 avx512f; matmul peak 152.0 GFLOP/s float32, 0.4 GFLOP/s bfloat16'."""
     if not hardware:
         return ""
     sets = " ".join(hardware["instruction_sets"]) or "none of " + " ".join(INSTRUCTION_SETS)
     peaks = ", ".join(f"{value:,.1f} GFLOP/s {name}" for name, value in hardware["matmul_peak_gflops"].items())
     return f"instruction sets {sets}; matmul peak {peaks}"
+
+
+def hardware_of_records(records) -> list[str]:
+    """The distinct hardware texts of a run's stage records, in the order first met ([] where no record has one: a
+    run made before they were recorded, whose report then renders as it did)."""
+    return list(dict.fromkeys(hardware_text(r.get("hardware")) for r in records if r.get("hardware")))
 
 
 # ------------------------------------------------------------------------------------------------- measuring

@@ -121,7 +121,7 @@ def run(preset_path: Path, output_dir: Path, tasks=None, models=None, dataset="l
         dry_run=False, report_only=False, argv=None, log=print, seed=None) -> dict:
     """Run (or reuse) every stage of the preset, then write the report; returns the report's summary. `seed`
     replaces the preset's seed (model initialisation, batch order, ListOps generation, the IMDB held-out split)."""
-    from benchmarks.measuring import describe_machine
+    from benchmarks.measuring import describe_hardware, describe_machine, hardware_of_records
 
     from .report import write_report
 
@@ -157,11 +157,14 @@ def run(preset_path: Path, output_dir: Path, tasks=None, models=None, dataset="l
 
         best = [best_probe(load_records(output_dir))]
         records = run_stages(stages, _runner(DataCache(dataset, data_dir), best), output_dir, machine, log,
-                             retake=lambda r: r["kind"] == "efficiency" and contended(r["metrics"], best[0]))
+                             retake=lambda r: r["kind"] == "efficiency" and contended(r["metrics"], best[0]),
+                             hardware=describe_hardware())
     keys = {stage.key for stage in stages}
     finished = {k: r for k, r in records.items() if k in keys}
     meta = {"preset": Path(preset_path).stem, "machine": machine,
             "stage_machines": sorted({r["machine"] for r in finished.values()}),
+            # each stage's instruction sets and matmul peaks (none in records made before they were recorded)
+            **({"hardware": hw} if (hw := hardware_of_records(finished.values())) else {}),
             "command": "python scripts/long_range.py " + shlex.join(a for a in (sys.argv[1:] if argv is None else argv)
                                                                     if a != "--report_only"),
             "report_only": report_only,

@@ -8,7 +8,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from benchmarks.measuring import describe_machine
+from benchmarks.measuring import describe_machine, hardware_of_records
 
 from .preset import _merged_config, finetune_seeds, load_preset, project_root, select_models
 from .report import PAPER_TABLE2, collect, majority_share, plot, render_markdown
@@ -62,6 +62,8 @@ def reproduce(preset_path, output_dir=None, seeds=None, launcher=None, dry_run=F
     machines = sorted({r["machine"] for r in records.values() if r.get("machine")})
     meta = {"preset": preset_name, "preset_file": str(preset_path), "machine": describe_machine(),
             "stage_machines": machines,
+            # each stage's instruction sets and matmul peaks (none in records made before they were recorded)
+            **({"hardware": hw} if (hw := hardware_of_records(records.values())) else {}),
             "command": "python scripts/reproduce.py " + shlex.join(sys.argv[1:] if argv is None else argv),
             "seeds": task_seeds, "pretrain_seed": pretrain_seed, "majority": majority,
             "seconds": sum(r["seconds"] for r in records.values()), "stages": len(stages),
