@@ -11,7 +11,9 @@ prompt-lookup decoding (`assisted`), and the compiled against the eager decoding
 Each configuration runs in a fresh process; writes results.json, results.md (tables) and PNG plots.
 """
 
-from hf_linear_attn.experiments.benchmarks import main
+import _checkout  # noqa: F401  (benchmarks/ is beside scripts/, outside the package)
+
+from benchmarks.suites import main
 
 if __name__ == "__main__":
     main()

@@ -15,11 +15,13 @@ import sys
 import time
 from pathlib import Path
 
+import _checkout  # noqa: F401  (experiments/ is beside scripts/, outside the package)
+
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import hf_linear_attn  # noqa: F401  (registers linear_gpt2 / linformer_gpt2 with the Auto classes)
-from hf_linear_attn.experiments.demo import demo_arguments, prepare_data, report, train
+from experiments.demo import demo_arguments, prepare_data, report, train
 from hf_linear_attn.training.errors import UsageError
 
 DEFAULT_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "wikitext-2"  # ../shared/data beside the checkout

@@ -12,11 +12,13 @@ import math
 import sys
 from pathlib import Path
 
+import _checkout  # noqa: F401  (experiments/ is beside scripts/, outside the package)
+
 import torch
 from transformers import AutoConfig, AutoModelForMaskedLM, DataCollatorForLanguageModeling
 
 import hf_linear_attn  # noqa: F401  (registers linformer / linear_roberta with the Auto classes)
-from hf_linear_attn.experiments.demo import demo_arguments, prepare_data, report, train
+from experiments.demo import demo_arguments, prepare_data, report, train
 from hf_linear_attn.training.errors import UsageError
 
 DEFAULT_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "wikitext-2"  # ../shared/data beside the checkout

@@ -15,8 +15,10 @@ import argparse
 import json
 import sys
 
+import _checkout  # noqa: F401  (experiments/ is beside scripts/, outside the package)
+
 from hf_linear_attn.training.data import UsageError
-from hf_linear_attn.experiments.projection_report import PROJECTION_KINDS, format_report, renormalise_rows, report
+from experiments.projection_report import PROJECTION_KINDS, format_report, renormalise_rows, report
 
 
 def main(argv=None):

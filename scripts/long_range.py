@@ -15,8 +15,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from hf_linear_attn.experiments import find_preset
-from hf_linear_attn.experiments.long_range import profile, run
+import _checkout  # noqa: F401  (experiments/ is beside scripts/, outside the package)
+
+from experiments import find_preset
+from experiments.long_range import profile, run
 from hf_linear_attn.training.errors import UsageError
 
 REPO = Path(__file__).resolve().parents[1]

@@ -18,8 +18,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from hf_linear_attn.experiments import find_preset
-from hf_linear_attn.experiments.reproduction import reproduce
+import _checkout  # noqa: F401  (experiments/ is beside scripts/, outside the package)
+
+from experiments import find_preset
+from experiments.reproduction import reproduce
 from hf_linear_attn.training.errors import UsageError
 
 ROOT = Path(__file__).resolve().parents[1]  # the checkout: presets' paths are relative to it

@@ -11,20 +11,27 @@ from helpers import REPO_ROOT, SHARED_DATA
 WIKITEXT = SHARED_DATA / "wikitext-2"
 
 
+def run_demo(script: str, output_dir, *flags: str) -> tuple[dict, str]:
+    """A demo script at its smallest size on real WikiText-2 in a fresh process: its results.json's results (one per
+    model, three) and its printed table."""
+    cmd = [sys.executable, str(REPO_ROOT / "scripts" / script), "--dataset", str(WIKITEXT), "--output_dir",
+           str(output_dir), "--steps", "3", "--batch_size", "4", "--seq_len", "64", "--eval_batches", "2",
+           "--vocab_size", "2000", *flags]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((output_dir / "results.json").read_text())["results"]
+    assert len(results) == 3
+    return results, proc.stdout
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not (WIKITEXT / "wiki.train.tokens").is_file(), reason=f"WikiText-2 not found at {WIKITEXT}")
 def test_demo_trains_saves_and_reloads_every_encoder(tmp_path):
-    cmd = [sys.executable, str(REPO_ROOT / "scripts" / "demo_encoders.py"), "--dataset", str(WIKITEXT),
-           "--output_dir", str(tmp_path), "--steps", "3", "--batch_size", "4", "--seq_len", "64",
-           "--eval_batches", "2", "--vocab_size", "2000", "--linformer_k", "16"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = json.loads((tmp_path / "results.json").read_text())["results"]
-    assert len(results) == 3
+    results, stdout = run_demo("demo_encoders.py", tmp_path, "--linformer_k", "16")
     for name, result in results.items():
         assert result["reload_identical"] is True, name
         assert 0 < result["mlm_loss"] < 10 and 0 <= result["mlm_accuracy"] <= 1
-    assert "| linformer k=16 |" in proc.stdout
+    assert "| linformer k=16 |" in stdout
 
 
 def test_demo_names_a_missing_data_folder(tmp_path):
@@ -37,13 +44,7 @@ def test_demo_names_a_missing_data_folder(tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(not (WIKITEXT / "wiki.train.tokens").is_file(), reason=f"WikiText-2 not found at {WIKITEXT}")
 def test_decoder_demo_trains_generates_and_reloads_every_decoder(tmp_path):
-    cmd = [sys.executable, str(REPO_ROOT / "scripts" / "demo_decoders.py"), "--dataset", str(WIKITEXT),
-           "--output_dir", str(tmp_path), "--steps", "3", "--batch_size", "4", "--seq_len", "64",
-           "--eval_batches", "2", "--vocab_size", "2000", "--new_tokens", "40", "--block_size", "16"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = json.loads((tmp_path / "results.json").read_text())["results"]
-    assert len(results) == 3
+    results, _ = run_demo("demo_decoders.py", tmp_path, "--new_tokens", "40", "--block_size", "16")
     for name, result in results.items():
         assert result["reload_generates_same"] is True, name
         assert 0 < result["val_loss"] < 10

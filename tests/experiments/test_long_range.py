@@ -3,19 +3,21 @@ stage records, the errors for bad input, and the smoke preset end to end."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 from helpers import REPO_ROOT, SHARED_DATA
 
-from hf_linear_attn.experiments.long_range import load_preset, plan, profile, run, select
-from hf_linear_attn.experiments.long_range.models import (
+from experiments.long_range import load_preset, plan, profile, run, select
+from experiments.long_range.models import (
     DECODERS, ENCODERS, Dims, build_decoder, build_encoder, check_length, model_dims, pool_by_mean,
 )
-from hf_linear_attn.experiments.long_range.stages import Stage, run_stages
-from hf_linear_attn.experiments.long_range.tasks import (
+from experiments.long_range.stages import Stage, run_stages
+from experiments.long_range.tasks import (
     LISTOPS_VOCAB, copy_batch, decode_bytes, encode_bytes, encode_listops, generate_listops, generate_listops_sized,
 )
 from hf_linear_attn.training.errors import UsageError
@@ -199,6 +201,44 @@ def test_stages_are_recorded_reused_and_refused_with_other_arguments(tmp_path):
         run_stages([Stage("a/x", "copy", {"steps": 5})], fake, tmp_path, "test machine", log=lambda s: None)
 
 
+def test_a_stage_records_the_hardware_it_ran_on_and_the_report_says_it_only_where_recorded(tmp_path):
+    from benchmarks.measuring import hardware_text
+    from experiments.long_range.report import render_markdown
+
+    hardware = {"instruction_sets": ["avx2"], "cores": 2, "torch": "2.13.0+cpu",
+                "matmul_peak_gflops": {"float32": 150.0, "bfloat16": 0.4}}
+    records = run_stages([Stage("a/x", "copy", {"steps": 1})], lambda stage: {"value": 1}, tmp_path, "test machine",
+                         log=lambda s: None, hardware=hardware)
+    assert records["a/x"]["hardware"] == hardware
+    meta = {"preset": "p", "machine": "m", "command": "c", "date": "d", "finished": 1, "total": 1,
+            "task_notes": "t", "encoders": [], "decoders": []}
+    summary = {"accuracy": {}, "efficiency": {}, "copy": {}, "notes": {}}
+    before = render_markdown(meta, summary)
+    assert "hardware" not in before  # records made before the field existed: the report as it was
+    after = render_markdown({**meta, "hardware": [hardware_text(hardware)]}, summary)
+    assert after.replace(f"- hardware of the stages: {hardware_text(hardware)}\n", "") == before
+
+
+def test_the_committed_cpu_report_renders_again_from_its_records_but_for_the_date(tmp_path, monkeypatch):
+    """`--report_only` on the committed folder, on a machine described as its stages' was: every line as committed
+    but the date (the report's, today)."""
+    import benchmarks.measuring
+
+    committed = REPO_ROOT / "results" / "long_range" / "cpu"
+    folder = tmp_path / "results" / "long_range" / "cpu"
+    shutil.copytree(committed, folder)
+    monkeypatch.chdir(tmp_path)
+    recorded = json.loads((committed / "results.json").read_text())["machine"]
+    monkeypatch.setattr(benchmarks.measuring, "describe_machine", lambda: recorded)
+    run(PRESETS / "cpu.json", Path("results/long_range/cpu"), report_only=True, log=lambda s: None,
+        argv=["--preset", "cpu", "--output_dir", "results/long_range/cpu", "--report_only"])
+
+    def lines(path):
+        return [line for line in path.read_text().splitlines() if not line.startswith("- date:")]
+
+    assert lines(folder / "results.md") == lines(committed / "results.md")
+
+
 def test_a_measurement_recorded_as_contended_is_taken_again_on_the_next_run(tmp_path):
     results = iter([{"steps_per_second": 1.0, "contended": True}, {"steps_per_second": 3.0}])
     stage = [Stage("efficiency/x-n8", "efficiency", {"n": 8})]
@@ -208,8 +248,8 @@ def test_a_measurement_recorded_as_contended_is_taken_again_on_the_next_run(tmp_
 
 
 def test_an_efficiency_measurement_counts_as_contended_when_its_matmul_probe_fell_under_the_best_on_record():
-    from hf_linear_attn.experiments.long_range.efficiency import CONTENDED_BELOW, best_probe, contended
-    from hf_linear_attn.experiments.long_range.report import collect, goals
+    from experiments.long_range.efficiency import CONTENDED_BELOW, best_probe, contended
+    from experiments.long_range.report import collect, goals
 
     def record(model, probes, steps):
         metrics = {"steps_per_second": steps, "best_steps_per_second": steps, "profiler_bytes": 1000,
@@ -233,7 +273,7 @@ def test_an_efficiency_measurement_counts_as_contended_when_its_matmul_probe_fel
 
 
 def test_a_stage_file_finished_after_records_json_wins_and_retake_measures_again(tmp_path):
-    from hf_linear_attn.experiments.long_range.stages import load_records, stage_file
+    from experiments.long_range.stages import load_records, stage_file
 
     stage = [Stage("efficiency/x-n8", "efficiency", {"n": 8})]
     values = iter([1.0, 2.0, 3.0])
@@ -281,7 +321,8 @@ def test_the_smoke_preset_runs_every_model_end_to_end_and_writes_every_table_and
     for by_length in report["efficiency"].values():  # every measurement carries its two availability probes
         assert all(len(m["probe_gflops"]) == 2 and min(m["probe_gflops"]) > 0 for m in by_length.values())
     markdown = (tmp_path / "results.md").read_text()
-    for heading in ("## Accuracy", "## Training efficiency", "## Copy task", "## Goals", "- machine:", "- command:"):
+    for heading in ("## Accuracy", "## Training efficiency", "## Copy task", "## Goals", "- machine:", "- command:",
+                    "- hardware of the stages: instruction sets"):
         assert heading in markdown
     for png in ("accuracy.png", "efficiency.png", "copy_task.png"):
         assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"

@@ -9,7 +9,7 @@ from helpers import FAMILY_VARIANTS, REPO_ROOT, script_error
 from inspect_linformer import main as inspect_main  # scripts/ is on sys.path (conftest.py)
 from transformers import AutoModelForMaskedLM
 
-from hf_linear_attn.experiments.projection_report import renormalise_rows, report
+from experiments.projection_report import renormalise_rows, report
 from hf_linear_attn.linformer_projection import pooling_matrix
 from hf_linear_attn.training.data import UsageError
 

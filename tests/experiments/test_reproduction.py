@@ -12,10 +12,10 @@ from helpers import REPO_ROOT as REPO
 from transformers import AutoConfig
 
 import hf_linear_attn  # noqa: F401  (registers the model types read below)
-from hf_linear_attn.experiments.reproduction import TASKS, ReproductionError, Stage, load_preset, plan, reproduce
-from hf_linear_attn.experiments.reproduction.preset import _merged_config, finetune_seeds, select_models
-from hf_linear_attn.experiments.reproduction.report import collect, describe_seeds, render_markdown
-from hf_linear_attn.experiments.reproduction.stages import with_outcome
+from experiments.reproduction import TASKS, ReproductionError, Stage, load_preset, plan, reproduce
+from experiments.reproduction.preset import _merged_config, finetune_seeds, select_models
+from experiments.reproduction.report import collect, describe_seeds, render_markdown
+from experiments.reproduction.stages import with_outcome
 
 DATA = REPO.parent / "shared" / "data"
 PRESETS = sorted((REPO / "configs" / "reproduce").glob("*.json"))
@@ -181,6 +181,20 @@ def test_the_table_calls_a_difference_inside_the_seeds_noise_noise_and_flags_unl
     assert "| -6.00 pt (beyond seed noise ±2.24) |" in table
     assert "| 51.0 ± 0.0 † |" in table and "† less than 2 points above the majority class" in table
     assert "| 90.0 ± 0.0 |" in table  # far above the majority: no mark
+    assert "Hardware" not in table  # a run whose records carry no hardware record: the header as it always was
+    hardware = ["instruction sets avx2; matmul peak 150.0 GFLOP/s float32, 0.4 GFLOP/s bfloat16"]
+    with_hardware = render_markdown("t", preset, results, {**meta, "hardware": hardware})
+    assert with_hardware.replace(f"Hardware of the stages: {hardware[0]}  \n", "") == table
+
+
+@pytest.mark.parametrize("name", ["cpu", "demo"])  # cpu-unseeded: written at e3ec64a, by that day's code
+def test_the_committed_reports_render_again_byte_for_byte_from_their_results_json(name):
+    folder = REPO / "results" / "reproduction" / name
+    report = json.loads((folder / "results.json").read_text())
+    meta = report.pop("meta")
+    report.pop("paper_table2")
+    preset = load_preset(REPO / "configs" / "reproduce" / f"{meta['preset']}.json")
+    assert render_markdown(meta["preset"], preset, report, meta) + "\n" == (folder / "results.md").read_text()
 
 
 def test_a_result_the_run_did_not_record_is_adopted_from_its_launch_record_or_refused(tmp_path):
@@ -309,6 +323,7 @@ def test_reproduction_runs_reuses_and_reports_what_the_stages_wrote(tmp_path, ca
         assert args["tokenizer_name_or_path"] == str(out / "tokenizer-mlm")
     table = (out / "results.md").read_text()
     assert "| Linformer k = 32 |" in table and "92.25" in table and "QQP (train subset)" in table
+    assert "Hardware of the stages: instruction sets" in table  # the run's CPU, beside its model name
     delta = report["encoders"]["Linformer k = 32"]["vs_baseline"]
     # signed, so a gain never reads as a loss; one seed per task: the table does not call the difference
     assert f"| {delta:+.2f} pt (noise unknown: one seed on SST-2, QQP) |" in table

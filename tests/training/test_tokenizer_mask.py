@@ -15,8 +15,8 @@ from tokenizers.processors import RobertaProcessing
 from transformers import AutoTokenizer, DataCollatorForLanguageModeling, PreTrainedTokenizerFast, pipeline
 
 from hf_linear_attn import LinformerConfig, LinformerForMaskedLM
-from hf_linear_attn.experiments.reproduction import ReproductionError, load_preset, plan
-from hf_linear_attn.experiments.reproduction.stages import folder_digest, shared_tokenizers
+from experiments.reproduction import ReproductionError, load_preset, plan
+from experiments.reproduction.stages import folder_digest, shared_tokenizers
 from hf_linear_attn.training.data import train_bpe_tokenizer
 
 PRESETS = REPO_ROOT / "configs" / "reproduce"

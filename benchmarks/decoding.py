@@ -11,8 +11,8 @@
 - ``compiled_step``: per-token latency of ``DecoderStateStep`` (the linear decoder's step on explicit state tensors)
   eager against ``torch.compile(fullgraph=True)``, at batch 1 and a larger batch.
 
-benchmarks.py registers the suites (``KINDS``, ``configurations``, ``tables``, ``plots``); this module imports it
-only inside functions, so either module can be imported first.
+suites.py registers the suites (``KINDS``, ``configurations``, ``tables``, ``plots``) and names the preset; this module
+imports only measuring.py.
 """
 
 import contextlib
@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from .measuring import cache_bytes, decoder_model, failure, matmul_peak, rss_bytes, timed_call
 
 SUITES = ("images", "assisted", "compiled_step")
 
@@ -89,13 +91,6 @@ DEFAULT_DATA_DIR = "../shared/data"  # beside the checkout, as configs/pretrain/
 # ------------------------------------------------------------------------------------------------ configurations
 
 
-def preset_name(preset: dict) -> str | None:
-    """The name of a benchmarks.py preset, by content (the module may run as __main__, holding its own copy)."""
-    from hf_linear_attn.experiments.benchmarks import PRESETS as BENCHMARK_PRESETS
-
-    return next((name for name, value in BENCHMARK_PRESETS.items() if value == preset), None)
-
-
 def wikitext_files(data_dir) -> dict[str, Path]:
     """The WikiText-2 train / validation files under data_dir (the shared data folder)."""
     folder = Path(data_dir or DEFAULT_DATA_DIR).expanduser().resolve() / "wikitext-2"
@@ -111,12 +106,12 @@ def data_problem(data_dir) -> str | None:
     return None
 
 
-def configurations(preset: dict, dtype: str, data_dir=None, output_dir=None) -> list[dict]:
-    """Every configuration of the decoding suites for a benchmarks.py preset (none for a preset not named here)."""
-    name = preset_name(preset)
-    if name not in PRESETS:
+def configurations(preset_name: str, dtype: str, data_dir=None, output_dir=None) -> list[dict]:
+    """Every configuration of the decoding suites for the suites.py preset of this name (none for a preset not named
+    here)."""
+    if preset_name not in PRESETS:
         return []
-    sizes = PRESETS[name]
+    sizes = PRESETS[preset_name]
     return (_image_configurations(sizes, dtype) + _assisted_configurations(sizes, dtype, data_dir, output_dir)
             + _compiled_step_configurations(sizes, dtype))
 
@@ -179,9 +174,7 @@ def _synchronize(device: str) -> None:
 
 
 def _resident_bytes() -> int:
-    from hf_linear_attn.experiments.benchmarks import _rss_bytes
-
-    return _rss_bytes("VmRSS")
+    return rss_bytes("VmRSS")
 
 
 def _available_bytes() -> int | None:
@@ -196,8 +189,6 @@ def _available_bytes() -> int | None:
 
 
 def _matmul_peak(spec: dict, device: str) -> float:
-    from hf_linear_attn.experiments.benchmarks import matmul_peak
-
     return matmul_peak(getattr(torch, spec["dtype"]), device, size=spec["peak_size"])
 
 
@@ -243,8 +234,6 @@ def _generate_images(model, batch: int, spec: dict, device: str, memory_cap: int
     short warm-up generation, or why the batch did not fit (time budget, memory cap, out of memory)."""
     from transformers import StoppingCriteriaList
 
-    from hf_linear_attn.experiments.benchmarks import _cache_bytes
-
     n = spec["n"]
     start = torch.zeros((batch, 1), dtype=torch.long, device=device)
     # top_k=0: sample from the whole distribution, as the paper samples pixels; pad 0 with an explicit mask, so no
@@ -281,15 +270,13 @@ def _generate_images(model, batch: int, spec: dict, device: str, memory_cap: int
         return {"batch": batch, "stopped": "out of memory"}
     seconds = statistics.median(times)
     return {"batch": batch, "seconds": seconds, "images_per_second": batch / seconds, "timed_runs": len(times),
-            "cache_bytes": _cache_bytes(completed.past_key_values)}
+            "cache_bytes": cache_bytes(completed.past_key_values)}
 
 
 def _images(spec: dict, device: str) -> dict:
     """Images / s at each batch size of the list, smallest first, until one does not fit; the headline figure is
     the one at the largest batch that fitted (the paper's rule), the best over batches is kept beside it."""
-    from hf_linear_attn.experiments.benchmarks import _decoder_model
-
-    model = _decoder_model(spec, device, spec["n"]).to(getattr(torch, spec["dtype"])).eval()
+    model = decoder_model(spec, device, spec["n"]).to(getattr(torch, spec["dtype"])).eval()
     memory_cap = None
     if device == "cpu":
         available = _available_bytes()
@@ -530,8 +517,6 @@ def _weight_read_floor(model, device: str) -> dict:
     """A decoding step at a small batch reads every weight once (the tied output layer reads the whole embedding),
     so memory bandwidth bounds it from below: the weights' bytes over the read rate of a matrix-vector product with
     the output layer (median of 9 after a warm-up), measured here. No compiler takes a step under this floor."""
-    from hf_linear_attn.experiments.benchmarks import timed_call
-
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     matrix = model.get_output_embeddings().weight.detach()
     vector = torch.randn(matrix.shape[1], device=device, dtype=matrix.dtype)
@@ -546,11 +531,9 @@ def _compiled_step(spec: dict, device: str) -> dict:
     """Per-token latency of DecoderStateStep, eager then compiled (fullgraph=True), from the same prefilled state;
     the compiled logits are checked against eager on the same inputs."""
     from hf_linear_attn import DecoderStateStep
-    from hf_linear_attn.experiments.benchmarks import _decoder_model
-
     batch, context, warmup, steps = spec["batch"], spec["context"], spec["warmup"], spec["steps"]
     length = context + warmup + steps
-    model = _decoder_model(spec, device, length).to(getattr(torch, spec["dtype"])).eval()
+    model = decoder_model(spec, device, length).to(getattr(torch, spec["dtype"])).eval()
     step = DecoderStateStep(model).eval()
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, spec["vocab_size"], (batch, length), generator=generator).to(device)
@@ -585,10 +568,8 @@ KINDS = {"images": _images, "assisted": _assisted, "compiled_step": _compiled_st
 
 
 def _cell(row: dict, key: str, fmt) -> str:
-    from hf_linear_attn.experiments.benchmarks import _failure
-
     value = row.get(key)
-    return fmt(value) if value is not None else _failure(row, key)
+    return fmt(value) if value is not None else failure(row, key)
 
 
 def _ratio_cell(value, reference) -> str:

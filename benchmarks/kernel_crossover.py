@@ -23,6 +23,8 @@ import statistics
 
 import torch
 
+from .measuring import timed_call
+
 SUITES = ("crossover",)
 FORMS = (("scan", 64), ("scan", 128), ("scan", 256), ("parallel", 64), ("parallel", 128), ("parallel", 256))
 SOFTMAX = "softmax (SDPA)"
@@ -37,12 +39,11 @@ PRESETS = {
 }
 
 
-def configurations(preset: dict, dtype: str, data_dir=None, output_dir=None) -> list[dict]:
-    """One configuration per (dtype, training or not, batch, n) of a benchmarks.py preset; float32 always, plus
-    bfloat16 where the suites run in it (native bf16 hardware, or --dtype bfloat16)."""
-    from hf_linear_attn.experiments.decoding_benchmarks import preset_name
-
-    sizes = PRESETS.get(preset_name(preset))
+def configurations(preset_name: str, dtype: str) -> list[dict]:
+    """One configuration per (dtype, training or not, batch, n) of the suites.py preset of this name (none for a
+    preset not named here); float32 always, plus bfloat16 where the suites run in it (native bf16 hardware, or
+    --dtype bfloat16)."""
+    sizes = PRESETS.get(preset_name)
     if sizes is None:
         return []
     specs = []
@@ -85,8 +86,6 @@ def interleaved_medians(fns: dict, repeats: int, budget: float, device: str) -> 
     round to round, after one warm-up call of each: a slow spell of a shared machine, or a cost that drifts with
     the process's age, then falls on every candidate alike instead of on whichever was timed during it. Fewer
     rounds (at least one) where they would pass `budget` seconds."""
-    from hf_linear_attn.experiments.benchmarks import timed_call
-
     for fn in fns.values():
         fn()
     names = list(fns)

@@ -94,7 +94,9 @@ def goals(summary: dict) -> list[str]:
 def render_markdown(meta: dict, summary: dict) -> str:
     acc, eff, copy = summary["accuracy"], summary["efficiency"], summary["copy"]
     out = [f"# Long-range evidence: preset `{meta['preset']}`", "",
-           f"- machine: {meta['machine']}", f"- command: `{meta['command']}`" + (" (this report rewritten from the finished stages with `--report_only`)"
+           f"- machine: {meta['machine']}",
+           *([f"- hardware of the stages: {'; and '.join(meta['hardware'])}"] if meta.get("hardware") else []),
+           f"- command: `{meta['command']}`" + (" (this report rewritten from the finished stages with `--report_only`)"
                                                  if meta.get("report_only") else ""), f"- date: {meta['date']}",
            f"- stages finished: {meta['finished']} of {meta['total']}" + (" (partial: rerun the command to go on)"
                                                                           if meta["finished"] < meta["total"] else ""),

@@ -1,23 +1,21 @@
 """Training-step speed and peak memory of one (model, length), each in a fresh process (LRA Table 2's shape).
 
-`python -m hf_linear_attn.experiments.long_range.efficiency --one SPEC` builds the model, runs AdamW training steps
-on random full-length byte inputs, and prints JSON: the median step time after a warm-up step (via
-`benchmarks.measured`) and the peak memory of one more step above what was in use before it (`benchmarks.PeakMemory`:
-the resident-set high-water mark on CPU, `max_memory_allocated` on CUDA), so weights and optimizer state are not
-counted, activations and gradients are. Before and after the steps it times a fixed float32 matmul (`probe_gflops`):
-on a machine shared with other jobs that product slows down with them, so the runner can tell a disturbed
-measurement from a slow model (`contended`).
+`python -m experiments.long_range.efficiency --one SPEC` builds the model, runs AdamW training steps on random
+full-length byte inputs, and prints JSON: the median step time after a warm-up step (via
+`benchmarks.measuring.measured`) and the peak memory of one more step above what was in use before it
+(`measuring.PeakMemory`: the resident-set high-water mark on CPU, `max_memory_allocated` on CUDA), so weights and
+optimizer state are not counted, activations and gradients are. Before and after the steps it times a fixed float32
+matmul (`probe_gflops`): on a machine shared with other jobs that product slows down with them, so the runner can
+tell a disturbed measurement from a slow model (`contended`).
 """
 
 import argparse
 import json
-import subprocess
-import sys
 import time
 
 import torch
 
-from hf_linear_attn.experiments.benchmarks import matmul_peak, measured
+from benchmarks.measuring import matmul_peak, measured, run_isolated
 
 from .models import Dims, build_encoder
 
@@ -107,7 +105,7 @@ def measure_training_step(spec: dict) -> dict:
         result["best_steps_per_second"] = 1 / result["best_seconds_per_step"]
         result["cpu_seconds_per_step"] = sorted(cpu_seconds[1:] or cpu_seconds)[len(cpu_seconds[1:] or cpu_seconds) // 2]
         result["threads"] = torch.get_num_threads()
-    if isinstance(memory, dict):  # benchmarks.measured: {"bytes", "profiler_bytes"}, or the probes' disagreement
+    if isinstance(memory, dict):  # measuring.measured: {"bytes", "profiler_bytes"}, or the probes' disagreement
         result["peak_bytes"] = memory.get("bytes", memory.get("resident_bytes"))
         if memory.get("profiler_bytes") is not None:
             result["profiler_bytes"] = memory["profiler_bytes"]
@@ -137,18 +135,9 @@ def memory_bytes(result: dict) -> int | None:
     return result.get("profiler_bytes", result.get("peak_bytes"))
 
 
-def run_isolated(spec: dict, timeout: float) -> dict:
+def measure_isolated(spec: dict, timeout: float) -> dict:
     """measure_training_step in a fresh process; a kill, an error or a timeout becomes {"failed": reason}."""
-    try:
-        proc = subprocess.run([sys.executable, "-m", "hf_linear_attn.experiments.long_range.efficiency", "--one",
-                               json.dumps(spec)], capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"failed": f"over {timeout:.0f} s"}
-    if proc.returncode != 0:
-        killed = proc.returncode in (-9, 137)
-        reason = "out of memory (killed)" if killed else (proc.stderr.strip().splitlines() or ["error"])[-1]
-        return {"failed": reason[:300]}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_isolated("experiments.long_range.efficiency", spec, timeout, reason_chars=300)
 
 
 if __name__ == "__main__":

@@ -1,24 +1,5 @@
-"""The Linformer paper's Table 2 comparison, reproduced end to end at a chosen scale (scripts/reproduce.py).
-
-A preset (configs/reproduce/*.json) names the encoders and decoders to compare, the pretraining and fine-tuning
-configs they share, and per-preset overrides. The run is a list of stages, each an ordinary subprocess of
-scripts/pretrain.py or scripts/finetune.py (under `python` or `accelerate launch`) writing its own folder:
-
-    tokenizer-mlm/, tokenizer-clm/     one byte-level BPE per objective, trained once, shared by every model
-    pretrain/<model>/                  masked-LM pretraining of each encoder (identical data, steps, seed)
-    finetune/<model>/<task>-seed<S>/   each pretrained encoder fine-tuned on SST-2, IMDB, QNLI, QQP
-    decoders/<model>/                  causal-LM pretraining of each decoder (validation perplexity)
-    logs/<stage>.log                   each stage's full output
-    results.json, results.md, results.png
-
-A stage whose folder holds its finished result (train_results.json / eval_results.json) and a stage.json with the
-same arguments and inputs (a digest of the config files, models and tokenizer it read) is reused, so a rerun only
-does what is missing; a finished stage run with other arguments or inputs is an error, never silently mixed into the
-table. An interrupted pretraining resumes from its newest checkpoint.
-
-preset.py reads and checks presets, stages.py plans, runs and records the stages, report.py turns the records into
-the table and the plot; this module runs the three in order (`reproduce`).
-"""
+"""The reproduction's runner (scripts/reproduce.py): plan the preset's stages, run or reuse them, then write
+results.json, results.md, results.png and records.json (`reproduce`)."""
 
 import json
 import shlex
@@ -27,15 +8,12 @@ import statistics
 import sys
 from pathlib import Path
 
-from hf_linear_attn.experiments.benchmarks import describe_machine
+from benchmarks.measuring import describe_machine, hardware_of_records
 
-from .preset import (
-    TASKS, ReproductionError, _merged_config, finetune_seeds, load_preset, project_root, select_models,
-)
+from .preset import _merged_config, finetune_seeds, load_preset, project_root, select_models
 from .report import PAPER_TABLE2, collect, majority_share, plot, render_markdown
-from .stages import Stage, load_records, plan, run_stages, shared_tokenizers, write_records
+from .stages import load_records, plan, run_stages, shared_tokenizers, write_records
 
-__all__ = ["PAPER_TABLE2", "TASKS", "ReproductionError", "Stage", "load_preset", "load_records", "plan", "reproduce"]
 
 
 def reproduce(preset_path, output_dir=None, seeds=None, launcher=None, dry_run=False, report_only=False,
@@ -84,6 +62,8 @@ def reproduce(preset_path, output_dir=None, seeds=None, launcher=None, dry_run=F
     machines = sorted({r["machine"] for r in records.values() if r.get("machine")})
     meta = {"preset": preset_name, "preset_file": str(preset_path), "machine": describe_machine(),
             "stage_machines": machines,
+            # each stage's instruction sets and matmul peaks (none in records made before they were recorded)
+            **({"hardware": hw} if (hw := hardware_of_records(records.values())) else {}),
             "command": "python scripts/reproduce.py " + shlex.join(sys.argv[1:] if argv is None else argv),
             "seeds": task_seeds, "pretrain_seed": pretrain_seed, "majority": majority,
             "seconds": sum(r["seconds"] for r in records.values()), "stages": len(stages),

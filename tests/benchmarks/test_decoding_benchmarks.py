@@ -9,8 +9,8 @@ import pytest
 import torch
 from helpers import SHARED_DATA, causal_lm, needs_data, random_ids
 
-from hf_linear_attn.experiments import benchmarks, decoding_benchmarks
-from hf_linear_attn.experiments.decoding_benchmarks import (
+from benchmarks import decoding, suites
+from benchmarks.decoding import (
     PAPER_IMAGES,
     SUITES,
     GenerationGuard,
@@ -23,12 +23,12 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def test_every_preset_runs_the_three_suites_at_the_sizes_the_issue_names(tmp_path):
-    assert set(SUITES) <= set(benchmarks.KINDS)  # scripts/benchmark.py --only images assisted compiled_step
-    for name, preset in benchmarks.PRESETS.items():
-        specs = configurations(preset, "float32", SHARED_DATA, tmp_path)
+    assert set(SUITES) <= set(suites.KINDS)  # scripts/benchmark.py --only images assisted compiled_step
+    for name in suites.PRESETS:
+        specs = configurations(name, "float32", SHARED_DATA, tmp_path)
         assert {s["kind"] for s in specs} == set(SUITES), name
-        # benchmarks.configurations runs them after its own suites
-        assert [c for c in benchmarks.configurations(preset, "float32", SHARED_DATA, tmp_path)
+        # suites.configurations runs them after its own suites
+        assert [c for c in suites.configurations(name, "float32", SHARED_DATA, tmp_path)
                 if c["kind"] in SUITES] == specs
         images = [s for s in specs if s["kind"] == "images"]
         assert {s["vocab_size"] for s in images} == {256}
@@ -49,14 +49,14 @@ def test_every_preset_runs_the_three_suites_at_the_sizes_the_issue_names(tmp_pat
 
 
 def test_without_wikitext_the_assisted_rows_say_why_and_main_refuses_before_any_work(tmp_path, capsys):
-    specs = configurations(benchmarks.PRESETS["smoke"], "float32", tmp_path / "nowhere", tmp_path)
+    specs = configurations("smoke", "float32", tmp_path / "nowhere", tmp_path)
     reasons = {s.get("skipped") for s in specs if s["kind"] == "assisted"}
     assert len(reasons) == 1 and "--data_dir" in reasons.pop()
     assert not [s for s in specs if s["kind"] != "assisted" and "skipped" in s]
     assisted = next(s for s in specs if s["kind"] == "assisted")
-    assert decoding_benchmarks.KINDS["assisted"](assisted, "cpu") == {"skipped": assisted["skipped"]}
+    assert decoding.KINDS["assisted"](assisted, "cpu") == {"skipped": assisted["skipped"]}
     with pytest.raises(SystemExit):
-        benchmarks.main(["--preset", "smoke", "--only", "assisted", "--data_dir", str(tmp_path / "nowhere"),
+        suites.main(["--preset", "smoke", "--only", "assisted", "--data_dir", str(tmp_path / "nowhere"),
                          "--output_dir", str(tmp_path / "out")])
     assert "WikiText-2 not found" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
@@ -119,11 +119,11 @@ def test_image_ratios_are_each_models_images_per_second_over_gpt2s_at_the_same_l
 @pytest.mark.slow
 @needs_data
 def test_smoke_run_of_the_three_suites_writes_complete_sane_tables_json_and_plots(tmp_path, monkeypatch):
-    """benchmarks.run_suite at the smoke preset, every configuration measured in this process: importing the package
+    """suites.run_suite at the smoke preset, every configuration measured in this process: importing the package
     again in a fresh process per configuration would triple the test's time, and test_benchmarks.py's smoke run takes
     that path (through scripts/benchmark.py) for these suites too."""
-    monkeypatch.setattr(benchmarks, "run_isolated", lambda spec, timeout: benchmarks.run_one(spec))
-    benchmarks.run_suite("smoke", tmp_path, only=list(SUITES), dtype="float32", data_dir=str(SHARED_DATA))
+    monkeypatch.setattr(suites, "run_isolated", lambda module, spec, timeout: suites.run_one(spec))
+    suites.run_suite("smoke", tmp_path, only=list(SUITES), dtype="float32", data_dir=str(SHARED_DATA))
     check_smoke_outputs(tmp_path)
 
 
@@ -132,7 +132,7 @@ def check_smoke_outputs(folder):
     tmp_path = folder
     report = json.loads((tmp_path / "results.json").read_text())
     results = report["results"]
-    specs = configurations(benchmarks.PRESETS["smoke"], "float32", SHARED_DATA, tmp_path)
+    specs = configurations("smoke", "float32", SHARED_DATA, tmp_path)
     assert [(r["kind"], r["method"]) for r in results] == [(s["kind"], s["method"]) for s in specs]
     assert not [r for r in results if "failed" in r or "skipped" in r or "compiled_failed" in r], results
     assert "cores" in report["machine"]
@@ -179,7 +179,7 @@ def check_smoke_outputs(folder):
         assert record["trained_in_this_run"] and record["perplexity"] < 0.75 * assisted["training"]["vocab_size"]
         assert record["command"] in markdown
     # a second run finds both models in the cache and trains nothing
-    again = decoding_benchmarks.trained_models(next(s for s in specs if s["kind"] == "assisted"))
+    again = decoding.trained_models(next(s for s in specs if s["kind"] == "assisted"))
     assert [again[role]["trained_in_this_run"] for role in ("target", "draft")] == [False, False]
     assert again["target"]["folder"] == assisted["trained"]["target"]["folder"]
 

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hf_linear_attn.experiments.benchmarks import describe_machine
+from benchmarks.measuring import describe_hardware, describe_machine
 from hf_linear_attn.training.data import load_text_corpus, train_bpe_tokenizer
 
 from .preset import (
@@ -255,7 +255,7 @@ def run_stage(stage: Stage, launcher: list[str]) -> tuple[dict, bool]:
     spent_file = stage.log_file(".seconds")
     earlier = float(spent_file.read_text()) if "--resume" in extra and spent_file.is_file() else 0.0
     record = {"argv": stage.argv, "inputs": inputs, "output_dir": str(stage.root), "resumed": "--resume" in extra,
-              "command": shlex.join(command), "machine": describe_machine()}
+              "command": shlex.join(command), "machine": describe_machine(), "hardware": describe_hardware()}
     _write_json(stage.pending_path, record)  # what a result found here without stage.json was made with
     started = time.perf_counter()
     try:

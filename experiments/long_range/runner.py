@@ -1,12 +1,6 @@
-"""Long-range evidence (issue 26): LRA-style ListOps and byte-level Text, the copy task of "Transformers are RNNs",
-and LRA Table 2-style training efficiency, for this package's models against Transformers' own efficient models.
-
-A preset (configs/long_range/NAME.json) gives each task one width / depth / heads / feed-forward width, its data,
-budget and the models to compare; every model of a task is built by `models.build_encoder` / `build_decoder` from
-those dims, trained by the one loop in `training` with the preset's optimizer and schedule and seed. The run is a
-list of stages (`stages`), recorded in <output_dir>/records.json, so it resumes stage by stage; `report` writes
-results.md / results.json / PNG plots from whatever has finished.
-"""
+"""The long-range runner (scripts/long_range.py): every stage of a preset run or reused (`run`), each by the kind of
+stage it is (efficiency in a fresh measuring process, copy, classification), then the report; `profile` prints where
+a training step's time goes."""
 
 import json
 import shlex
@@ -16,115 +10,13 @@ from pathlib import Path
 
 from hf_linear_attn.training.errors import UsageError
 
-from .models import (
-    DECODERS, ENCODERS, POOLINGS, Dims, build_decoder, build_encoder, check_length, check_model_names,
-)
+from .models import DECODERS, ENCODERS, Dims, build_decoder, build_encoder
+from .preset import load_preset, plan, select, task_notes
 from .stages import Stage, StageFailed, load_records, run_stages, write_atomic
 from .tasks import (
     BYTES_VOCAB_SIZE, COPY_VOCAB_SIZE, LISTOPS_VOCAB_SIZE, digest_of, encode_bytes, encode_listops, generate_listops,
     generate_listops_sized, load_imdb,
 )
-
-__all__ = ["ENCODERS", "DECODERS", "TASKS", "UsageError", "load_preset", "plan", "profile", "run"]
-
-TASKS = ("listops", "text", "copy", "efficiency")
-DIM_KEYS = {"hidden_size", "num_layers", "num_heads", "intermediate_size"}
-
-
-def load_preset(path: Path) -> dict:
-    """Read and check a preset: known tasks and models, one set of dims per task, nothing that mixes dimensions."""
-    try:
-        preset = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise UsageError(f"no preset file {path}") from None
-    for task, entry in preset["tasks"].items():
-        if task not in TASKS:
-            raise UsageError(f"unknown task {task!r} in the preset: use {', '.join(TASKS)}")
-        stray = DIM_KEYS & set(entry)
-        for model in entry.get("models", []):
-            if not isinstance(model, str):
-                stray |= DIM_KEYS & set(model)
-        if stray or (task != "efficiency" and "dims" not in entry):
-            raise UsageError(f"preset mixes dimensions in task {task!r}: give one 'dims' block for the whole task "
-                             f"({sorted(DIM_KEYS)}) and plain model names, no per-model {sorted(stray) or 'dims'}")
-        if not all(isinstance(m, str) for m in entry.get("models", [])):
-            raise UsageError(f"task {task!r}: models must be plain names")
-        if "dims" in entry:
-            Dims.from_preset(entry["dims"], f"task {task}")
-        if "pooling" in entry and (task not in ("listops", "text") or entry["pooling"] not in POOLINGS):
-            raise UsageError(f"task {task!r}: 'pooling' {entry['pooling']!r} is not allowed; ListOps and Text take "
-                             f"one of {', '.join(POOLINGS)}")
-        check_model_names(entry.get("models", []), "copy" if task == "copy" else "encoder")
-    eff = preset["tasks"].get("efficiency")
-    if eff and eff.get("dims_from") not in preset["tasks"] and "dims" not in eff:
-        raise UsageError("efficiency: give 'dims' or 'dims_from' naming a task of the preset")
-    return preset
-
-
-def select(preset: dict, tasks=None, models=None) -> dict:
-    """The preset narrowed to some tasks and models (names checked)."""
-    if tasks:
-        unknown = [t for t in tasks if t not in TASKS]
-        if unknown:
-            raise UsageError(f"unknown task {unknown[0]!r}: use {', '.join(TASKS)}")
-    if models:
-        unknown = [m for m in models if m not in ENCODERS + DECODERS]
-        if unknown:
-            raise UsageError(f"unknown model {unknown[0]!r}: encoders {', '.join(ENCODERS)}; decoders {', '.join(DECODERS)}")
-    out = {**preset, "tasks": {}}
-    for task, entry in preset["tasks"].items():
-        if tasks and task not in tasks:
-            continue
-        chosen = [m for m in entry["models"] if not models or m in models]
-        if chosen:
-            out["tasks"][task] = {**entry, "models": chosen}
-    for task, entry in out["tasks"].items():  # a task left out may still lend its dims (`--tasks efficiency`)
-        if "dims_from" in entry and entry["dims_from"] not in out["tasks"]:
-            entry["dims"] = task_dims(preset, task)
-    return out
-
-
-def task_dims(preset: dict, task: str) -> dict:
-    entry = preset["tasks"][task]
-    return entry["dims"] if "dims" in entry else preset["tasks"][entry["dims_from"]]["dims"]
-
-
-def plan(preset: dict) -> list[Stage]:
-    """Every stage of the preset, in the order they run."""
-    stages = []
-    common = {"seed": preset["seed"], "optimizer": preset["optimizer"], "dropout": preset.get("dropout", 0.1)}
-    tasks = preset["tasks"]
-    # efficiency first (cheapest, and the goals need it), then the copy task, then ListOps and Text model by model,
-    # so that a partial run already holds comparable pairs
-    if "efficiency" in tasks:
-        entry = tasks["efficiency"]
-        for n in entry["lengths"]:
-            for model in entry["models"]:
-                check_length(model, n, entry.get("position_table"))
-                stages.append(Stage(f"efficiency/{model}-n{n}", "efficiency",
-                                    {"model": model, "n": n, "dims": task_dims(preset, "efficiency"),
-                                     "batch_size": entry["batch_size"], "repeats": entry["repeats"],
-                                     "budget": entry.get("budget"), "vocab_size": BYTES_VOCAB_SIZE,
-                                     "dropout": preset.get("dropout", 0.1), "seed": preset["seed"],
-                                     "timeout": entry.get("timeout", 1800),
-                                     **({"retries": entry["retries"]} if "retries" in entry else {})}))
-    if "copy" in tasks:
-        entry = tasks["copy"]
-        for setting in entry["settings"]:
-            for model in entry["models"]:
-                stages.append(Stage(f"copy-n{setting['length']}/{model}", "copy",
-                                    {**common, "dropout": 0.0, "task": "copy", "model": model, "dims": entry["dims"],
-                                     **setting, "log_every": entry.get("log_every", 10)}))
-    models = list(dict.fromkeys(m for task in ("listops", "text") if task in tasks for m in tasks[task]["models"]))
-    for model in models:
-        for task in ("listops", "text"):
-            entry = tasks.get(task)
-            if entry and model in entry["models"]:
-                data = {k: v for k, v in entry.items() if k not in ("models", "dims")}
-                check_length(model, entry["length"], entry.get("position_table"))
-                stages.append(Stage(f"{task}/{model}", "classify",
-                                    {**common, "task": task, "model": model, "dims": entry["dims"], **data}))
-    return stages
 
 
 class DataCache:
@@ -161,20 +53,20 @@ def _runner(data: DataCache, best: list[float]):
     """run_stage(stage) -> metrics; `best` holds the best availability probe on record and grows with this run's."""
     import torch
 
-    from .efficiency import contended, measurement_spec, probe_of, run_isolated
+    from .efficiency import contended, measure_isolated, measurement_spec, probe_of
     from .training import train_classifier, train_copy
 
     def run_stage(stage: Stage) -> dict:
         a = stage.args
         if stage.kind == "efficiency":
             spec = measurement_spec(a)
-            result = run_isolated(spec, a["timeout"])
+            result = measure_isolated(spec, a["timeout"])
             best[0] = max(best[0], probe_of(result) or 0.0)
             for _ in range(a.get("retries", 0)):  # other jobs took our cores: measure again, keep the least disturbed
                 if not contended(result, best[0]):
                     break
                 time.sleep(30)
-                again = run_isolated(spec, a["timeout"])
+                again = measure_isolated(spec, a["timeout"])
                 best[0] = max(best[0], probe_of(again) or 0.0)
                 if "failed" not in again and (probe_of(again) or 0.0) > (probe_of(result) or 0.0):
                     result = again
@@ -206,32 +98,6 @@ def _runner(data: DataCache, best: list[float]):
     return run_stage
 
 
-def task_notes(preset: dict) -> str:
-    t = preset["tasks"]
-    parts = []
-    if "listops" in t:
-        e = t["listops"]
-        parts.append(f"ListOps n = {e['length']} ({e['min_tokens']}-{min(e['max_tokens'], e['length'] - 2)} tokens per "
-                     f"expression, generator '{e.get('generator', 'sized')}', {e['train_size']} train / {e['eval_size']} "
-                     f"eval, {e['steps']} steps x batch {e['batch_size']}, {POOLINGS[e.get('pooling', 'first')]})")
-    if "text" in t:
-        e = t["text"]
-        parts.append(f"Text n = {e['length']} bytes ({e['steps']} steps x batch {e['batch_size']}, eval "
-                     f"{e['eval_size']} rows: IMDB train held-out split with --dataset local, "
-                     f"{POOLINGS[e.get('pooling', 'first')]})")
-    if "copy" in t:
-        parts.append("copy " + ", ".join(f"n = {s['length']} ({s['steps']} steps x batch {s['batch_size']})"
-                                         for s in t["copy"]["settings"]))
-    dims = {task: e["dims"] for task, e in t.items() if "dims" in e}
-    parts.append("dims " + "; ".join(f"{k}: {v['hidden_size']} wide, {v['num_layers']} layers, {v['num_heads']} heads, "
-                                     f"ffn {v['intermediate_size']}" for k, v in dims.items()))
-    parts.append(f"AdamW lr {preset['optimizer']['lr']}, weight decay {preset['optimizer']['weight_decay']}, "
-                 f"linear warm-up {preset['optimizer'].get('warmup_fraction', 0.1):.0%} then linear decay, clip "
-                 f"{preset['optimizer'].get('grad_clip', 1.0)}, seed {preset['seed']}, hidden dropout "
-                 f"{preset.get('dropout', 0.1)}, attention dropout 0 for every model")
-    return "; ".join(parts)
-
-
 def profile(preset_path: Path, models, n: int, log=print, rows: int = 15) -> None:
     """Print where each model's training step goes at length n (the preset's efficiency settings): the `rows`
     operators taking the most self time, from torch.profiler in this process. Measures nothing for the tables."""
@@ -255,7 +121,7 @@ def run(preset_path: Path, output_dir: Path, tasks=None, models=None, dataset="l
         dry_run=False, report_only=False, argv=None, log=print, seed=None) -> dict:
     """Run (or reuse) every stage of the preset, then write the report; returns the report's summary. `seed`
     replaces the preset's seed (model initialisation, batch order, ListOps generation, the IMDB held-out split)."""
-    from hf_linear_attn.experiments.benchmarks import describe_machine
+    from benchmarks.measuring import describe_hardware, describe_machine, hardware_of_records
 
     from .report import write_report
 
@@ -291,11 +157,14 @@ def run(preset_path: Path, output_dir: Path, tasks=None, models=None, dataset="l
 
         best = [best_probe(load_records(output_dir))]
         records = run_stages(stages, _runner(DataCache(dataset, data_dir), best), output_dir, machine, log,
-                             retake=lambda r: r["kind"] == "efficiency" and contended(r["metrics"], best[0]))
+                             retake=lambda r: r["kind"] == "efficiency" and contended(r["metrics"], best[0]),
+                             hardware=describe_hardware())
     keys = {stage.key for stage in stages}
     finished = {k: r for k, r in records.items() if k in keys}
     meta = {"preset": Path(preset_path).stem, "machine": machine,
             "stage_machines": sorted({r["machine"] for r in finished.values()}),
+            # each stage's instruction sets and matmul peaks (none in records made before they were recorded)
+            **({"hardware": hw} if (hw := hardware_of_records(finished.values())) else {}),
             "command": "python scripts/long_range.py " + shlex.join(a for a in (sys.argv[1:] if argv is None else argv)
                                                                     if a != "--report_only"),
             "report_only": report_only,

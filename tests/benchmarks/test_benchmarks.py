@@ -9,7 +9,8 @@ import pytest
 import torch
 from helpers import REPO_ROOT
 
-from hf_linear_attn.experiments.benchmarks import PRESETS, PeakMemory, configurations, linear_attention_flops
+from benchmarks.measuring import PeakMemory
+from benchmarks.suites import PRESETS, configurations, linear_attention_flops
 
 
 def test_peak_memory_sees_a_known_allocation():
@@ -36,7 +37,7 @@ def test_smoke_preset_writes_complete_tables_json_and_plots(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "results.json").read_text())
     results = report["results"]
-    assert len(results) == len([c for c in configurations(PRESETS["smoke"]) if c["kind"] in suites])
+    assert len(results) == len([c for c in configurations("smoke") if c["kind"] in suites])
     assert not [r for r in results if "failed" in r], [r for r in results if "failed" in r]
     assert "cores" in report["machine"] and report["preset"] == "smoke"
     markdown = (tmp_path / "results.md").read_text()
@@ -73,7 +74,7 @@ def test_smoke_preset_writes_complete_tables_json_and_plots(tmp_path):
 
 def test_memory_probes_grow_monotonically_with_a_known_allocation_series():
     """Both probes (resident set, profiler) read 16, 32, 64, 128 MiB allocations in order and within their margins."""
-    from hf_linear_attn.experiments.benchmarks import probes_disagree, profiler_peak_bytes, release_freed_memory_at_once
+    from benchmarks.measuring import probes_disagree, profiler_peak_bytes, release_freed_memory_at_once
 
     release_freed_memory_at_once("cpu")
     readings = []
@@ -96,7 +97,8 @@ def test_memory_probes_grow_monotonically_with_a_known_allocation_series():
 def test_a_nonsense_memory_reading_fails_its_row():
     """The committed n = 1,024 linear-attention row read 4,096 bytes next to 10 MB at 512: such a reading must be
     refused when the profiler saw tensors of megabytes, and the table must say so instead of printing a figure."""
-    from hf_linear_attn.experiments.benchmarks import probes_disagree, tables
+    from benchmarks.measuring import probes_disagree
+    from benchmarks.suites import tables
 
     reason = probes_disagree(4096, 30 * 2**20)
     assert reason and "disagree" in reason
@@ -112,7 +114,7 @@ def _crossover_row(n, seconds, series="float32 fwd batch 1", batch=1, train=Fals
 
 
 def test_crossover_is_the_first_length_from_which_a_form_stays_ahead_of_softmax():
-    from hf_linear_attn.experiments.kernel_crossover import SOFTMAX, crossovers
+    from benchmarks.kernel_crossover import SOFTMAX, crossovers
 
     rows = [_crossover_row(64, {SOFTMAX: 1.0, "scan C=64": 0.5, "parallel C=64": 2.0}),  # scan ahead, then behind
             _crossover_row(128, {SOFTMAX: 1.0, "scan C=64": 1.5, "parallel C=64": 0.9}),
@@ -126,7 +128,7 @@ def test_crossover_is_the_first_length_from_which_a_form_stays_ahead_of_softmax(
 
 
 def test_the_fastest_form_at_each_length_merges_into_form_table_rows():
-    from hf_linear_attn.experiments.kernel_crossover import SOFTMAX, fastest_forms
+    from benchmarks.kernel_crossover import SOFTMAX, fastest_forms
 
     rows = [{**_crossover_row(n, {SOFTMAX: 1.0, "scan C=64": s, "parallel C=64": p, "parallel C=128": p2,
                                   "auto": 0.0}), "heads": 2}
@@ -137,7 +139,7 @@ def test_the_fastest_form_at_each_length_merges_into_form_table_rows():
 
 
 def test_softmax_is_no_longer_timed_once_every_form_beat_it_at_two_lengths_in_a_row():
-    from hf_linear_attn.experiments.kernel_crossover import SOFTMAX, softmax_settled
+    from benchmarks.kernel_crossover import SOFTMAX, softmax_settled
 
     rows = [_crossover_row(64, {SOFTMAX: 1.0, "scan C=64": 0.5, "parallel C=64": 2.0}),
             _crossover_row(128, {SOFTMAX: 2.0, "scan C=64": 1.5, "parallel C=64": 1.9}),
@@ -151,10 +153,10 @@ def test_softmax_is_no_longer_timed_once_every_form_beat_it_at_two_lengths_in_a_
 
 
 def test_a_crossover_configuration_times_softmax_and_every_form_side_by_side():
-    from hf_linear_attn.experiments.kernel_crossover import PRESETS as SIZES
-    from hf_linear_attn.experiments.kernel_crossover import SOFTMAX, measure, tables
+    from benchmarks.kernel_crossover import PRESETS as SIZES
+    from benchmarks.kernel_crossover import SOFTMAX, measure, tables
 
-    specs = [c for c in configurations(PRESETS["smoke"]) if c["kind"] == "crossover"]
+    specs = [c for c in configurations("smoke") if c["kind"] == "crossover"]
     assert {(c["train"], c["dtype"]) for c in specs} == {(False, "float32"), (True, "float32")}
     spec = next(c for c in specs if c["train"])
     result = measure(spec, "cpu")
@@ -168,7 +170,7 @@ def test_a_crossover_configuration_times_softmax_and_every_form_side_by_side():
 
 
 def test_candidates_are_timed_in_rounds_of_rotating_order_after_one_warm_up_each():
-    from hf_linear_attn.experiments.kernel_crossover import interleaved_medians
+    from benchmarks.kernel_crossover import interleaved_medians
 
     calls = []
     fns = {name: (lambda name=name: calls.append(name)) for name in "abc"}
@@ -180,7 +182,7 @@ def test_candidates_are_timed_in_rounds_of_rotating_order_after_one_warm_up_each
 def test_every_suite_runs_in_the_dtype_asked_for_and_kernels_in_theirs():
     # a loop over the kernel dtypes once left `dtype` at "bfloat16" for the suites listed after it
     for dtype in ("float32", "bfloat16"):
-        specs = configurations(PRESETS["quick"], dtype)
+        specs = configurations("quick", dtype)
         assert {c["dtype"] for c in specs if c["kind"] == "kernel"} == {"float32", "bfloat16"}
         assert {c["dtype"] for c in specs if c["kind"] == "crossover"} == {"float32", dtype}
         assert {c["dtype"] for c in specs if c["kind"] in ("encoder", "decoder_train", "generation", "images")} == {
@@ -188,28 +190,28 @@ def test_every_suite_runs_in_the_dtype_asked_for_and_kernels_in_theirs():
 
 
 def test_a_stopped_run_keeps_what_it_measured(tmp_path, monkeypatch):
-    from hf_linear_attn.experiments import benchmarks
+    from benchmarks import suites
 
     measured = []
 
-    def fake_isolated(spec, timeout):  # the second (last) configuration never returns: the run is killed there
+    def fake_isolated(module, spec, timeout):  # the second (last) configuration never returns: the run is killed there
         if len(measured) == 1:
             raise KeyboardInterrupt
         measured.append(spec)
         return {"seconds": {"softmax (SDPA)": 1.0, "scan C=32": 0.5}}
 
-    monkeypatch.setattr(benchmarks, "run_isolated", fake_isolated)
+    monkeypatch.setattr(suites, "run_isolated", fake_isolated)
     with pytest.raises(KeyboardInterrupt):
-        benchmarks.run_suite("smoke", tmp_path, only=["crossover"], dtype="float32")
+        suites.run_suite("smoke", tmp_path, only=["crossover"], dtype="float32")
     report = json.loads((tmp_path / "results.json").read_text())
     assert report["complete"] is False and [r["n"] for r in report["results"]] == [m["n"] for m in measured]
     assert not list(tmp_path.glob("*.partial"))
-    benchmarks.rewrite_report(tmp_path)  # renders the partial run, and says it is one
+    suites.rewrite_report(tmp_path)  # renders the partial run, and says it is one
     assert "stopped before its last configuration" in (tmp_path / "results.md").read_text()
 
 
 def test_every_peer_names_the_package_that_brings_it():
-    from hf_linear_attn.experiments.benchmarks import PEER_PACKAGES, PEERS, peer_missing
+    from benchmarks.suites import PEER_PACKAGES, PEERS, peer_missing
 
     assert set(PEER_PACKAGES) == set(PEERS)
     for peer in PEERS:

@@ -1,30 +1,27 @@
-"""Benchmarks against softmax attention: encoder inference, decoder training, generation, kernel efficiency, the
-decoding suites of decoding_benchmarks.py (image-length generation throughput, assisted decoding, compiled steps) and
-the crossover suite of kernel_crossover.py (where each causal form overtakes softmax; the form table's measurements).
+"""Benchmarks against softmax attention, behind scripts/benchmark.py: the model suites (encoder inference, decoder
+training, generation, kernel efficiency) measured here, the decoding suites of decoding.py (image-length generation
+throughput, assisted decoding, compiled steps) and the crossover suite of kernel_crossover.py (where each causal form
+overtakes softmax; the form table's measurements), and the runner that plans, measures and reports them all.
 
-Each configuration runs in a fresh Python process (`python -m hf_linear_attn.experiments.benchmarks --one SPEC`), so
-one configuration's memory never inflates another's and an out-of-memory kill costs only that configuration.
-Times are medians over repeated calls after a warm-up call. Memory is then measured on one more call: on CPU the
-process's peak resident set (VmHWM, reset through /proc/self/clear_refs) minus its resident set before the call,
-with glibc told to return freed blocks at once (see `release_freed_memory_at_once`); on CUDA
-`torch.cuda.max_memory_allocated` minus the memory allocated before it.
+Each configuration runs in a fresh Python process (`python -m benchmarks.suites --one SPEC`, through
+`measuring.run_isolated`), so one configuration's memory never inflates another's and an out-of-memory kill costs
+only that configuration. How time and memory are measured: measuring.py.
 """
 
 import argparse
-import ctypes
-import gc
 import json
-import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from hf_linear_attn.experiments import decoding_benchmarks, kernel_crossover
+from . import decoding, kernel_crossover
+from .measuring import (
+    MEMORY_FLOOR, cache_bytes, decoder_model, describe_hardware, describe_machine, failure, hardware_text,
+    matmul_peak, mb, measured, median_seconds, run_isolated, write_json,
+)
 
 # "smoke" is for the test suite: the smallest shapes and one of each kind of row (every configuration costs a fresh
 # process, about 5 s of importing transformers on 2 cores, so it runs few rather than the full grid).
@@ -52,124 +49,7 @@ PRESETS = {
 }
 
 
-# --------------------------------------------------------------------------------------------- measurement
-
-
-def describe_machine() -> str:
-    """CPU model, cores, torch build; the GPU when there is one."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    text = f"{cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
-    if torch.cuda.is_available():
-        text += f", GPU {torch.cuda.get_device_name()}"
-    return text
-
-
-def _rss_bytes(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-class PeakMemory:
-    """Peak memory of the calls inside the block, above what was in use when it started (bytes)."""
-
-    def __init__(self, device: str):
-        self.device, self.extra = device, 0
-
-    def __enter__(self):
-        gc.collect()
-        if self.device == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            self.start = torch.cuda.memory_allocated()
-        else:
-            Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM, the peak resident set, to VmRSS now
-            self.start = _rss_bytes("VmRSS")
-        return self
-
-    def __exit__(self, *exc):
-        if self.device == "cuda":
-            torch.cuda.synchronize()
-            self.extra = torch.cuda.max_memory_allocated() - self.start
-        else:
-            self.extra = _rss_bytes("VmHWM") - self.start
-
-
-def release_freed_memory_at_once(device: str) -> None:
-    """From now on, let every freed block over 64 kB leave the resident set (CPU, glibc), so VmHWM sees true peaks.
-
-    glibc keeps freed blocks below its adaptive mmap threshold (up to 32 MB) in the heap; a later call reuses them
-    without raising the peak resident set, so a measurement after a warm-up would miss most of a model's
-    activations. It also makes allocation slower, which is why it is called only after the timed calls.
-    """
-    if device != "cpu":
-        return
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return  # not glibc: nothing retained this way that we know of
-    m_mmap_threshold = -3
-    libc.mallopt(m_mmap_threshold, 64 * 1024)
-    libc.malloc_trim(0)
-
-
-def profiler_peak_bytes(fn) -> int:
-    """Peak of the bytes held by tensors allocated during fn(), from torch.profiler(profile_memory=True): the running
-    sum of every event's own allocations and frees, in time order (an independent probe of the resident-set one)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    running = peak = 0
-    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
-        running += event.self_cpu_memory_usage
-        peak = max(peak, running)
-    return peak
-
-
-# The two memory probes must agree within these margins, or the row's memory is marked failed: the resident set can
-# exceed the tensors' peak (allocator slack, library scratch) by up to 3x + 64 MB, and fall short of it by at most
-# half of it plus MEMORY_FLOOR (allocations under glibc's mmap threshold reuse heap pages).
-PROBE_MARGINS = dict(low=0.5, high=3.0, slack=64 * 2**20)
-
-
-def probes_disagree(resident: int, tensors: int) -> str | None:
-    """Why the resident-set and the profiler probe cannot both be right, or None when they agree within PROBE_MARGINS."""
-    if resident < PROBE_MARGINS["low"] * tensors - MEMORY_FLOOR or resident > (
-        PROBE_MARGINS["high"] * tensors + PROBE_MARGINS["slack"]
-    ):
-        return f"memory probes disagree: resident set {_mb(resident)} MB, tensors {_mb(tensors)} MB"
-    return None
-
-
-def measured(fn, repeats: int, device: str, budget: float | None = None) -> tuple[float, dict]:
-    """(median seconds of fn over `repeats` calls after a warm-up call, memory of one more call).
-
-    Time first, with the allocator as users have it; memory last, of a single call after the warm-up (one-time
-    library caches are not activations) and after one more call under the new allocator settings. On CPU the memory
-    is read by two probes (resident set, profiler); the dict is {"bytes", "profiler_bytes"} when they agree, else
-    {"failed": why, ...}: a figure that one probe contradicts is never reported as a measurement.
-    """
-    seconds = median_seconds(fn, repeats, device, budget)
-    release_freed_memory_at_once(device)
-    fn()  # settles the heap after the trim: its pages fault back in here, not inside the measurement
-    with PeakMemory(device) as memory:
-        fn()
-    if device != "cpu":
-        return seconds, {"bytes": memory.extra}
-    tensors = profiler_peak_bytes(fn)
-    reason = probes_disagree(memory.extra, tensors)
-    if reason:
-        return seconds, {"failed": reason, "resident_bytes": memory.extra, "profiler_bytes": tensors}
-    return seconds, {"bytes": memory.extra, "profiler_bytes": tensors}
+# ----------------------------------------------------------------------------------------- one configuration
 
 
 def _with_memory(result: dict, key: str, memory: dict) -> dict:
@@ -179,30 +59,6 @@ def _with_memory(result: dict, key: str, memory: dict) -> dict:
                 "profiler_bytes": memory["profiler_bytes"]}
     return {**result, key: memory["bytes"], **({"profiler_bytes": memory["profiler_bytes"]}
                                                  if "profiler_bytes" in memory else {})}
-
-
-def median_seconds(fn, repeats: int, device: str, budget: float | None = None) -> float:
-    """Median wall time of fn() over `repeats` calls after one warm-up call (fewer, at least one, when the calls
-    would take more than `budget` seconds in all: the longest configurations take minutes per call)."""
-    start = time.perf_counter()
-    fn()
-    if budget is not None:
-        repeats = max(1, min(repeats, int(budget / (time.perf_counter() - start))))
-    return statistics.median(timed_call(fn, device) for _ in range(repeats))
-
-
-def timed_call(fn, device: str) -> float:
-    """Wall seconds of one fn() call (on CUDA, from an idle device to the end of its work)."""
-    if device == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    fn()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - start
-
-
-# ----------------------------------------------------------------------------------------- one configuration
 
 
 def _encoder(spec, device):
@@ -223,22 +79,9 @@ def _encoder(spec, device):
     return _with_memory({"seconds": seconds}, "activation_bytes", memory)
 
 
-def _decoder_model(spec, device, n_positions):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    import hf_linear_attn  # noqa: F401
-
-    extra = {"linformer_k": spec["k"], "linformer_block_size": spec["block"]} if spec["model"] == "linformer_gpt2" else {}
-    dropout = {} if spec.get("dropout", True) else dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    config = AutoConfig.for_model(spec["model"], vocab_size=spec["vocab_size"], n_positions=n_positions,
-                                  **dropout, **spec["dims"], **extra)
-    kwargs = {"attn_implementation": "sdpa"} if spec["model"] == "gpt2" else {}
-    return AutoModelForCausalLM.from_config(config, **kwargs).to(device)
-
-
 def _decoder_train(spec, device):
     n = spec["n"]
-    model = _decoder_model(spec, device, n).train()
+    model = decoder_model(spec, device, n).train()
     ids = torch.randint(0, spec["vocab_size"], (1, n), device=device)
     mixed = spec["dtype"] != "float32"  # float32 weights under autocast, as the training scripts run
 
@@ -252,15 +95,9 @@ def _decoder_train(spec, device):
     return _with_memory({"seconds": seconds}, "peak_bytes", memory)
 
 
-def _cache_bytes(cache) -> int:
-    if hasattr(cache, "state_bytes"):
-        return cache.state_bytes()
-    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
-
-
 def _generation(spec, device):
     context, new = spec["context"], spec["new_tokens"]
-    model = _decoder_model(spec, device, context + new + 1).to(getattr(torch, spec["dtype"])).eval()
+    model = decoder_model(spec, device, context + new + 1).to(getattr(torch, spec["dtype"])).eval()
     prompt = torch.randint(0, spec["vocab_size"], (1, context), device=device)
     per_token = []
     with torch.no_grad():
@@ -278,19 +115,7 @@ def _generation(spec, device):
                 per_token.append(time.perf_counter() - start)
                 cache = out.past_key_values
     seconds = statistics.median(per_token[1:])  # the first step after a prefill is the warm-up
-    return {"seconds_per_token": seconds, "tokens_per_second": 1 / seconds, "cache_bytes": _cache_bytes(cache)}
-
-
-def matmul_peak(dtype: torch.dtype, device: str, size: int = 2048, repeats: int = 5) -> float:
-    """Measured GFLOP/s of a square matmul: the machine's practical peak for this dtype (a 256 product where bf16 is
-    emulated: one 2048 product there takes minutes)."""
-    from hf_linear_attn.linear_attention import native_bf16
-
-    if dtype == torch.bfloat16 and not native_bf16(device):
-        size = 256
-    a = torch.randn(size, size, device=device, dtype=dtype)
-    b = torch.randn(size, size, device=device, dtype=dtype)
-    return 2 * size**3 / median_seconds(lambda: a @ b, repeats, device) / 1e9
+    return {"seconds_per_token": seconds, "tokens_per_second": 1 / seconds, "cache_bytes": cache_bytes(cache)}
 
 
 def linear_attention_flops(form: str, n: int, heads: int, d: int, chunk: int) -> float:
@@ -429,7 +254,7 @@ def _kernel(spec, device):
 
 
 KINDS = {"encoder": _encoder, "decoder_train": _decoder_train, "generation": _generation, "kernel": _kernel,
-         **decoding_benchmarks.KINDS,  # images, assisted, compiled_step: decoding_benchmarks.py
+         **decoding.KINDS,  # images, assisted, compiled_step: decoding.py
          **kernel_crossover.KINDS}  # crossover: kernel_crossover.py
 
 
@@ -438,20 +263,6 @@ def run_one(spec: dict) -> dict:
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     return KINDS[spec["kind"]](spec, device)
-
-
-def run_isolated(spec: dict, timeout: float) -> dict:
-    """run_one in a fresh process; an out-of-memory kill, an error or a timeout becomes {"failed": reason}."""
-    try:
-        proc = subprocess.run([sys.executable, "-m", "hf_linear_attn.experiments.benchmarks", "--one", json.dumps(spec)],
-                              capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"failed": f"over {timeout:.0f} s"}
-    if proc.returncode != 0:
-        killed = proc.returncode in (-9, 137)
-        reason = "out of memory (killed)" if killed else (proc.stderr.strip().splitlines() or ["error"])[-1]
-        return {"failed": reason[:200]}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 # --------------------------------------------------------------------------------------------------- suites
@@ -466,10 +277,11 @@ def resolve_dtype(choice: str) -> str:
     return "bfloat16" if resolve_mixed_precision("auto") == "bf16" else "float32"
 
 
-def configurations(preset: dict, dtype: str = "float32", data_dir=None, output_dir=None) -> list[dict]:
+def configurations(preset_name: str, dtype: str = "float32", data_dir=None, output_dir=None) -> list[dict]:
     """Every configuration of a preset, in the order they run; model suites in `dtype` (kernels: both dtypes). The
     decoding suites read WikiText-2 under data_dir and cache their trained models under output_dir."""
-    decoding = decoding_benchmarks.configurations(preset, dtype, data_dir, output_dir)
+    preset = PRESETS[preset_name]
+    decoding_specs = decoding.configurations(preset_name, dtype, data_dir, output_dir)
     common = {"repeats": preset["repeats"], "vocab_size": preset["vocab_size"], "dtype": dtype,
               "budget": preset.get("budget")}
     specs = []
@@ -519,21 +331,7 @@ def configurations(preset: dict, dtype: str = "float32", data_dir=None, output_d
                 for peer in preset.get("kernel_peers", PEERS):
                     specs.append({**base, "form": "causal", "dtype": kernel_dtype, "train": train, "peer": peer,
                                   "method": f"peer: {peer} {kernel_dtype} {mode}"})
-    return specs + decoding + kernel_crossover.configurations(preset, dtype)
-
-
-# Below this, a CPU memory figure is within the resident-set probe's noise (page-level reuse by the allocator):
-# the tables show it, but compute no ratio from it.
-MEMORY_FLOOR = 4 * 2**20
-
-
-def _failure(result: dict, key: str) -> str:
-    """What a table cell shows for a missing figure: the run's failure, the memory probes' disagreement, or "-"."""
-    return result.get("failed") or result.get(f"{key}_failed") or result.get("skipped") or "-"
-
-
-def _mb(value) -> str:
-    return f"{value / 2**20:,.1f}"
+    return specs + decoding_specs + kernel_crossover.configurations(preset_name, dtype)
 
 
 def tables(results: list[dict]) -> str:
@@ -544,16 +342,16 @@ def tables(results: list[dict]) -> str:
         methods = list(dict.fromkeys(r["method"] for r in enc))
         sizes = sorted({r["n"] for r in enc})
         cell = {(r["method"], r["n"]): r for r in enc}
-        memory_tables = [("Encoder inference: activation memory (MB, peak minus weights)", "activation_bytes", _mb)]
+        memory_tables = [("Encoder inference: activation memory (MB, peak minus weights)", "activation_bytes", mb)]
         if any("profiler_bytes" in r for r in enc):  # the second probe, beside the first (see `measured`)
             memory_tables.append(("Encoder inference: tensor peak (MB, torch.profiler; the second memory probe)",
-                                  "profiler_bytes", _mb))
+                                  "profiler_bytes", mb))
         for title, key, fmt in (("Encoder inference, batch 1: seconds per forward", "seconds", lambda v: f"{v:.3f}"),
                                 *memory_tables):
             out += [f"### {title}", "", "| n | " + " | ".join(methods) + " |", "|---" * (len(methods) + 1) + "|"]
             for n in sizes:
                 row = [fmt(cell[(m, n)][key]) if (m, n) in cell and key in cell[(m, n)] else
-                       _failure(cell.get((m, n), {}), key) for m in methods]
+                       failure(cell.get((m, n), {}), key) for m in methods]
                 out.append(f"| {n} | " + " | ".join(row) + " |")
             out.append("")
         for base in ("roberta eager", "roberta sdpa"):
@@ -570,11 +368,11 @@ def tables(results: list[dict]) -> str:
     for kind, title, columns in (
         ("decoder_train", "Decoder training step (forward + backward, batch 1; peak MB: above the weights, resident "
                           "set; tensor peak MB: torch.profiler, the second probe)",
-         (("seconds", "s", lambda v: f"{v:.3f}"), ("peak_bytes", "peak MB", _mb),
-          ("profiler_bytes", "tensor peak MB", _mb))),
+         (("seconds", "s", lambda v: f"{v:.3f}"), ("peak_bytes", "peak MB", mb),
+          ("profiler_bytes", "tensor peak MB", mb))),
         ("generation", "Generation, batch 1 (per token after a prompt of `context` tokens)",
          (("seconds_per_token", "ms / token", lambda v: f"{1000 * v:.2f}"),
-          ("tokens_per_second", "tokens / s", lambda v: f"{v:.1f}"), ("cache_bytes", "cache MB", _mb))),
+          ("tokens_per_second", "tokens / s", lambda v: f"{v:.1f}"), ("cache_bytes", "cache MB", mb))),
         ("kernel", "Linear-attention kernels and peers (B 1, H 12, d 64; forward, or forward + backward where named; "
                    "bf16 inputs take bf16 products where the CPU has them natively, else float32), against the "
                    "matmul peak of that dtype measured in the same process; error: relative L2 against float64 on "
@@ -591,10 +389,10 @@ def tables(results: list[dict]) -> str:
         out += [f"### {title}", "", f"| {size} | method | " + " | ".join(c[1] for c in columns) + " |",
                 "|---" * (len(columns) + 2) + "|"]
         for r in rows:
-            cells = [c[2](r[c[0]]) if c[0] in r else _failure(r, c[0]) for c in columns]
+            cells = [c[2](r[c[0]]) if c[0] in r else failure(r, c[0]) for c in columns]
             out.append(f"| {r[size]} | {r['method']} | " + " | ".join(cells) + " |")
         out.append("")
-    return "\n".join(out) + decoding_benchmarks.tables(results) + kernel_crossover.tables(results)
+    return "\n".join(out) + decoding.tables(results) + kernel_crossover.tables(results)
 
 
 def plots(results: list[dict], folder: Path) -> list[Path]:
@@ -631,7 +429,7 @@ def plots(results: list[dict], folder: Path) -> list[Path]:
         figure.savefig(path, dpi=120)
         plt.close(figure)
         written.append(path)
-    return written + decoding_benchmarks.plots(results, folder) + kernel_crossover.plots(results, folder)
+    return written + decoding.plots(results, folder) + kernel_crossover.plots(results, folder)
 
 
 def run_suite(preset_name: str, output_dir: Path, only: list[str] | None = None, dtype: str = "auto",
@@ -642,11 +440,12 @@ def run_suite(preset_name: str, output_dir: Path, only: list[str] | None = None,
     preset = PRESETS[preset_name]
     dtype = resolve_dtype(dtype)
     output_dir.mkdir(parents=True, exist_ok=True)
-    report = {"preset": preset_name, "machine": describe_machine(), "command": " ".join(sys.argv),
+    report = {"preset": preset_name, "machine": describe_machine(), "hardware": describe_hardware(),
+              "command": " ".join(sys.argv),
               "date": time.strftime("%Y-%m-%d"), "dtype": dtype, "ffn_chunk": preset["ffn_chunk"], "complete": False,
               "results": []}
     results = report["results"]
-    for spec in configurations(preset, dtype, data_dir, output_dir):
+    for spec in configurations(preset_name, dtype, data_dir, output_dir):
         if only and spec["kind"] not in only:
             continue
         if spec["kind"] == "crossover":  # softmax only falls further behind: stop timing it (see kernel_crossover)
@@ -654,10 +453,11 @@ def run_suite(preset_name: str, output_dir: Path, only: list[str] | None = None,
         missing = spec.get("peer") and peer_missing(spec["peer"])
         # an absent peer costs no process (seconds of imports each; 8 rows per peer in the quick preset)
         measured = ({"skipped": missing} if missing else
-                    run_isolated(spec, spec.get("timeout", preset["timeout"])))  # assisted: longer, it trains first
+                    # the assisted suite's timeout is its own (longer: it trains its models first)
+                    run_isolated("benchmarks.suites", spec, spec.get("timeout", preset["timeout"])))
         results.append({**{k: v for k, v in spec.items() if k not in ("dims",)}, **measured})
         print(f"{spec['kind']:14s} {spec.get('n', spec.get('context')):>6} {spec['method']:34s} {measured}", flush=True)
-        _write_json(output_dir / "results.json", report)
+        write_json(output_dir / "results.json", report)
     report["complete"] = True
     write_report(report, output_dir)
     return report
@@ -666,18 +466,11 @@ def run_suite(preset_name: str, output_dir: Path, only: list[str] | None = None,
 MODEL_SUITES = ("encoder", "decoder_train", "generation", "kernel")  # the suites the header's paragraph describes
 
 
-def _write_json(path: Path, value) -> None:
-    """Whole or not at all: a kill mid-write leaves the previous file."""
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps(value, indent=2))
-    os.replace(partial, path)
-
-
 def write_report(report: dict, output_dir: Path) -> None:
     """results.json, results.md (a header saying what was run, then the tables) and the plots."""
     preset = PRESETS[report["preset"]]
     dtype = report["dtype"]
-    _write_json(output_dir / "results.json", report)
+    write_json(output_dir / "results.json", report)
     model_suites_note = (
         f"Models in {dtype} (inference: weights in {dtype}; training: float32 weights under autocast to "
         f"{dtype}); every encoder, stock RoBERTa included, with `chunk_size_feed_forward={report['ffn_chunk']}`; "
@@ -686,7 +479,10 @@ def write_report(report: dict, output_dir: Path) -> None:
         + (f" (fewer, at least 1, where they would exceed {preset['budget']} s)" if preset.get("budget") else "")
         + "; memory: after the timed calls, on one more call (figures under 4 MB are within the probe's noise "
         "and give no ratio).\n\n")
-    markdown = (f"Preset `{report['preset']}` on {report['machine']} ({report['date']}), `{report['command']}`"
+    # a report made before the hardware record existed has none, and renders as it did then
+    hardware = hardware_text(report.get("hardware"))
+    markdown = (f"Preset `{report['preset']}` on {report['machine']}{'; ' + hardware if hardware else ''} "
+                f"({report['date']}), `{report['command']}`"
                 + ("" if report.get("complete", True) else " (stopped before its last configuration)") + ".\n\n"
                 + (f"{report['provenance']}\n\n" if report.get("provenance") else "")
                 + (model_suites_note if any(r["kind"] in MODEL_SUITES for r in report["results"]) else "")
@@ -716,7 +512,7 @@ def main(argv=None):
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                         help="model suites: inference in this dtype, training under autocast to it (auto: bfloat16 "
                              "where the hardware computes in bf16 natively, as the training scripts decide)")
-    parser.add_argument("--data_dir", default=decoding_benchmarks.DEFAULT_DATA_DIR,
+    parser.add_argument("--data_dir", default=decoding.DEFAULT_DATA_DIR,
                         help="folder holding wikitext-2/ (the assisted suite pretrains its target and draft on it)")
     parser.add_argument("--rewrite_report", action="store_true",
                         help="only rewrite results.md and the plots in --output_dir from its results.json")
@@ -728,8 +524,8 @@ def main(argv=None):
     if args.rewrite_report:
         rewrite_report(Path(args.output_dir))
         return None
-    if args.only and "assisted" in args.only and decoding_benchmarks.data_problem(args.data_dir):
-        parser.error(decoding_benchmarks.data_problem(args.data_dir))  # asked for by name: refuse before any work
+    if args.only and "assisted" in args.only and decoding.data_problem(args.data_dir):
+        parser.error(decoding.data_problem(args.data_dir))  # asked for by name: refuse before any work
     report = run_suite(args.preset, Path(args.output_dir), args.only, args.dtype, args.data_dir)
     print(f"\n{tables(report['results'])}\nwrote {args.output_dir}/results.json, results.md and PNG plots")
     return report

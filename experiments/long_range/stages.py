@@ -71,9 +71,11 @@ def check_reuse(stage: Stage, records: dict, output_dir: Path) -> dict | None:
     return record
 
 
-def run_stages(stages: list[Stage], run, output_dir: Path, machine: str, log=print, retake=None) -> dict:
-    """Run each stage not yet finished with `run(stage) -> metrics`, recording it; returns every record. A finished
-    record is taken again when its metrics say `contended` or `retake(record)` is true."""
+def run_stages(stages: list[Stage], run, output_dir: Path, machine: str, log=print, retake=None,
+               hardware: dict | None = None) -> dict:
+    """Run each stage not yet finished with `run(stage) -> metrics`, recording it (with `machine` and, where given,
+    `hardware`: measuring.describe_hardware); returns every record. A finished record is taken again when its metrics
+    say `contended` or `retake(record)` is true."""
     records = load_records(output_dir)
     for index, stage in enumerate(stages, 1):
         earlier = check_reuse(stage, records, output_dir)
@@ -91,7 +93,8 @@ def run_stages(stages: list[Stage], run, output_dir: Path, machine: str, log=pri
             continue
         record = {"key": stage.key, "kind": stage.kind, "args": json.loads(json.dumps(stage.args)),
                   "digests": stage.digests, "metrics": metrics, "seconds": time.perf_counter() - start,
-                  "machine": machine, "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
+                  "machine": machine, **({"hardware": hardware} if hardware else {}),
+                  "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
         write_atomic(stage_file(output_dir, stage.key), json.dumps(record, indent=1))
         records[stage.key] = record
         write_atomic(output_dir / "records.json", json.dumps(records, indent=1))
