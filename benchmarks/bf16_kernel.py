@@ -1,0 +1,155 @@
+"""bf16 causal linear attention on a CPU with native bf16 (issue 37's goal), side by side in one run.
+
+Forward + backward (and forward) at H 12, d 64, elu + 1 features, batch 1, for: this package's default call
+(``causal_linear_attention(phi_q, phi_k, v)`` on bf16 inputs: "auto" precision and form), the float32 path on the same
+inputs (``precision="float32"``), and flash-linear-attention's torch chunk form (``naive_chunk_linear_attn``, its
+exact torch implementation, loaded by path so that its Triton imports are not needed). Methods interleaved, median of
+``--repeats`` after a warm-up; the float32 and bf16 matmul peaks measured in the same run; each method's error against
+float64 at the longest n; the CPU's model and instruction-set flags recorded.
+
+    python scripts/bf16_kernel_check.py --output_dir results/benchmarks/bf16-kernel-<machine>
+"""
+
+import argparse
+import importlib.util
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from hf_linear_attn.linear_attention import causal_linear_attention, native_bf16
+
+H, D = 12, 64
+
+
+def cpu_description() -> dict:
+    """Model name and the instruction-set flags that decide bf16 speed."""
+    model, flags = platform.processor() or "unknown", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and model in ("", "unknown", platform.processor()):
+                model = line.partition(":")[2].strip()
+            if line.startswith("flags"):
+                flags.update(line.partition(":")[2].split())
+    except OSError:
+        pass
+    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+    return {"cpu": model, "flags": [f for f in wanted if f in flags], "threads": torch.get_num_threads(),
+            "torch": torch.__version__}
+
+
+def matmul_peak(dtype, size=2048, repeats=5) -> float:
+    """GFLOP/s of the best of ``repeats`` size^3 products."""
+    a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
+    a @ b
+    best = min(timed_once(lambda: a @ b) for _ in range(repeats))
+    return 2 * size**3 / best / 1e9
+
+
+def timed_once(fn) -> float:
+    began = time.perf_counter()
+    fn()
+    return time.perf_counter() - began
+
+
+def fla_torch_chunk():
+    """fla's torch chunk form, or None with the reason."""
+    spec = importlib.util.find_spec("fla")
+    if spec is None or not spec.submodule_search_locations:
+        return None, "fla is not installed (pip install fla-core)"
+    path = Path(list(spec.submodule_search_locations)[0]) / "ops" / "linear_attn" / "naive.py"
+    module_spec = importlib.util.spec_from_file_location("fla_linear_attn_naive", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module.naive_chunk_linear_attn, None
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--output_dir", required=True)
+    parser.add_argument("--n", type=int, nargs="+", default=[1024, 4096])
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args(argv)
+    if not native_bf16("cpu"):
+        parser.error("this CPU has no native bf16 products (oneDNN reports none: no AVX512-BF16 / AMX); the bf16 "
+                     "path would be emulated, thousands of times slower. Run this on such a CPU.")
+    fla, why = fla_torch_chunk()
+    if fla is None:
+        parser.error(f"{why}: it is the peer this check compares with")
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    machine = cpu_description()
+    machine["peak_gflops_before"] = {"float32": matmul_peak(torch.float32), "bfloat16": matmul_peak(torch.bfloat16)}
+
+    def t(x):  # fla's (B, T, H, K) layout
+        return x.transpose(1, 2).contiguous()
+
+    methods = {
+        "default (auto)": lambda a, b, c: causal_linear_attention(a, b, c)[0],
+        "float32 path": lambda a, b, c: causal_linear_attention(a, b, c, precision="float32")[0],
+        "fla torch chunk": lambda a, b, c: fla(t(a), t(b), t(c), normalize=True).transpose(1, 2),
+    }
+    rows = []
+    for n in args.n:
+        g = torch.Generator().manual_seed(n)
+        q, k, v = (torch.randn(1, H, n, D, generator=g).bfloat16() for _ in range(3))
+        phi_q, phi_k = (F.elu(x.float()).add(1).bfloat16() for x in (q, k))
+        for train in (False, True):
+            def call(fn):
+                leaves = [x.detach().clone().requires_grad_(train) for x in (phi_q, phi_k, v)]
+                began = time.perf_counter()
+                if train:
+                    fn(*leaves).float().sum().backward()
+                else:
+                    with torch.no_grad():
+                        fn(*leaves)
+                return time.perf_counter() - began
+
+            for fn in methods.values():
+                call(fn)  # warm-up
+            times = {name: [] for name in methods}
+            for _ in range(args.repeats):  # interleaved: a disturbance hits every method alike
+                for name, fn in methods.items():
+                    times[name].append(call(fn))
+            row = {"n": n, "mode": "fwd+bwd" if train else "fwd",
+                   "seconds": {name: statistics.median(ts) for name, ts in times.items()}}
+            if n == max(args.n) and not train:
+                reference = causal_linear_attention(phi_q.double(), phi_k.double(), v.double())[0]
+                row["errors"] = {}
+                for name, fn in methods.items():
+                    with torch.no_grad():
+                        got = fn(phi_q, phi_k, v).double()
+                    row["errors"][name] = ((got - reference).norm() / reference.norm()).item()
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    machine["peak_gflops_after"] = {"float32": matmul_peak(torch.float32), "bfloat16": matmul_peak(torch.bfloat16)}
+    command = "python scripts/bf16_kernel_check.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    (out / "results.json").write_text(json.dumps({"command": command, "machine": machine, "rows": rows}, indent=1))
+    lines = ["# bf16 causal linear attention on a native-bf16 CPU", "", f"Command: `{command}`.", "",
+             f"Machine: {machine['cpu']}, flags {' '.join(machine['flags'])}, {machine['threads']} threads, torch "
+             f"{machine['torch']}. Matmul peak (GFLOP/s) before / after the timings: float32 "
+             f"{machine['peak_gflops_before']['float32']:.0f} / {machine['peak_gflops_after']['float32']:.0f}, "
+             f"bfloat16 {machine['peak_gflops_before']['bfloat16']:.0f} / "
+             f"{machine['peak_gflops_after']['bfloat16']:.0f} (a lower second figure: the cores were shared).", "",
+             f"H {H}, d {D}, batch 1, elu + 1 features; milliseconds, median of {args.repeats}, methods interleaved.", "",
+             "| mode | n | " + " | ".join(methods) + " | fla / default |", "|---" * (len(methods) + 3) + "|"]
+    for row in rows:
+        s = row["seconds"]
+        lines.append(f"| {row['mode']} | {row['n']:,} | " + " | ".join(f"{1e3 * s[m]:.1f}" for m in methods)
+                     + f" | {s['fla torch chunk'] / s['default (auto)']:.2f}x |")
+    for row in rows:
+        if "errors" in row:
+            lines += ["", f"Relative L2 error of the forward against float64 at n = {row['n']:,}: "
+                      + "; ".join(f"{m} {e:.2e}" for m, e in row["errors"].items()) + "."]
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
