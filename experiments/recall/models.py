@@ -1,0 +1,62 @@
+"""The decoders compared on recall, and the bytes of each one's decoding state.
+
+Built by the long-range suite's one decoder builder (same dims for every model), plus linear_gpt2 with each feature
+map. The state a model carries while decoding is what recall is judged against (Zoology's and Based's x axis):
+measured, not computed, from the cache a forward over n tokens leaves behind.
+"""
+
+import torch
+
+from experiments.long_range.models import DECODERS, Dims, build_decoder
+from hf_linear_attn.training.errors import UsageError
+
+# linear_gpt2 with another feature map than elu + 1: name -> feature_map
+FEATURE_MAP_VARIANTS = {"linear_gpt2_relu": "relu", "linear_gpt2_hedgehog": "hedgehog", "linear_gpt2_favor": "favor"}
+MODELS = (*DECODERS, *FEATURE_MAP_VARIANTS)
+LABELS = {"gpt2_sdpa": "GPT-2 (softmax)", "reformer_lsh": "Reformer (LSH)", "linear_gpt2": "linear_gpt2 (elu+1)",
+          "linformer_gpt2": "causal block Linformer", "linear_gpt2_relu": "linear_gpt2 (ReLU)",
+          "linear_gpt2_hedgehog": "linear_gpt2 (hedgehog)", "linear_gpt2_favor": "linear_gpt2 (FAVOR+)"}
+
+
+def check_models(names) -> None:
+    for name in names:
+        if name not in MODELS:
+            raise UsageError(f"unknown recall model {name!r}; choose from {', '.join(MODELS)}")
+
+
+def build_recall_model(name: str, dims: Dims, n: int, vocab_size: int):
+    """A randomly initialised causal LM for recall at length n (no dropout: a synthetic task)."""
+    check_models([name])
+    if name in FEATURE_MAP_VARIANTS:
+        import hf_linear_attn as ours
+
+        base = build_decoder("linear_gpt2", dims, n, vocab_size)
+        config = ours.LinearGPT2Config(**{**base.config.to_dict(), "feature_map": FEATURE_MAP_VARIANTS[name]})
+        return ours.LinearGPT2ForCausalLM(config)
+    return build_decoder(name, dims, n, vocab_size)
+
+
+@torch.no_grad()
+def decoding_state_bytes(model, n: int, vocab_size: int) -> int | None:
+    """Bytes of the cache one sequence leaves after a forward over n tokens (float32 weights, as trained here):
+    GPT-2's keys and values, the recurrent state of the linear / block-Linformer decoders, Reformer's cached buckets
+    and hidden states."""
+    was_training = model.training
+    model.eval()
+    ids = torch.randint(3, vocab_size, (1, n))
+    out = model(input_ids=ids, use_cache=True)
+    model.train(was_training)
+    cache = getattr(out, "past_key_values", None)
+    if cache is None:
+        cache = getattr(out, "past_buckets_states", None)
+    if cache is None:
+        return None
+    if hasattr(cache, "state_bytes"):
+        return int(cache.state_bytes())
+    if hasattr(cache, "layers"):  # transformers' DynamicCache
+        return int(sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)
+                       if t is not None))
+    if hasattr(cache, "states_cache"):  # Reformer: the hidden states and LSH buckets of every past token
+        tensors = [*cache.states_cache, *cache.buckets_cache]
+        return int(sum(t.numel() * t.element_size() for t in tensors))
+    raise TypeError(f"no rule for the size of a {type(cache).__name__}: add one to decoding_state_bytes")

@@ -1,0 +1,203 @@
+"""The recall runner (scripts/recall.py): a preset's MQAR grid as resumable stages, then the report.
+
+A preset (configs/recall/NAME.json) names sequence lengths, pair counts, model widths and models; every model of a
+width has the same depth, head size and feed-forward multiple, the same optimizer, schedule, steps, batch and seed.
+Each (length, pairs, width, model) is one stage, recorded by the long-range suite's stage runner (resumable, refuses a
+finished stage run with other arguments). Pair counts that do not fit a length (4 x pairs > n) are left out of the
+plan and listed in the report.
+"""
+
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from experiments.long_range.models import Dims
+from experiments.long_range.stages import Stage, load_records, run_stages, write_atomic
+from hf_linear_attn.training.errors import UsageError
+
+from .models import LABELS, build_recall_model, check_models, decoding_state_bytes
+from .tasks import check_mqar, mqar_batch, mqar_vocab_size
+
+PRESET_KEYS = {"description", "seed", "optimizer", "num_keys", "num_values", "lengths", "pairs", "widths", "num_layers",
+               "head_size", "ffn_multiple", "steps", "batch_size", "log_every", "eval_batches", "models"}
+
+
+def load_preset(path: Path) -> dict:
+    """Read and check a preset: every key known and present, every model known, every task setting possible."""
+    preset = json.loads(Path(path).read_text())
+    unknown, missing = set(preset) - PRESET_KEYS, PRESET_KEYS - {"description"} - set(preset)
+    if unknown or missing:
+        raise UsageError(f"{Path(path).name}: " + "; ".join(
+            part for part in (f"unknown keys {sorted(unknown)}" if unknown else "",
+                              f"missing keys {sorted(missing)}" if missing else "") if part) + ": fix the preset")
+    check_models(preset["models"])
+    for width in preset["widths"]:
+        if width % preset["head_size"]:
+            raise UsageError(f"width {width} is not a multiple of head_size {preset['head_size']}: fix the preset")
+    if not any(4 * p <= n for n in preset["lengths"] for p in preset["pairs"]):
+        raise UsageError("no pair count fits any length (each needs 4 x pairs <= length): fix the preset")
+    for p in preset["pairs"]:
+        check_mqar(4 * p, p, preset["num_keys"], preset["num_values"])  # the vocabulary holds the largest pair count
+    return preset
+
+
+def dims_for(preset: dict, width: int) -> dict:
+    return {"hidden_size": width, "num_layers": preset["num_layers"], "num_heads": width // preset["head_size"],
+            "intermediate_size": preset["ffn_multiple"] * width}
+
+
+def plan(preset: dict, models=None) -> tuple[list[Stage], list[str]]:
+    """Every stage, shortest sequences and fewest pairs first (a partial run already holds whole comparisons), and the
+    settings left out because the pairs do not fit the length."""
+    models = models or preset["models"]
+    check_models(models)
+    stages, left_out = [], []
+    for n in preset["lengths"]:
+        for pairs in preset["pairs"]:
+            if 4 * pairs > n:
+                left_out.append(f"n = {n}, {pairs} pairs (needs n >= {4 * pairs})")
+                continue
+            for width in preset["widths"]:
+                for model in models:
+                    stages.append(Stage(f"mqar-n{n}-p{pairs}-w{width}/{model}", "mqar", {
+                        "model": model, "length": n, "pairs": pairs, "width": width, "dims": dims_for(preset, width),
+                        "num_keys": preset["num_keys"], "num_values": preset["num_values"], "steps": preset["steps"],
+                        "batch_size": preset["batch_size"], "optimizer": preset["optimizer"], "seed": preset["seed"],
+                        "log_every": preset["log_every"], "eval_batches": preset["eval_batches"]}))
+    return stages, left_out
+
+
+def run_stage(stage: Stage) -> dict:
+    import torch
+
+    from .training import train_mqar
+
+    a = stage.args
+    task = {"length": a["length"], "pairs": a["pairs"], "num_keys": a["num_keys"], "num_values": a["num_values"]}
+    vocab = mqar_vocab_size(a["num_keys"], a["num_values"])
+    # the stage's data, as a digest: the first training batch (a different generator state means other data)
+    ids, _ = mqar_batch(2, generator=torch.Generator().manual_seed(a["seed"]), **task)
+    stage.digests = {"first_batch_sum": int(ids.sum())}
+    torch.manual_seed(a["seed"])
+    model = build_recall_model(a["model"], Dims(**a["dims"]), a["length"], vocab)
+    metrics = train_mqar(model, task, a["steps"], a["batch_size"], a["optimizer"], a["seed"], a["log_every"],
+                         a["eval_batches"])
+    metrics["state_bytes"] = decoding_state_bytes(model, a["length"], vocab)
+    metrics["parameters"] = sum(p.numel() for p in model.parameters())
+    return metrics
+
+
+# ------------------------------------------------------------------------------------------------------- report
+
+def summarise(records: dict) -> list[dict]:
+    rows = []
+    for record in records.values():
+        a, m = record["args"], record["metrics"]
+        rows.append({"model": a["model"], "length": a["length"], "pairs": a["pairs"], "width": a["width"],
+                     "accuracy": m["eval_accuracy"], "state_bytes": m.get("state_bytes"), "loss": m["eval_loss"],
+                     "steps_per_second": m["steps_per_second"]})
+    return sorted(rows, key=lambda r: (r["length"], r["width"], r["model"], r["pairs"]))
+
+
+def recalled_at(rows: list[dict], model: str, length: int, width: int, threshold: float = 0.9) -> int | None:
+    """The largest pair count at which a model stays at or above `threshold` at every pair count up to it."""
+    best = None
+    for r in sorted((r for r in rows if (r["model"], r["length"], r["width"]) == (model, length, width)),
+                    key=lambda r: r["pairs"]):
+        if r["accuracy"] < threshold:
+            break
+        best = r["pairs"]
+    return best
+
+
+def render(rows: list[dict], meta: dict) -> str:
+    out = ["# Multi-query associative recall (MQAR)", "", f"Command: `{meta['command']}`.", "",
+           f"Machine: {meta['machine']}. Preset: {meta['preset']}, {meta['finished']} of {meta['total']} stages "
+           f"finished. {meta['notes']}", ""]
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    for n in sorted({r["length"] for r in rows}):
+        pairs = sorted({r["pairs"] for r in rows if r["length"] == n})
+        out += [f"## n = {n:,}: accuracy at the queries (state: bytes of one sequence's decoding cache at n)", "",
+                "| model | width | state | " + " | ".join(f"{p} pairs" for p in pairs) + " | pairs at >= 90% |",
+                "|---" * (len(pairs) + 4) + "|"]
+        for width in sorted({r["width"] for r in rows if r["length"] == n}):
+            for model in models:
+                cells = {r["pairs"]: r for r in rows if (r["model"], r["length"], r["width"]) == (model, n, width)}
+                if not cells:
+                    continue
+                state = next((r["state_bytes"] for r in cells.values() if r["state_bytes"]), None)
+                state = f"{state / 1024:,.0f} KiB" if state else "-"
+                held = recalled_at(rows, model, n, width)
+                out.append(f"| {LABELS.get(model, model)} | {width} | {state} | "
+                           + " | ".join(f"{cells[p]['accuracy']:.1%}" if p in cells else "-" for p in pairs)
+                           + f" | {held if held is not None else 'none'} |")
+        out.append("")
+    if meta.get("left_out"):
+        out += ["Left out (the pairs do not fit the length): " + "; ".join(meta["left_out"]) + ".", ""]
+    out.append("Plot: mqar.png (accuracy against decoding-state bytes, one panel per length and pair count). Records "
+               "of every stage: records.json.")
+    return "\n".join(out) + "\n"
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = sorted({(r["length"], r["pairs"]) for r in rows}) or [(0, 0)]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.4), squeeze=False)
+    for ax, (n, p) in zip(axes[0], panels):
+        for model in dict.fromkeys(r["model"] for r in rows):
+            pts = sorted((r["state_bytes"], r["accuracy"]) for r in rows
+                         if (r["model"], r["length"], r["pairs"]) == (model, n, p) and r["state_bytes"])
+            if pts:
+                ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=LABELS.get(model, model))
+        ax.set_xscale("log")
+        ax.set_ylim(0, 1.02)
+        ax.set_title(f"n = {n}, {p} pairs")
+        ax.set_xlabel("decoding state (bytes)")
+    axes[0][0].set_ylabel("accuracy at queries")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run(preset_path: Path, output_dir: Path, models=None, dry_run=False, report_only=False, argv=None,
+        log=print) -> dict:
+    from benchmarks.measuring import describe_hardware, describe_machine
+
+    preset = load_preset(preset_path)
+    stages, left_out = plan(preset, models)
+    if dry_run:
+        for stage in stages:
+            log(f"{stage.key}: {json.dumps(stage.args)}")
+        log(f"{len(stages)} stages" + (f"; left out: {'; '.join(left_out)}" if left_out else ""))
+        return {}
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    machine = describe_machine()
+    if report_only:
+        records = load_records(output_dir)
+    else:
+        records = run_stages(stages, run_stage, output_dir, machine, log, hardware=describe_hardware())
+    keys = {s.key for s in stages}
+    finished = {k: r for k, r in records.items() if k in keys}
+    rows = summarise(finished)
+    o = preset["optimizer"]
+    meta = {"preset": Path(preset_path).stem, "machine": machine, "finished": len(finished), "total": len(stages),
+            "left_out": left_out, "date": time.strftime("%Y-%m-%d"),
+            "command": "python scripts/recall.py " + shlex.join(a for a in (sys.argv[1:] if argv is None else argv)
+                                                               if a != "--report_only"),
+            "notes": (f"{preset['num_layers']} layers, head size {preset['head_size']}, feed-forward "
+                      f"{preset['ffn_multiple']}x width; {preset['num_keys']} key and {preset['num_values']} value "
+                      f"tokens; {preset['steps']} steps x batch {preset['batch_size']} of fresh sequences, AdamW lr "
+                      f"{o['lr']}, warm-up {o.get('warmup_fraction', 0.1):.0%} then linear decay, seed {preset['seed']}; "
+                      f"scored on {preset['eval_batches']} batches from another seed.")}
+    write_atomic(output_dir / "results.json", json.dumps({"meta": meta, "rows": rows}, indent=1))
+    write_atomic(output_dir / "results.md", render(rows, meta))
+    plot(rows, output_dir / "mqar.png")
+    return {"meta": meta, "rows": rows}

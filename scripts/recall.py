@@ -1,0 +1,45 @@
+"""Recall (issue 42): multi-query associative recall (MQAR, Zoology's definition) for softmax GPT-2, linear_gpt2
+with each feature map, the causal block Linformer and Reformer, against the bytes of each model's decoding state.
+
+    python scripts/recall.py --preset smoke --output_dir /tmp/recall-smoke        # every model, about a minute
+    nohup nice -n 10 python scripts/recall.py --preset cpu --output_dir results/recall/cpu &   # hours, resumable
+    python scripts/recall.py --preset cpu --output_dir results/recall/cpu --report_only          # tables so far
+
+Presets are configs/recall/NAME.json (or a path). Rerunning the same command reuses finished stages.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import _checkout  # noqa: F401  (experiments/ is beside scripts/, outside the package)
+
+from experiments import find_preset
+from experiments.recall.runner import run
+from hf_linear_attn.training.errors import UsageError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="smoke", help="smoke, cpu, or a preset JSON file")
+    parser.add_argument("--output_dir", help="default: outputs/recall/PRESET")
+    parser.add_argument("--models", nargs="+", metavar="NAME", help="only these models (names as in the preset)")
+    parser.add_argument("--dry_run", action="store_true", help="print every stage and its arguments, run nothing")
+    parser.add_argument("--report_only", action="store_true", help="run nothing: write the report from the stages "
+                                                                   "finished so far")
+    args = parser.parse_args(argv)
+    try:
+        preset = find_preset(args.preset, REPO / "configs" / "recall")
+        output_dir = Path(args.output_dir or f"outputs/recall/{preset.stem}")
+        run(preset, output_dir, args.models, args.dry_run, args.report_only,
+            argv=sys.argv[1:] if argv is None else argv, log=lambda s: print(s, flush=True))
+    except UsageError as error:
+        sys.exit(f"error: {error}")
+    if not args.dry_run:
+        print(f"wrote {output_dir}/results.md, results.json, mqar.png")
+
+
+if __name__ == "__main__":
+    main()
