@@ -15,7 +15,8 @@ FEATURE_MAP_VARIANTS = {"linear_gpt2_relu": "relu", "linear_gpt2_hedgehog": "hed
 MODELS = (*DECODERS, *FEATURE_MAP_VARIANTS)
 LABELS = {"gpt2_sdpa": "GPT-2 (softmax)", "reformer_lsh": "Reformer (LSH)", "linear_gpt2": "linear_gpt2 (elu+1)",
           "linformer_gpt2": "causal block Linformer", "linear_gpt2_relu": "linear_gpt2 (ReLU)",
-          "linear_gpt2_hedgehog": "linear_gpt2 (hedgehog)", "linear_gpt2_favor": "linear_gpt2 (FAVOR+)"}
+          "linear_gpt2_hedgehog": "linear_gpt2 (hedgehog)", "linear_gpt2_favor": "linear_gpt2 (FAVOR+)",
+          "linear_gpt2_window": "linear_gpt2, sliding window + linear"}
 
 
 def check_models(names) -> None:
