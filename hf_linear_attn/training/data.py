@@ -8,6 +8,7 @@ after loading is one path. Bad input (missing files, unknown formats, misnamed c
 import codecs
 import csv
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +31,16 @@ def refuse_sources_inside(output_dir, sources: dict) -> None:
                 raise UsageError(f"{flag} {source} lies inside --output_dir {output_dir}, which "
                                     "--overwrite_output_dir empties first: copy it elsewhere or choose another "
                                     "--output_dir")
+
+
+def refuse_same_file(train_file, validation_file) -> None:
+    """An error when the validation file is the training file: its scores would measure memorisation, not what the
+    model learnt (and the run would report them as validation results without a word)."""
+    if train_file and validation_file and Path(train_file).exists() and Path(validation_file).exists():
+        if Path(train_file).resolve() == Path(validation_file).resolve():
+            raise UsageError(f"--validation_file {validation_file} is the training file: validating on the training "
+                             "rows measures memorisation; pass another file, or leave --validation_file out to hold "
+                             "out --validation_split_percentage of train")
 
 
 TEXT_BUILDERS = {".txt": "text", ".tokens": "text", ".raw": "text", ".json": "json", ".jsonl": "json",
@@ -99,6 +110,14 @@ def require_text(dataset: Dataset, columns, split: str, fix: str) -> None:
                              f"{first + 1}: {fix}")
 
 
+def require_some_text(dataset: Dataset, columns, split: str) -> None:
+    """An error when every row's text is empty or blank: a classifier would be trained and scored on the special
+    tokens alone, and report an accuracy without a word."""
+    if len(dataset) and not any(text.strip() for column in columns for text in dataset[column]):
+        raise UsageError(f"every one of the {len(dataset)} {split} rows has empty text in {list(columns)}: nothing to "
+                         "learn or score; check the file (its delimiter, its columns) or --text_columns")
+
+
 def _load_local(files: dict[str, str], allowed: tuple[str, ...]) -> DatasetDict:
     """Load local files (one builder for all splits) into a DatasetDict, wrapping parse errors with the file name."""
     kinds = {split: _builder_for(path, allowed) for split, path in files.items()}
@@ -136,6 +155,14 @@ def carve_validation(dataset: DatasetDict, percentage: float, seed: int) -> Data
     """Split `percentage` % of train off as validation, with a fixed seed (for corpora without a validation split)."""
     if not 0 < percentage < 100:
         raise UsageError(f"validation_split_percentage must be in (0, 100), got {percentage}")
+    rows = len(dataset["train"])
+    held_out = math.ceil(rows * percentage / 100)  # as datasets rounds test_size up
+    if rows - held_out < 1 or held_out < 1:
+        # datasets' own message ("With n_samples=1, test_size=0.05 ... the resulting train set will be empty")
+        # came as a traceback and named neither the file nor the flags
+        raise UsageError(f"the training data has {rows} non-empty row(s): too few to hold out "
+                         f"{percentage:g}% for validation and train on the rest; add data, or pass a "
+                         "--validation_file")
     parts = dataset["train"].train_test_split(test_size=percentage / 100, seed=seed)
     return DatasetDict(train=parts["train"], validation=parts["test"])
 
@@ -161,6 +188,7 @@ def load_text_corpus(dataset_name=None, dataset_config_name=None, train_file=Non
     for split, part in raw.items():
         require_text(part, [text_column], split, "give every row a string (empty lines are skipped) or choose "
                                                   "another --text_column")
+    refuse_same_file(train_file, validation_file)  # after the files' own checks, which name the worse problem
     if text_column != "text":
         raw = raw.rename_column(text_column, "text")
     raw = raw.filter(lambda batch: [isinstance(t, str) and t.strip() != "" for t in batch["text"]], batched=True)
@@ -384,6 +412,9 @@ def load_task_data(task: Task, dataset_name=None, dataset_config_name=None, trai
             )
     for split, part in raw.items():
         require_text(part, task.text_columns, split, "every row needs its text; fix or remove those rows")
+        require_some_text(part, task.text_columns, split)
+    if dataset_name is None and "train" in splits and "validation" in splits:
+        refuse_same_file(train_file, validation_file)
     raw = DatasetDict({s: _normalise_labels(d, task, s) if any(c in d.column_names for c in task.label_columns)
                        else d for s, d in raw.items()})
     raw = DatasetDict({s: d.select_columns([*task.text_columns, *(["label"] if "label" in d.column_names else [])])

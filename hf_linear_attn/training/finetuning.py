@@ -6,6 +6,7 @@ token_classification` trains a label per word instead, at run_ner.py's conventio
 words and a list of labels; entity precision / recall / F1)."""
 
 import json
+import math
 import platform
 import re
 import shlex
@@ -43,6 +44,7 @@ from .data import (
 from .errors import UsageError
 from .hub import DEFAULT_TEMPLATE, check_push_target, check_template, push_folder, write_model_card
 from .metrics import load_task_metric
+from .sources import check_model_source, check_tokenizer_source
 from .metrics.entities import has_entity_scheme
 from .pretraining import max_model_length
 
@@ -135,7 +137,7 @@ class AtomicCheckpointTrainer(Trainer):
                 replace_folder(staging / name, final)
                 shutil.rmtree(staging, ignore_errors=True)
                 self._keep_newest_checkpoints(run_dir, final)
-        except (OSError, RuntimeError) as error:
+        except Exception as error:  # noqa: BLE001  (safetensors raises SafetensorError, no OSError)
             if self.args.should_save:
                 shutil.rmtree(staging, ignore_errors=True)
             if is_disk_full(error):
@@ -168,8 +170,9 @@ class AtomicCheckpointTrainer(Trainer):
                 excess -= 1
 
 
-def trainer_checkpoint_problems(folder: Path, world_size: int) -> dict[str, str]:
-    """{piece of state: what is wrong} for a Trainer checkpoint; empty when an exact resume can start from it."""
+def trainer_checkpoint_problems(folder: Path, world_size: int, read_content: bool = False) -> dict[str, str]:
+    """{piece of state: what is wrong} for a Trainer checkpoint; empty when an exact resume can start from it.
+    `read_content`: also load the torch files as Trainer will (a resume; the rotation checks headers only)."""
     pieces = {"step and trainer state": ["trainer_state.json"],
               "model weights": ["model.safetensors", "pytorch_model.bin"],
               "optimizer state": ["optimizer.pt", "optimizer.bin"], "learning-rate scheduler": ["scheduler.pt"]}
@@ -177,7 +180,7 @@ def trainer_checkpoint_problems(folder: Path, world_size: int) -> dict[str, str]
         pieces["RNG state"] = ["rng_state.pth"]
     else:
         pieces.update({f"RNG state of process {i}": [f"rng_state_{i}.pth"] for i in range(world_size)})
-    return missing_pieces(folder, pieces)
+    return missing_pieces(folder, pieces, read_content)
 
 
 def checkpoint_folders(output_dir: Path) -> list[Path]:
@@ -215,7 +218,7 @@ def resolve_resume(value: str | None, output_dir: Path, world_size: int, allow_i
             raise UsageError(f"--resume_from_checkpoint {value}: no such checkpoint folder")
     damaged = []
     for folder in candidates:
-        problems = trainer_checkpoint_problems(folder, world_size)
+        problems = trainer_checkpoint_problems(folder, world_size, read_content=True)
         if not problems or (allow_inexact and all(p.startswith("RNG state") for p in problems)):
             for skipped, why in damaged:
                 print(f"warning: skipping the incomplete checkpoint {skipped} ({why}); it is left in place")
@@ -260,6 +263,17 @@ def _check_arguments(args: FinetuneArguments, training: TrainingArguments) -> No
         if str(getattr(strategy, "value", strategy)) == "steps" and steps is not None and steps <= 0:
             raise UsageError(f"{flag} must be positive with the 'steps' strategy (got {steps}): a number of steps, "
                              "or a share of all steps if below 1; or set the strategy to 'no'")
+    if training.do_train and not (training.learning_rate > 0 and math.isfinite(training.learning_rate)):
+        raise UsageError(f"--learning_rate must be a positive number (got {training.learning_rate}); the presets use "
+                         "1e-5 to 5e-5")  # else torch's AdamW raised a bare ValueError once training began
+    for flag, value in (("--per_device_train_batch_size", training.per_device_train_batch_size),
+                        ("--per_device_eval_batch_size", training.per_device_eval_batch_size),
+                        ("--gradient_accumulation_steps", training.gradient_accumulation_steps)):
+        if value < 1:  # else the DataLoader raised a bare ValueError after the data was read
+            raise UsageError(f"{flag} must be at least 1 (got {value})")
+    if training.fp16 and not torch.cuda.is_available():
+        raise UsageError("--fp16 needs a GPU: on a CPU pass --bf16 (native on CPUs with AVX512-BF16 / AMX) or "
+                         "leave it out")
     if not 0.0 <= args.head_fraction <= 1.0:
         raise UsageError(f"--head_fraction must be between 0 and 1 (got {args.head_fraction}): the share of a long "
                             "text's tokens kept from its start")
@@ -282,6 +296,7 @@ def _subset(rows, count: int | None, hub: bool, seed: int):
 
 def read_model_config(args: FinetuneArguments, **overrides):
     """--model_name_or_path's config (with `overrides`), or an error naming the folder and why it cannot be read."""
+    check_model_source(args.model_name_or_path, "--model_name_or_path")
     try:
         return AutoConfig.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code,
                                           **overrides)
@@ -305,6 +320,8 @@ def _load_tokenizer_and_config(args: FinetuneArguments, task, train: bool = True
     if not train and config.num_labels != num_labels:
         raise UsageError(f"{args.model_name_or_path} has a head of {config.num_labels} output(s) but {task.name} "
                          f"needs {num_labels}: evaluate or predict with the fine-tuned checkpoint (or add --do_train)")
+    check_tokenizer_source(source, "--tokenizer_name_or_path" if args.tokenizer_name_or_path
+                           else "--model_name_or_path (its tokenizer; or pass --tokenizer_name_or_path)")
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=args.trust_remote_code)
     except Exception as error:
@@ -603,7 +620,7 @@ def run_finetuning(args: FinetuneArguments, training: TrainingArguments, argv=No
         train_result = trainer.train(resume_from_checkpoint=resume_from)
         try:
             trainer.save_model(str(output_dir))  # weights, config, model code (save_pretrained) and tokenizer
-        except (OSError, RuntimeError) as error:
+        except Exception as error:  # noqa: BLE001  (safetensors raises SafetensorError, no OSError)
             if is_disk_full(error):
                 raise disk_full_error(output_dir, "the fine-tuned model", error) from error
             raise

@@ -17,16 +17,18 @@ import copy
 import json
 import math
 import os
+import random
 import shutil
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 from accelerate import Accelerator, PartialState
 from accelerate.state import AcceleratorState
-from accelerate.utils import DistributedType, set_seed
+from accelerate.utils import DistributedType, LoggerType, set_seed
 from torch.utils.data import DataLoader, StackDataset, Subset
 from tqdm.auto import tqdm
 from transformers import (
@@ -38,6 +40,7 @@ from transformers import (
     get_scheduler,
 )
 from transformers.modeling_outputs import MaskedLMOutput
+from transformers.trainer_utils import SchedulerType
 from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
 import hf_linear_attn  # noqa: F401  (registers the package's models with the Auto classes)
@@ -49,6 +52,7 @@ from .fsdp import (
     FSDP_STATE_PIECES, check_wrap_classes, checkpoint_layout, fsdp_requested, gathered_state_dict, original_class,
     use_fsdp_on_cpu,
 )
+from .sources import check_model_source, check_tokenizer_source
 from .hub import HUB_ARGUMENTS, SECRET_ARGUMENTS, HubArguments, hub_repo_id, push_folder, write_pretraining_card
 
 CHECKPOINTS = "checkpoints"
@@ -209,11 +213,13 @@ def checkpoints_in(output_dir: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name[len(STEP_PREFIX):]))
 
 
-def checkpoint_problems(folder: Path, world_size: int, layout: str | None = None) -> dict[str, str]:
+def checkpoint_problems(folder: Path, world_size: int, layout: str | None = None,
+                        read_content: bool = False) -> dict[str, str]:
     """{piece of state: what is wrong} for a checkpoint folder; empty when an exact resume can start from it.
-    `layout`: the run's fsdp_state_dict_type (model and optimizer in FSDP's files), None without FSDP."""
+    `layout`: the run's fsdp_state_dict_type (model and optimizer in FSDP's files), None without FSDP.
+    `read_content`: also load the torch files as accelerate will (a resume; the rotation checks headers only)."""
     rng = {f"RNG state of process {i}": [f"random_states_{i}.pkl"] for i in range(world_size)}
-    return missing_pieces(folder, {**STATE_PIECES, **FSDP_STATE_PIECES.get(layout, {}), **rng})
+    return missing_pieces(folder, {**STATE_PIECES, **FSDP_STATE_PIECES.get(layout, {}), **rng}, read_content)
 
 
 def trainer_state(step: int, max_steps: int, log_history: list, args: PretrainArguments, world: int) -> dict:
@@ -251,7 +257,7 @@ def save_checkpoint(accelerator: Accelerator, output_dir: Path, step: int, keep:
             replace_folder(partial, final)  # a crash leaves either no step_N or a whole one
             for old in checkpoints_in(output_dir)[:-keep] if keep > 0 else []:
                 remove_folder(old)  # renamed first: a kill mid-deletion leaves no part of it under its name
-    except (OSError, RuntimeError) as error:
+    except Exception as error:  # noqa: BLE001  (safetensors raises SafetensorError, no OSError)
         if accelerator.is_main_process:
             shutil.rmtree(partial, ignore_errors=True)
         if is_disk_full(error):
@@ -324,7 +330,7 @@ def choose_checkpoint(candidates: list[Path], output_dir: Path, world_size: int,
     what is missing and the flag."""
     damaged = []
     for folder in candidates:
-        problems = checkpoint_problems(folder, world_size, layout)
+        problems = checkpoint_problems(folder, world_size, layout, read_content=True)
         if not problems:
             for skipped, why in damaged:
                 print(f"warning: skipping the incomplete checkpoint {skipped} ({why}); it is left in place")
@@ -334,7 +340,7 @@ def choose_checkpoint(candidates: list[Path], output_dir: Path, world_size: int,
         raise UsageError(f"no complete checkpoint in {output_dir / CHECKPOINTS} to resume from; start again with "
                          "--overwrite_output_dir")
     for folder, _ in damaged:
-        problems = checkpoint_problems(folder, world_size, layout)
+        problems = checkpoint_problems(folder, world_size, layout, read_content=True)
         if allow_inexact and all(piece.startswith("RNG state") for piece in problems):
             print(f"warning: resuming from {folder} without {', '.join(problems.values())} "
                   "(--allow_inexact_resume): dropout and masks differ from an uninterrupted run")
@@ -345,6 +351,31 @@ def choose_checkpoint(candidates: list[Path], output_dir: Path, world_size: int,
                                "start again with --overwrite_output_dir"))
     raise UsageError(f"no checkpoint {'there' if explicit else 'in ' + str(output_dir / CHECKPOINTS)} holds every "
                      f"piece of state an exact resume needs:\n  {listing}\n{fix}")
+
+
+def verify_restored_rng(accelerator: Accelerator, folder: Path, allow_inexact: bool) -> None:
+    """After `load_state`: this process's RNGs must now be the ones its random_states file holds. accelerate loads
+    them inside a try whose failure it logs at INFO level only, so a file it could not apply gave an inexact resume,
+    exit 0; here that is an error naming --allow_inexact_resume (with it, a warning)."""
+    from accelerate.utils import load
+
+    path = folder / f"random_states_{accelerator.process_index}.pkl"
+    try:
+        saved = load(path, map_location="cpu")
+        restored = (torch.equal(torch.get_rng_state(), saved["torch_manual_seed"])
+                    and random.getstate() == saved["random_state"]
+                    and all(np.array_equal(a, b) for a, b in zip(np.random.get_state(), saved["numpy_random_seed"])))
+        why = "they differ from the file's"
+    except Exception as error:  # noqa: BLE001  (missing, unreadable or other content: not restored either way)
+        restored, why = False, f"{path.name} cannot be read back ({type(error).__name__})"
+    if restored:
+        return
+    if not allow_inexact:
+        raise UsageError(f"the RNG states of {folder} were not restored ({why}): the run would not continue as an "
+                         "uninterrupted one. Resume from another checkpoint with --resume_from_checkpoint, or pass "
+                         "--allow_inexact_resume to continue without them")
+    print(f"warning: the RNG states of {folder} were not restored ({why}; --allow_inexact_resume): dropout and masks "
+          "differ from an uninterrupted run")
 
 
 def claim_output_dir(args: PretrainArguments, accelerator: Accelerator) -> dict:
@@ -411,6 +442,10 @@ def check_arguments(args: PretrainArguments, objective: str) -> None:
                          "--max_steps spent warming up the learning rate")
     if args.learning_rate <= 0 or not math.isfinite(args.learning_rate):
         raise UsageError(f"--learning_rate must be a positive number (got {args.learning_rate})")
+    schedules = [kind.value for kind in SchedulerType]
+    if args.lr_scheduler_type not in schedules:  # else get_scheduler raised only after the folder was claimed
+        raise UsageError(f"--lr_scheduler_type {args.lr_scheduler_type!r} is not a Transformers schedule: choose "
+                         f"one of {schedules}")
     if args.save_total_limit < 0:
         raise UsageError(f"--save_total_limit must be 0 (keep all) or more (got {args.save_total_limit})")
     if args.tokenizer_name_or_path is None and args.model_name_or_path is None:
@@ -426,6 +461,8 @@ def load_tokenizer(args: PretrainArguments, accelerator: Accelerator, corpus, st
     output_dir = Path(args.output_dir)
     if args.tokenizer_name_or_path is not None or args.model_name_or_path is not None:
         source = args.tokenizer_name_or_path or args.model_name_or_path  # existing weights: their own tokenizer
+        check_tokenizer_source(source, "--tokenizer_name_or_path" if args.tokenizer_name_or_path
+                               else "--model_name_or_path (its tokenizer; or pass --tokenizer_name_or_path)")
     else:
         source = str(output_dir)
         if not resuming and accelerator.is_main_process:
@@ -444,6 +481,7 @@ def load_model_config(args: PretrainArguments):
     if (args.model_config is None) == (args.model_name_or_path is None):
         raise UsageError("pass exactly one of --model_config (a new model) and --model_name_or_path (weights)")
     source = args.model_config or args.model_name_or_path
+    check_model_source(source, "--model_config" if args.model_config else "--model_name_or_path")
     try:
         return AutoConfig.from_pretrained(source, trust_remote_code=args.trust_remote_code)
     except Exception as error:
@@ -584,11 +622,24 @@ def evaluate_perplexity(model, accelerator: Accelerator, rows: dict, batch_size:
     return {"eval_loss": loss, "perplexity": math.exp(min(loss, 700.0)), "eval_tokens": int(count.item())}
 
 
+def check_accelerator_arguments(args: PretrainArguments, on_cpu: bool) -> None:
+    """The flags the Accelerator itself takes, checked before it is made: a bad tracker was a bare ValueError from
+    accelerate, and fp16 on a CPU ran in float32 while the results said fp16."""
+    trackers = ["none", *LoggerType.list()]
+    if args.report_to not in trackers:
+        raise UsageError(f"--report_to {args.report_to!r} is not an accelerate tracker: choose one of {trackers}")
+    if args.mixed_precision == "fp16" and on_cpu:
+        raise UsageError("--mixed_precision fp16 needs a GPU: on a CPU accelerate runs float32 instead without a "
+                         "word; pass --mixed_precision bf16 (native on CPUs with AVX512-BF16 / AMX), no, or auto "
+                         "(bf16 where the CPU computes it natively, else no)")
+
+
 def make_accelerator(args: PretrainArguments) -> Accelerator:
     """The run's Accelerator: mixed precision and trackers as `args` say; FSDP when the launcher asks for it, on
     GPUs by accelerate itself, without GPUs by `use_fsdp_on_cpu` (accelerate would run plain data parallel)."""
     # Without cpu=True accelerate treats several launched processes on a CPU-only machine as independent runs.
     on_cpu = not (torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available()))
+    check_accelerator_arguments(args, on_cpu)
     mixed_precision = resolve_mixed_precision(args.mixed_precision)
     release_stale_accelerator_state(mixed_precision)
     accelerator = Accelerator(cpu=on_cpu, mixed_precision=mixed_precision,
@@ -627,7 +678,7 @@ def prepare_model_and_data(args: PretrainArguments, accelerator: Accelerator, co
         model = build_model(args, config, tokenizer, objective)
         with accelerator.main_process_first():
             packed = pack_corpus(corpus, tokenizer, args.max_seq_length, objective)
-    except UsageError:
+    except Exception:  # a refusal, or any other failure before training: the folder as it was found
         if claim is not None:
             release_output_dir(args, accelerator, claim)
         raise
@@ -698,7 +749,7 @@ def run_pretraining(args: PretrainArguments) -> dict:
         eval_rows = evaluation_rows(packed["validation"], tokenizer, args, objective)
         trained, optimizer, scheduler = prepare_training(args, accelerator, model, objective)
         stream_source = BatchStream(accelerator, packed["train"], args.per_device_train_batch_size, args.seed)
-    except UsageError:
+    except Exception:  # a refusal, or any other failure before training: the folder as it was found
         if claim is not None:
             release_output_dir(args, accelerator, claim)
         raise
@@ -714,6 +765,7 @@ def run_pretraining(args: PretrainArguments) -> dict:
         except Exception as error:  # a file damaged in a way the header checks cannot see
             raise UsageError(f"cannot load the checkpoint {resume_from}: {type(error).__name__}: {error}. Resume "
                              "from an older one with --resume_from_checkpoint") from error
+        verify_restored_rng(accelerator, resume_from, args.allow_inexact_resume)
         saved_state = json.loads((resume_from / "trainer_state.json").read_text())
         start_step = saved_state.get("global_step", saved_state["step"])
         log_history = list(saved_state.get("log_history", []))
@@ -801,7 +853,7 @@ def run_pretraining(args: PretrainArguments) -> dict:
             (output_dir / "train_results.json").write_text(json.dumps(results, indent=2))
             (output_dir / "trainer_state.json").write_text(
                 json.dumps(trainer_state(args.max_steps, args.max_steps, log_history, args, world), indent=2))
-        except (OSError, RuntimeError) as error:
+        except Exception as error:  # noqa: BLE001  (safetensors raises SafetensorError, no OSError)
             if is_disk_full(error):
                 raise disk_full_error(output_dir, "the final model", error) from error
             raise
