@@ -28,7 +28,8 @@ from transformers import TrainingArguments
 from hf_linear_attn.training.arguments import flags_given, parse_arguments
 from hf_linear_attn.training.checkpoints import disk_full_error, is_disk_full
 from hf_linear_attn.training.errors import UsageError
-from hf_linear_attn.training.finetuning import FinetuneArguments, run_finetuning
+from hf_linear_attn.training.finetuning import run_finetuning
+from hf_linear_attn.training.finetuning_arguments import FinetuneArguments
 from hf_linear_attn.training.launch import ensure_requested_processes
 
 

@@ -16,7 +16,8 @@ from hf_linear_attn.training.arguments import parse_arguments
 from hf_linear_attn.training.checkpoints import disk_full_error, is_disk_full
 from hf_linear_attn.training.errors import UsageError
 from hf_linear_attn.training.launch import ensure_requested_processes
-from hf_linear_attn.training.pretraining import PretrainArguments, run_pretraining
+from hf_linear_attn.training.pretraining import run_pretraining
+from hf_linear_attn.training.pretraining_arguments import PretrainArguments
 
 
 def main(argv=None):

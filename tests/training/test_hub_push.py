@@ -52,8 +52,8 @@ def test_a_cards_command_repeats_the_run_without_the_token():
     """The card's command parses back into the same arguments (a --config file's values written out), less the
     token; finetune.py's card drops a --hub_token given on its command line too."""
     from hf_linear_attn.training.arguments import parse_arguments
-    from hf_linear_attn.training.hub import command_line, without_token
-    from hf_linear_attn.training.pretraining import PretrainArguments
+    from hf_linear_attn.training.model_cards import command_line, without_token
+    from hf_linear_attn.training.pretraining_arguments import PretrainArguments
 
     argv = ["--config", str(REPO_ROOT / "configs" / "pretrain" / "cpu-mlm.json"), "--model_config", "m.json",
             "--output_dir", "out dir", "--max_steps", "7", "--push_to_hub", "--hub_token", TOKEN,
@@ -83,8 +83,8 @@ def test_pretraining_pushes_the_model_and_a_card_naming_its_data_and_metrics(cor
 
     from hf_linear_attn.training import data
     from hf_linear_attn.training.arguments import parse_arguments
-    from hf_linear_attn.training.hub import write_pretraining_card
-    from hf_linear_attn.training.pretraining import PretrainArguments
+    from hf_linear_attn.training.model_cards import write_pretraining_card
+    from hf_linear_attn.training.pretraining_arguments import PretrainArguments
 
     requested = []
 
@@ -98,7 +98,7 @@ def test_pretraining_pushes_the_model_and_a_card_naming_its_data_and_metrics(cor
     flags = [*pretrain_args(corpus, config, out, "--max_steps", 4, "--save_steps", 2, "--eval_steps", 4)]
     flags = flags[:4] + flags[8:]  # the Hub dataset instead of --train_file / --validation_file
     with monkeypatch.context() as patch:
-        patch.setattr(data, "load_dataset", hub_dataset)
+        patch.setattr(data.files, "load_dataset", hub_dataset)
         main([*flags, "--dataset_name", "Salesforce/wikitext", "--dataset_config_name", "wikitext-2-raw-v1",
               "--push_to_hub", "--hub_token", TOKEN])
     assert requested == [("Salesforce/wikitext", "wikitext-2-raw-v1")]

@@ -38,7 +38,6 @@ def test_pretraining_refuses_before_writing_anything(corpus, tmp_path):
     cases = [  # (argument changes, what the message must say): each was a traceback or a silent run
         (dict(lr_scheduler_type="bogus"), "--lr_scheduler_type 'bogus' is not a Transformers schedule"),
         (dict(report_to="bogus"), "--report_to 'bogus' is not an accelerate tracker"),
-        (dict(validation_file=corpus / "train.txt"), "is the training file"),
         (dict(model_config=tmp_path / "missing.json"), "--model_config " + str(tmp_path / "missing.json")
          + ": no such file or folder"),
         (dict(model_config=no_type), 'has no "model_type" key'),
@@ -88,7 +87,6 @@ def test_finetuning_refuses_before_writing_anything(tmp_path, model_folder):
     cases = [  # (argv, what the message must say)
         ([*args, "--learning_rate", "-1"], "--learning_rate must be a positive number (got -1.0)"),
         ([*args, "--per_device_train_batch_size", "0"], "--per_device_train_batch_size must be at least 1 (got 0)"),
-        ([*args, "--validation_file", str(train)], "is the training file"),
         (replaced(args, train_file=empty), "every one of the 100 train rows has empty text in ['sentence']"),
     ]
     if not torch.cuda.is_available():  # accelerate ran it in float32 without a word
@@ -112,7 +110,7 @@ def _tamper(path, how):
 def test_a_tampered_finetuning_checkpoint_is_skipped_by_name_or_refused(tmp_path, capsys):
     from test_reliability import _trainer
 
-    from hf_linear_attn.training.finetuning import resolve_resume
+    from hf_linear_attn.training.trainer_checkpoints import resolve_resume
 
     out = tmp_path / "out"
     _trainer(tmp_path, out, max_steps=3).train()  # keeps checkpoint-2 and checkpoint-3
@@ -145,7 +143,7 @@ def test_a_pretraining_checkpoint_with_other_rng_content_is_skipped_and_a_failed
     failed load at INFO level and the run resumed inexactly, exit 0."""
     from accelerate import Accelerator
 
-    from hf_linear_attn.training.pretraining import checkpoints_in, choose_checkpoint, save_checkpoint, \
+    from hf_linear_attn.training.run_state import checkpoints_in, choose_checkpoint, save_checkpoint, \
         verify_restored_rng
 
     accelerator = Accelerator(cpu=True)
@@ -177,3 +175,19 @@ def test_a_pretraining_checkpoint_with_other_rng_content_is_skipped_and_a_failed
     verify_restored_rng(accelerator, newest, allow_inexact=True)
     assert "--allow_inexact_resume" in capsys.readouterr().out
     shutil.rmtree(tmp_path / "checkpoints")
+
+
+@needs_data
+def test_a_validation_file_that_is_the_training_file_is_said(corpus, tmp_path, capsys):
+    """Accepted (a smoke test may want it), but no longer without a word: its scores measure memorisation."""
+    from hf_linear_attn.training.data.corpus import load_text_corpus
+    from hf_linear_attn.training.data.tasks import get_task, load_task_data
+
+    train = corpus / "train.txt"
+    load_text_corpus(train_file=str(train), validation_file=str(train))
+    assert f"warning: --validation_file {train} is the training file" in capsys.readouterr().out
+    load_text_corpus(train_file=str(train), validation_file=str(corpus / "valid.txt"))
+    assert "training file" not in capsys.readouterr().out
+    sst2 = GLUE / "sst2" / "dev.tsv"
+    load_task_data(get_task("sst2"), train_file=str(sst2), validation_file=str(sst2))
+    assert "is the training file: its scores measure memorisation" in capsys.readouterr().out
