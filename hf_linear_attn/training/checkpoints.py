@@ -9,6 +9,7 @@ found by `missing_pieces` and skipped by name.
 import errno
 import json
 import os
+import re
 import shutil
 import struct
 import zipfile
@@ -93,9 +94,19 @@ def content_problem(path: Path) -> str | None:
     from accelerate.utils import load  # torch.load with weights_only=True and accelerate's numpy globals allowed
 
     try:
-        content = load(path, map_location="cpu", mmap=True)
+        try:
+            content = load(path, map_location="cpu", mmap=True)  # no copy of a large optimizer state in memory
+        except RuntimeError as error:
+            if "mmap" not in str(error):
+                raise
+            content = load(path, map_location="cpu")  # a file of torch's older format: read it whole
     except Exception as error:  # noqa: BLE001  (a refused or damaged pickle fails in many ways)
-        reason = str(error).strip().splitlines()[0][:160] if str(error).strip() else ""
+        # torch's weights_only message is a page of advice with terminal colours; its first sentence and the
+        # global it refused say what is wrong
+        text = re.sub(r"\x1b\[[0-9;]*m", "", str(error)).strip()
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+        picked = [lines[0], *(line for line in lines if line.startswith("WeightsUnpickler error"))] if lines else []
+        reason = "; ".join(dict.fromkeys(line.split(". ")[0] for line in picked))[:300]
         return f"unreadable ({type(error).__name__}{': ' + reason if reason else ''})"
     kind = next((k for k in RNG_KEYS if path.name.startswith(k)), None)
     if kind is not None:
