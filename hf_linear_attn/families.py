@@ -8,6 +8,8 @@ This module is not imported by any model file, so it never travels inside a chec
 import importlib
 from dataclasses import dataclass
 
+from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
 from .configuration_linear_gpt2 import LinearGPT2Config
 from .configuration_linear_roberta import LinearRobertaConfig
 from .configuration_linformer import LinformerConfig
@@ -72,3 +74,12 @@ def family_of(model_or_config) -> ModelFamily | None:
     """The family of a model or config of this package (None for any other, e.g. stock RoBERTa)."""
     config = getattr(model_or_config, "config", model_or_config)
     return MODEL_FAMILIES.get(getattr(config, "model_type", None))
+
+
+def max_model_length(config) -> int:
+    """The longest input the model's position table allows, for this package's families and stock models alike."""
+    if hasattr(config, "max_sequence_length"):  # this package's encoders
+        return config.max_sequence_length
+    if config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and config.model_type.startswith(("roberta", "xlm")):
+        return config.max_position_embeddings - (config.pad_token_id or 0) - 1  # RoBERTa offsets positions
+    return getattr(config, "n_positions", None) or config.max_position_embeddings

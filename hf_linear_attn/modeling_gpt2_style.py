@@ -15,7 +15,6 @@ tensor values (position table bound, padding layout) run in eager mode only, and
 already prove them (:class:`DecoderStateStep` exposes the state as plain tensors for export).
 """
 
-import inspect
 
 import torch
 from torch import nn
@@ -182,7 +181,27 @@ class GPT2StyleModel(GPT2StylePreTrainedModel):
         """An empty cache for this model: one state layer per block (each attention names its own layer class)."""
         return RecurrentStateCache([block.attn.cache_layer_class() for block in self.h])
 
-    def _check_cache(self, cache) -> None:
+    def _check_input_shape(self, input_ids, inputs_embeds) -> None:
+        """Shapes only (static in a graph): (batch, n) ids or (batch, n, n_embd) embeddings with n >= 1.
+
+        Without this, a 1-D input_ids, an empty sequence or (causal Linformer) an empty batch failed deep inside the
+        attention with a reshape or reduction error that named neither the input nor the fix."""
+        given, rank = ("input_ids", 2) if inputs_embeds is None else ("inputs_embeds", 3)
+        shape = tuple((input_ids if inputs_embeds is None else inputs_embeds).shape)
+        if len(shape) != rank:
+            raise ValueError(
+                f"{given} has shape {shape}; these decoders take {given} of shape (batch, sequence length"
+                + (")" if rank == 2 else ", n_embd)") + ": add the batch dimension (input_ids[None] or "
+                "input_ids.unsqueeze(0) for one sequence; tokenizer(..., return_tensors='pt') returns it)."
+            )
+        if shape[1] == 0:
+            raise ValueError(
+                f"{given} has shape {shape}: a sequence of 0 tokens. A causal LM needs at least one token to predict "
+                "from; start generation from the bos token (e.g. input_ids=[[tokenizer.bos_token_id]]) rather than "
+                "an empty prompt."
+            )
+
+    def _check_cache(self, cache, batch: int | None = None) -> None:
         expected = self.attention_class.cache_layer_class
         if not isinstance(cache, RecurrentStateCache) or len(cache.layers) != len(self.h) or not all(
             isinstance(layer, block.attn.cache_layer_class) for layer, block in zip(cache.layers, self.h)
@@ -191,6 +210,13 @@ class GPT2StyleModel(GPT2StylePreTrainedModel):
                 f"past_key_values must be the RecurrentStateCache this model returned (one {expected.__name__} per "
                 f"layer), got {type(cache).__name__}. These decoders keep a recurrent state, not keys and values: "
                 "pass past_key_values=None (or nothing) to start, then the returned past_key_values."
+            )
+        cached = cache.layers[0].batch_size  # a property
+        if batch is not None and cached != -1 and cached != batch:  # -1: no state yet
+            raise ValueError(
+                f"past_key_values holds the state of {cached} sequence(s) but the input has {batch} row(s): continue "
+                "each cached sequence with one row of input, in the same order (the cache returned for that batch), "
+                "or start a new batch with past_key_values=None."
             )
 
     def _positions_and_mask(self, attention_mask, position_ids, batch, n, past_length, device):
@@ -296,6 +322,7 @@ class GPT2StyleModel(GPT2StylePreTrainedModel):
         """
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
+        self._check_input_shape(input_ids, inputs_embeds)
         batch, n = input_ids.shape if inputs_embeds is None else inputs_embeds.shape[:2]
         device = input_ids.device if inputs_embeds is None else inputs_embeds.device
         output_attentions = self.config.output_attentions if output_attentions is None else output_attentions
@@ -306,7 +333,7 @@ class GPT2StyleModel(GPT2StylePreTrainedModel):
         if self.is_activation_checkpointing and self.training:
             use_cache = False  # recomputing a block in the backward pass would advance the state twice
         if past_key_values is not None:
-            self._check_cache(past_key_values)
+            self._check_cache(past_key_values, batch)
         elif use_cache:
             past_key_values = self.new_cache()
         past_length = 0 if past_key_values is None else past_key_values.get_seq_length()
@@ -377,19 +404,15 @@ class GPT2StyleForCausalLM(GPT2StylePreTrainedModel, GenerationMixin):
             model_kwargs["past_key_values"].activate_past_recording()
 
     def prepare_inputs_for_generation(self, input_ids, *args, **kwargs):
-        """generate()'s inputs for the next forward, keeping only what ``forward`` takes.
-
-        generate() hands generation-only arguments on to the forward (``tokenizer`` for stop strings and token
-        healing); a model whose forward takes ``**kwargs`` swallows them, but this forward names its arguments (so
-        Trainer keeps scaling the loss under gradient accumulation), so they are dropped here. Positions are left to
-        the forward, which counts them over the attention mask (or the cache length) as generate() does: they then
-        follow the input ids when token healing re-tokenizes the prompt, and are known to stay below the mask's length
-        without reading a tensor value at every step.
+        """generate()'s inputs for the next forward: everything GenerationMixin forwards, as for stock GPT-2, so custom
+        keyword arguments given to generate() reach ``forward`` (which takes and ignores those it does not know, as
+        GPT-2's does). Positions are the one exception, left to the forward, which counts them over the attention mask
+        (or the cache length) as generate() does: they then follow the input ids when token healing re-tokenizes the
+        prompt, and are known to stay below the mask's length without reading a tensor value at every step.
         """
         inputs = super().prepare_inputs_for_generation(input_ids, *args, **kwargs)
         inputs.pop("position_ids", None)
-        accepted = self._forward_parameters()
-        return {name: value for name, value in inputs.items() if name in accepted}
+        return inputs
 
     def _valid_auto_compile_criteria(self, model_kwargs, generation_config) -> bool:
         """Compile generate()'s decoding step only when asked (``compile_config``), never by default, and never with
@@ -413,12 +436,6 @@ class GPT2StyleForCausalLM(GPT2StylePreTrainedModel, GenerationMixin):
         would build one for a compileable cache)."""
         return attention_mask
 
-    @classmethod
-    def _forward_parameters(cls) -> frozenset:
-        if "_forward_parameter_names" not in cls.__dict__:
-            cls._forward_parameter_names = frozenset(inspect.signature(cls.forward).parameters) - {"self"}
-        return cls._forward_parameter_names
-
     def set_output_embeddings(self, new_embeddings):
         self.lm_head = new_embeddings
 
@@ -438,11 +455,15 @@ class GPT2StyleForCausalLM(GPT2StylePreTrainedModel, GenerationMixin):
         logits_to_keep: int | torch.Tensor = 0,
         num_items_in_batch: int | torch.Tensor | None = None,
         shift_labels: torch.LongTensor | None = None,
+        **kwargs,
     ) -> CausalLMOutputWithPast | tuple:
         """logits (batch, n, vocab); loss: next-token cross-entropy in float32, labels shifted inside (labels = input_ids,
         -100 ignored), averaged over the labelled tokens, or summed and divided by ``num_items_in_batch`` if given.
         ``shift_labels`` (batch, n): the targets already shifted (position t predicts shift_labels[t]), as Transformers'
-        sequence-parallel training passes them; then ``labels`` may be omitted."""
+        sequence-parallel training passes them; then ``labels`` may be omitted. ``kwargs``: what generate() forwards
+        beyond these (its ``tokenizer`` for stop strings, a user's custom arguments); unused here, as in GPT-2, whose
+        forward hands them to attention backends these decoders do not have. Trainer's loss scaling is unaffected:
+        ``accepts_loss_kwargs`` says so explicitly."""
         outputs = self.transformer(
             input_ids, past_key_values=past_key_values, attention_mask=attention_mask, token_type_ids=token_type_ids,
             position_ids=position_ids, inputs_embeds=inputs_embeds, use_cache=use_cache,

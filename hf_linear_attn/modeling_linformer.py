@@ -30,6 +30,10 @@ from .modeling_roberta_style import (
 from .weight_init import init_linformer_projection
 
 
+EMPTY_BATCH = ("the input holds 0 sequences (a batch of size 0): pass at least one sequence (skip empty batches, "
+               "e.g. a DataLoader with drop_last=True or a filter before the model)")
+
+
 class LinformerSelfAttention(nn.Module):
     """Multi-head Linformer attention: hidden (B, n, D) -> (B, n, D), weights (B, H, n, k) on request.
 
@@ -61,6 +65,8 @@ class LinformerSelfAttention(nn.Module):
         return x.reshape(*x.shape[:2], self.num_heads, self.head_dim).transpose(1, 2)
 
     def forward(self, hidden_states, key_mask=None, output_attentions=False, shared_projection=None):
+        if hidden_states.shape[0] == 0:  # the projection's reshape cannot size 0 rows: name the input instead
+            raise ValueError(EMPTY_BATCH)
         key_projection, value_projection = linformer_projection_weights(self, self.sharing, shared_projection)
         # K and V are projected to k rows as soon as each is computed: the n-row K and V are never alive together
         # with Q, which lowers the peak activation memory at long n.

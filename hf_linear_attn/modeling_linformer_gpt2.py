@@ -64,6 +64,11 @@ class LinformerGPT2Attention(GPT2StyleAttention):
         )
 
     def attend(self, q, k, v, key_mask, state, use_cache, need_tail, output_attentions, shared_projection):
+        if q.shape[0] == 0:  # the block summaries' reductions fail on 0 rows: name the input instead
+            raise ValueError(
+                "the input holds 0 sequences (a batch of size 0): pass at least one sequence (skip empty batches, "
+                "e.g. a DataLoader with drop_last=True or a filter before the model)"
+            )
         key_projection, value_projection = linformer_projection_weights(self, self.sharing, shared_projection)
         # The generation cache holds a BlockLinformerState that adds a slot per completed block; DecoderStateStep
         # hands the fixed-capacity state of initial_state() over as a plain tuple of tensors.

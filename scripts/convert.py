@@ -15,7 +15,7 @@ import sys
 
 from hf_linear_attn.training.arguments import parse_arguments
 from hf_linear_attn.conversion.cli import ConvertArguments, run_conversion
-from hf_linear_attn.training.data import UsageError
+from hf_linear_attn.training.errors import UsageError
 
 
 def main(argv=None):

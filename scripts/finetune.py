@@ -21,16 +21,20 @@ README.md with model-index results; --push_to_hub (checked before training) uplo
 """
 
 import sys
+from pathlib import Path
 
 from transformers import TrainingArguments
 
 from hf_linear_attn.training.arguments import flags_given, parse_arguments
-from hf_linear_attn.training.data import UsageError
+from hf_linear_attn.training.checkpoints import disk_full_error, is_disk_full
+from hf_linear_attn.training.errors import UsageError
+from hf_linear_attn.training.finetuning import run_finetuning
+from hf_linear_attn.training.finetuning_arguments import FinetuneArguments
 from hf_linear_attn.training.launch import ensure_requested_processes
-from hf_linear_attn.training.finetuning import FinetuneArguments, run_finetuning
 
 
 def main(argv=None):
+    training = None
     try:
         if argv is None:  # run as a command: `accelerate launch --num_processes N` must start N processes
             ensure_requested_processes(__file__)
@@ -41,6 +45,12 @@ def main(argv=None):
         metrics = run_finetuning(args, training, argv, modes_given=modes_given)
     except UsageError as error:
         sys.exit(f"error: {error}")
+    except Exception as error:
+        # a full disk wherever it strikes (results files, the card, predictions), whatever library raised it; the
+        # checkpoint and final-model saves name their folder themselves
+        if training is None or not is_disk_full(error):
+            raise
+        sys.exit(f"error: {disk_full_error(Path(training.output_dir), 'the run', error)}")
     print({k: v for k, v in metrics.items() if k.startswith(("eval_", "predict_"))})
     return metrics
 

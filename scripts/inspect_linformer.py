@@ -17,7 +17,7 @@ import sys
 
 import _checkout  # noqa: F401  (experiments/ is beside scripts/, outside the package)
 
-from hf_linear_attn.training.data import UsageError
+from hf_linear_attn.training.errors import UsageError
 from experiments.projection_report import PROJECTION_KINDS, format_report, renormalise_rows, report
 
 

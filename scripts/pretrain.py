@@ -10,14 +10,18 @@ from a Hub dataset (--dataset_name) or local text / json / parquet files (--trai
 """
 
 import sys
+from pathlib import Path
 
 from hf_linear_attn.training.arguments import parse_arguments
-from hf_linear_attn.training.data import UsageError
+from hf_linear_attn.training.checkpoints import disk_full_error, is_disk_full
+from hf_linear_attn.training.errors import UsageError
 from hf_linear_attn.training.launch import ensure_requested_processes
-from hf_linear_attn.training.pretraining import PretrainArguments, run_pretraining
+from hf_linear_attn.training.pretraining import run_pretraining
+from hf_linear_attn.training.pretraining_arguments import PretrainArguments
 
 
 def main(argv=None):
+    args = None
     try:
         if argv is None:  # run as a command: `accelerate launch --num_processes N` must start N processes
             ensure_requested_processes(__file__)
@@ -25,6 +29,12 @@ def main(argv=None):
         run_pretraining(args)
     except UsageError as error:
         sys.exit(f"error: {error}")
+    except Exception as error:
+        # a full disk wherever it strikes (a results file, the tokenizer, a tracker's log), whatever library raised
+        # it; the checkpoint and final-model saves name their folder themselves
+        if args is None or not is_disk_full(error):
+            raise
+        sys.exit(f"error: {disk_full_error(Path(args.output_dir), 'the run', error)}")
 
 
 if __name__ == "__main__":

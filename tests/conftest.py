@@ -33,7 +33,7 @@ def on_each_device(request):
 def tokenizer():
     """A RoBERTa-style byte-level BPE tokenizer (<s>=0, <pad>=1, </s>=2, <unk>=3, <mask>=4), trained offline
     by the training pipeline's own tokenizer trainer."""
-    from hf_linear_attn.training.data import train_bpe_tokenizer
+    from hf_linear_attn.training.data.corpus import train_bpe_tokenizer
 
     tok = train_bpe_tokenizer(CORPUS, vocab_size=TINY["vocab_size"], style="roberta", model_max_length=64)
     assert tok.pad_token_id == 1 and tok.mask_token_id == 4

@@ -14,7 +14,7 @@ from hf_linear_attn.training.checkpoints import disk_full_error, is_disk_full
 from hf_linear_attn.training.data import load_text_corpus, pack_corpus
 from hf_linear_attn.training.errors import UsageError
 from hf_linear_attn.training.hub import HubArguments, hub_repo_id, push_folder, write_conversion_card
-from hf_linear_attn.training.pretraining import max_model_length
+from hf_linear_attn.families import max_model_length
 
 from .convert import (check_source, check_target, convert, extend_max_length, load_source, load_source_config,
                       load_source_tokenizer, save_converted)

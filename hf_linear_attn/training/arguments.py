@@ -8,6 +8,8 @@ from transformers import HfArgumentParser, TrainingArguments
 
 from .errors import UsageError
 
+SECRET_ARGUMENTS = ("hub_token",)  # never written to a card, a run record or a tracker
+
 # 0 steps means something else to each layer: TrainingArguments.__post_init__ turns an --eval_steps of 0 into
 # --logging_steps (every 500 steps by default) without a word, Trainer saves no checkpoint at all for a --save_steps
 # of 0, and TrainingArguments refuses a --logging_steps of 0 without naming the fix. So the three are checked on the

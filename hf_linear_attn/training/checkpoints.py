@@ -9,6 +9,7 @@ found by `missing_pieces` and skipped by name.
 import errno
 import json
 import os
+import re
 import shutil
 import struct
 import zipfile
@@ -76,12 +77,56 @@ def sharded_folder_problem(folder: Path) -> str | None:
     return None
 
 
-def missing_pieces(folder: Path, pieces: dict[str, list[str]]) -> dict[str, str]:
+# What the libraries read back from each RNG file (accelerate's random_states_N.pkl, Trainer's rng_state*.pth): a
+# file without these keys is skipped by accelerate with an INFO log line (the run then resumes inexactly, exit 0) and
+# fails Trainer with a bare KeyError.
+RNG_KEYS = {"random_states": ("random_state", "numpy_random_seed", "torch_manual_seed"),
+            "rng_state": ("python", "numpy", "cpu")}
+
+
+def content_problem(path: Path) -> str | None:
+    """Why a whole torch file cannot be read back as the libraries read it, or None. Reads the file (memory-mapped):
+    for a resume only, not for every rotation. torch files must load with weights_only=True (accelerate and Trainer
+    load them so: a pickle that needs other globals was an UnpicklingError traceback); RNG files must hold every
+    state the libraries restore (a valid file with other content used to give an inexact resume without a word)."""
+    if path.suffix not in (".bin", ".pt", ".pth", ".pkl") or path.is_dir() or not path.is_file():
+        return None
+    from accelerate.utils import load  # torch.load with weights_only=True and accelerate's numpy globals allowed
+
+    try:
+        try:
+            content = load(path, map_location="cpu", mmap=True)  # no copy of a large optimizer state in memory
+        except RuntimeError as error:
+            if "mmap" not in str(error):
+                raise
+            content = load(path, map_location="cpu")  # a file of torch's older format: read it whole
+    except Exception as error:  # noqa: BLE001  (a refused or damaged pickle fails in many ways)
+        # torch's weights_only message is a page of advice with terminal colours; its first sentence and the
+        # global it refused say what is wrong
+        text = re.sub(r"\x1b\[[0-9;]*m", "", str(error)).strip()
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+        picked = [lines[0], *(line for line in lines if line.startswith("WeightsUnpickler error"))] if lines else []
+        reason = "; ".join(dict.fromkeys(line.split(". ")[0] for line in picked))[:300]
+        return f"unreadable ({type(error).__name__}{': ' + reason if reason else ''})"
+    kind = next((k for k in RNG_KEYS if path.name.startswith(k)), None)
+    if kind is not None:
+        missing = [key for key in RNG_KEYS[kind] if not isinstance(content, dict) or key not in content]
+        if missing:
+            return f"holds no RNG state ({', '.join(missing)} missing)"
+    return None
+
+
+def missing_pieces(folder: Path, pieces: dict[str, list[str]], read_content: bool = False) -> dict[str, str]:
     """{piece: "file: problem"} for each piece of state ({piece: alternative file or shard-folder names}) with no
-    whole file."""
+    whole file; `read_content`: torch files must also load as the libraries load them (`content_problem`)."""
     found = {}
     for piece, names in pieces.items():
-        problems = [(name, file_problem(folder / name)) for name in names]
+        problems = []
+        for name in names:
+            problem = file_problem(folder / name)
+            if problem is None and read_content:
+                problem = content_problem(folder / name)
+            problems.append((name, problem))
         if all(problem is not None for _, problem in problems):
             name, problem = next(((n, p) for n, p in problems if p != "missing"), problems[0])
             found[piece] = f"{name} {problem}"
@@ -117,15 +162,23 @@ def remove_folder(folder: Path) -> None:
     shutil.rmtree(doomed, ignore_errors=True)
 
 
+# How a full disk reads when a library's native code meets it, by message (none of these is an OSError):
+# torch's zip writer ("unexpected pos ...", "file write failed"), torch.save through a C++ stream ("basic_ios::clear:
+# iostream error", how Trainer's torch.save of optimizer.pt / training_args.bin fails), safetensors' Rust writer
+# ("SafetensorError: Error while serializing: I/O error: No space left on device (os error 28)").
+DISK_FULL_MESSAGES = ("unexpected pos", "file write failed", "basic_ios::clear", "No space left on device",
+                      "os error 28", "Disk quota exceeded", "os error 122")
+
+
 def is_disk_full(error: BaseException) -> bool:
-    """Whether an exception chain comes from a full disk: ENOSPC / EDQUOT, or torch's zip writer failing mid-file
-    ("unexpected pos ..." / "file write failed"), which is how torch.save reports a full disk."""
+    """Whether an exception chain comes from a full disk: ENOSPC / EDQUOT, or the message a library's native writer
+    gives for it (`DISK_FULL_MESSAGES`: torch's zip writer and C++ streams, safetensors)."""
     seen = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
         if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
-        if isinstance(error, RuntimeError) and any(s in str(error) for s in ("unexpected pos", "file write failed")):
+        if any(s in str(error) for s in DISK_FULL_MESSAGES):
             return True
         error = error.__cause__ or error.__context__
     return False

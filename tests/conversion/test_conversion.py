@@ -22,7 +22,7 @@ from transformers import (
 
 from hf_linear_attn.linformer_projection import project_sequence
 from hf_linear_attn.conversion.convert import convert, extend_max_length
-from hf_linear_attn.training.data import UsageError
+from hf_linear_attn.training.errors import UsageError
 from hf_linear_attn.conversion.distill import distill
 
 STOCK_ROBERTA = dict(TINY, type_vocab_size=1, layer_norm_eps=1e-5)

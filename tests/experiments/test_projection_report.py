@@ -11,7 +11,7 @@ from transformers import AutoModelForMaskedLM
 
 from experiments.projection_report import renormalise_rows, report
 from hf_linear_attn.linformer_projection import pooling_matrix
-from hf_linear_attn.training.data import UsageError
+from hf_linear_attn.training.errors import UsageError
 
 SCRIPT = str(REPO_ROOT / "scripts" / "inspect_linformer.py")
 

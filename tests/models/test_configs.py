@@ -7,7 +7,7 @@ import torch
 from helpers import REPO_ROOT
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM
 
-from hf_linear_attn.training.pretraining import max_model_length
+from hf_linear_attn.families import max_model_length
 
 PRESETS = sorted((REPO_ROOT / "configs" / "models").glob("*.json"))
 ENCODER_PRESETS = [p for p in PRESETS if "gpt2" not in p.stem]

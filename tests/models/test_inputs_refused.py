@@ -89,3 +89,66 @@ def test_the_causal_linformer_attention_maps_receive_gradients_from_the_output(v
     with torch.no_grad():  # the maps are still the weights the output was computed with
         again = model(ids, attention_mask=mask, output_attentions=False).logits
     torch.testing.assert_close(out.logits, again, atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------- shapes stock GPT-2 / RoBERTa crash on
+# Stock GPT-2 and RoBERTa fail on these with an IndexError or a reshape error from deep inside (checked by hand with
+# transformers 5.23); the decoders of this package and the Linformer name the input and the fix instead.
+
+DECODER_NAMES = ["linear-elu", "linformer-headwise"]
+
+
+@pytest.mark.parametrize("variant", DECODER_NAMES)
+def test_decoders_name_a_1d_input_an_empty_sequence_and_an_empty_prompt(variant):
+    model = causal_lm(variant)
+    with pytest.raises(ValueError, match=r"shape \(5,\).*add the batch dimension"):
+        model(random_ids(1, 5)[0])
+    with pytest.raises(ValueError, match=r"shape \(2, 0\): a sequence of 0 tokens.*bos token"):
+        model(torch.zeros(2, 0, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"a sequence of 0 tokens"):
+        model.generate(torch.zeros(1, 0, dtype=torch.long), max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"inputs_embeds has shape \(2, 32\)"):
+        model(inputs_embeds=torch.zeros(2, 32))
+
+
+@pytest.mark.parametrize("variant", DECODER_NAMES)
+def test_a_cache_of_one_batch_size_refuses_input_of_another(variant):
+    model = causal_lm(variant)
+    with torch.no_grad():
+        cache = model(random_ids(2, 5), use_cache=True).past_key_values
+        with pytest.raises(ValueError, match=r"state of 2 sequence\(s\) but the input has 3 row\(s\)"):
+            model(random_ids(3, 1), past_key_values=cache, use_cache=True)
+        assert model(random_ids(2, 1), past_key_values=cache).logits.shape == (2, 1, TINY_DECODER["vocab_size"])
+
+
+def test_an_empty_batch_is_named_by_the_linformers_and_passes_through_linear_attention():
+    from transformers import AutoModelForCausalLM
+
+    empty = torch.zeros(0, 5, dtype=torch.long)
+    for model in (AutoModel.from_config(FAMILY_VARIANTS["linformer-headwise"]()),
+                  AutoModelForCausalLM.from_config(DECODER_VARIANTS["linformer-headwise"]())):
+        with pytest.raises(ValueError, match="0 sequences"):
+            model(empty)
+    # linear attention has no projection along the sequence: a batch of 0 gives 0 rows, as before
+    assert AutoModel.from_config(FAMILY_VARIANTS["linear-elu"]())(empty).last_hidden_state.shape == (0, 5, 32)
+    assert causal_lm("linear-elu")(empty).logits.shape == (0, 5, TINY_DECODER["vocab_size"])
+
+
+@pytest.mark.parametrize("variant", DECODER_NAMES)
+def test_prepare_inputs_for_generation_forwards_custom_kwargs_as_stock_gpt2(variant):
+    """Transformers' common test test_prepare_inputs_for_generation_kwargs_forwards (it failed for every decoder
+    variant): custom keyword arguments pass through prepare_inputs_for_generation, and the forward takes them, as
+    stock GPT-2's does (a generation loop of a subclass relies on that); generate() itself refuses an argument no
+    forward names, for both alike."""
+    model = causal_lm(variant)
+    stock = GPT2LMHeadModel(GPT2Config(**{k: v for k, v in TINY_DECODER.items() if k != "initializer_range"})).eval()
+    ids = random_ids(2, 3)
+    for lm in (stock, model):
+        inputs = lm.prepare_inputs_for_generation(ids, attention_mask=torch.ones_like(ids), custom_arg="test_value",
+                                                  output_attentions=True, use_cache=False)
+        assert inputs["custom_arg"] == "test_value" and inputs["output_attentions"] is True, type(lm).__name__
+        with torch.no_grad():
+            out = lm(**inputs)  # the forward takes them: custom_arg ignored, attention maps returned (not by SDPA)
+        assert lm is stock or len(out.attentions) == 2
+        with pytest.raises(ValueError, match=r"not used by the model: \['custom_arg'\]"):
+            lm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, custom_arg="test_value")

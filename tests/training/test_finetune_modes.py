@@ -186,7 +186,7 @@ def test_push_to_hub_is_checked_before_any_training(tmp_path, base_model, review
 
 
 def test_cards_name_a_hub_base_model_and_leave_local_folders_out(tmp_path):
-    from hf_linear_attn.training.hub import hub_base_model
+    from hf_linear_attn.training.model_cards import hub_base_model
 
     assert hub_base_model("FacebookAI/roberta-base") == "FacebookAI/roberta-base"
     assert hub_base_model(str(tmp_path)) is None  # a local folder is no Hub id

@@ -20,7 +20,7 @@ from helpers import ENV, REPO_ROOT, needs_data, pretrain_args, replaced, run_pre
 from safetensors.torch import load_file
 
 from hf_linear_attn.training.checkpoints import sharded_folder_problem
-from hf_linear_attn.training.pretraining import RUN_ARGS
+from hf_linear_attn.training.run_state import RUN_ARGS
 
 CONFIGS = REPO_ROOT / "configs" / "accelerate"
 ACCELERATE = shutil.which("accelerate", path=str(__import__("pathlib").Path(sys.executable).parent))
@@ -120,8 +120,8 @@ def test_a_sharded_folder_is_whole_only_with_its_metadata_and_every_shard(tmp_pa
 def test_a_run_is_resumed_only_with_the_checkpoint_layout_it_was_trained_with(tmp_path):
     """A sharded (FSDP) run resumed without FSDP, or the other way round, is refused before anything loads: the
     one's checkpoints have files the other cannot read."""
-    from hf_linear_attn.training.data import UsageError
-    from hf_linear_attn.training.pretraining import PretrainArguments, _run_record, check_output_dir
+    from hf_linear_attn.training.errors import UsageError
+    from hf_linear_attn.training.pretraining_arguments import PretrainArguments, _run_record, check_output_dir
 
     args = PretrainArguments(output_dir=str(tmp_path), model_config="m.json", resume=True)
     (tmp_path / RUN_ARGS).write_text(json.dumps(_run_record(args, 2, "SHARDED_STATE_DICT")))

@@ -33,7 +33,7 @@ def test_pretrain_refuses_a_bad_push_target_before_reading_anything(tmp_path, hu
     out = tmp_path / "out"
     run = ["--model_config", str(tmp_path / "absent.json"), "--train_file", str(tmp_path / "absent.txt"),
            "--output_dir", str(out), "--push_to_hub"]
-    assert "cannot read a model config" in script_error(main, run[:-1])  # without the push: what would fail next
+    assert "no such file or folder" in script_error(main, run[:-1])  # without the push: what would fail next
     assert "--push_to_hub needs a Hub token" in script_error(main, run)
     assert "not a valid Hub repo name" in script_error(main, [*run, "--hub_token", TOKEN, "--hub_model_id", "a/b/c"])
     unnamed = [*run[:4], "--output_dir", str(tmp_path / "two words"), "--push_to_hub", "--hub_token", TOKEN]
@@ -52,8 +52,8 @@ def test_a_cards_command_repeats_the_run_without_the_token():
     """The card's command parses back into the same arguments (a --config file's values written out), less the
     token; finetune.py's card drops a --hub_token given on its command line too."""
     from hf_linear_attn.training.arguments import parse_arguments
-    from hf_linear_attn.training.hub import command_line, without_token
-    from hf_linear_attn.training.pretraining import PretrainArguments
+    from hf_linear_attn.training.model_cards import command_line, without_token
+    from hf_linear_attn.training.pretraining_arguments import PretrainArguments
 
     argv = ["--config", str(REPO_ROOT / "configs" / "pretrain" / "cpu-mlm.json"), "--model_config", "m.json",
             "--output_dir", "out dir", "--max_steps", "7", "--push_to_hub", "--hub_token", TOKEN,
@@ -83,8 +83,8 @@ def test_pretraining_pushes_the_model_and_a_card_naming_its_data_and_metrics(cor
 
     from hf_linear_attn.training import data
     from hf_linear_attn.training.arguments import parse_arguments
-    from hf_linear_attn.training.hub import write_pretraining_card
-    from hf_linear_attn.training.pretraining import PretrainArguments
+    from hf_linear_attn.training.model_cards import write_pretraining_card
+    from hf_linear_attn.training.pretraining_arguments import PretrainArguments
 
     requested = []
 
@@ -98,7 +98,7 @@ def test_pretraining_pushes_the_model_and_a_card_naming_its_data_and_metrics(cor
     flags = [*pretrain_args(corpus, config, out, "--max_steps", 4, "--save_steps", 2, "--eval_steps", 4)]
     flags = flags[:4] + flags[8:]  # the Hub dataset instead of --train_file / --validation_file
     with monkeypatch.context() as patch:
-        patch.setattr(data, "load_dataset", hub_dataset)
+        patch.setattr(data.files, "load_dataset", hub_dataset)
         main([*flags, "--dataset_name", "Salesforce/wikitext", "--dataset_config_name", "wikitext-2-raw-v1",
               "--push_to_hub", "--hub_token", TOKEN])
     assert requested == [("Salesforce/wikitext", "wikitext-2-raw-v1")]

@@ -6,7 +6,7 @@ import pytest
 import torch
 from accelerate.state import AcceleratorState
 
-from hf_linear_attn.training import pretraining
+from hf_linear_attn.training import accelerator as run_accelerator  # where pretraining makes its Accelerator
 
 AVX2_ONLY = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma avx512f_is_not_here\n"
 ZEN5 = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma avx512f avx512_bf16 avx512_vnni\n"
@@ -20,18 +20,18 @@ BF16_IN_A_BUG_LINE = "processor\t: 0\nflags\t\t: fpu avx2\nbugs\t\t: avx512_bf16
 def test_auto_precision_follows_the_cpus_instruction_set(tmp_path, monkeypatch, cpuinfo, expected):
     fake = tmp_path / "cpuinfo"
     fake.write_text(cpuinfo)
-    monkeypatch.setattr(pretraining, "CPUINFO", fake)
+    monkeypatch.setattr(run_accelerator, "CPUINFO", fake)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert pretraining.resolve_mixed_precision("auto") == expected
+    assert run_accelerator.resolve_mixed_precision("auto") == expected
     # an explicit choice is never second-guessed
-    assert pretraining.resolve_mixed_precision("no") == "no"
-    assert pretraining.resolve_mixed_precision("bf16") == "bf16"
+    assert run_accelerator.resolve_mixed_precision("no") == "no"
+    assert run_accelerator.resolve_mixed_precision("bf16") == "bf16"
 
 
 def test_auto_precision_without_a_readable_cpuinfo_claims_no_bf16(tmp_path, monkeypatch):
-    monkeypatch.setattr(pretraining, "CPUINFO", tmp_path / "missing")
+    monkeypatch.setattr(run_accelerator, "CPUINFO", tmp_path / "missing")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert pretraining.resolve_mixed_precision("auto") == "no"
+    assert run_accelerator.resolve_mixed_precision("auto") == "no"
 
 
 def test_runs_with_different_precisions_follow_each_other_in_one_process(tmp_path):
@@ -42,7 +42,7 @@ def test_runs_with_different_precisions_follow_each_other_in_one_process(tmp_pat
         seen = []
         for precision in ("no", "bf16", "bf16", "no"):
             args = SimpleNamespace(mixed_precision=precision, report_to="none", output_dir=str(tmp_path))
-            accelerator = pretraining.make_accelerator(args)
+            accelerator = run_accelerator.make_accelerator(args)
             seen.append(accelerator.mixed_precision)
             # the precision is really in force, not only recorded
             with accelerator.autocast():

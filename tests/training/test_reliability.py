@@ -61,7 +61,8 @@ def test_a_refused_pretraining_run_leaves_the_folder_it_was_to_replace_as_it_fou
 
 
 def test_text_files_with_bad_bytes_or_non_text_fields_are_refused_by_name(tmp_path):
-    from hf_linear_attn.training.data import get_task, load_task_data, load_text_corpus
+    from hf_linear_attn.training.data.corpus import load_text_corpus
+    from hf_linear_attn.training.data.tasks import get_task, load_task_data
 
     files = {
         "latin1.jsonl": (b'{"text": "fine", "label": 1}\n{"text": "caf\xe9", "label": 0}\n', "not UTF-8 text"),
@@ -86,7 +87,7 @@ def test_text_files_with_bad_bytes_or_non_text_fields_are_refused_by_name(tmp_pa
 def test_finetuning_refuses_flags_that_would_train_nothing_or_crash_later(tmp_path, tokenizer):
     from finetune import main
 
-    from hf_linear_attn.training.data import encode_task, get_task, load_task_data
+    from hf_linear_attn.training.data.tasks import encode_task, get_task, load_task_data
 
     sst2 = ["--model_name_or_path", "unused", "--output_dir", str(tmp_path / "out"), "--report_to", "none",
             "--task_name", "sst2", "--train_file", str(GLUE / "sst2" / "dev.tsv")]
@@ -125,8 +126,8 @@ def test_finetuning_refuses_flags_that_would_train_nothing_or_crash_later(tmp_pa
 
 def test_model_card_templates_are_rendered_in_a_sandbox(tmp_path):
     from hf_linear_attn import LinformerConfig
-    from hf_linear_attn.training.data import get_task
-    from hf_linear_attn.training.hub import DEFAULT_TEMPLATE, write_model_card
+    from hf_linear_attn.training.data.tasks import get_task
+    from hf_linear_attn.training.model_cards import DEFAULT_TEMPLATE, write_model_card
 
     marker = tmp_path / "pwned"
     evil = tmp_path / "evil.md"
@@ -157,7 +158,7 @@ def _tiny_accelerated():
 @pytest.mark.parametrize("failure", ["enospc", "torch-zip-writer"])
 def test_a_full_disk_during_a_pretraining_checkpoint_is_reported_and_leaves_the_older_ones(tmp_path, monkeypatch,
                                                                                          failure):
-    from hf_linear_attn.training.pretraining import checkpoint_problems, checkpoints_in, save_checkpoint
+    from hf_linear_attn.training.run_state import checkpoint_problems, checkpoints_in, save_checkpoint
 
     accelerator = _tiny_accelerated()
     save_checkpoint(accelerator, tmp_path, 1, keep=1)
@@ -219,7 +220,7 @@ def _trainer(tmp_path, output_dir, max_steps=4, **overrides):
     from transformers import AutoModelForSequenceClassification, TrainingArguments, set_seed
 
     from hf_linear_attn import LinformerConfig
-    from hf_linear_attn.training.finetuning import AtomicCheckpointTrainer
+    from hf_linear_attn.training.trainer_checkpoints import AtomicCheckpointTrainer
 
     set_seed(0)
     model = AutoModelForSequenceClassification.from_config(LinformerConfig(**TINY, linformer_k=8, num_labels=2))
@@ -232,7 +233,7 @@ def _trainer(tmp_path, output_dir, max_steps=4, **overrides):
 
 
 def test_trainer_checkpoints_are_whole_or_skipped_and_a_full_disk_is_named(tmp_path, monkeypatch, capsys):
-    from hf_linear_attn.training.finetuning import resolve_resume
+    from hf_linear_attn.training.trainer_checkpoints import resolve_resume
 
     straight = _trainer(tmp_path, tmp_path / "straight")
     straight.train()
@@ -282,7 +283,7 @@ def test_resume_latest_starts_a_run_killed_before_its_first_checkpoint_and_refus
                                                                                                       capsys):
     """One command for the first try and every retry: with nothing to resume from yet (no folder, or only the
     temporary folder of a save the kill interrupted), --resume_from_checkpoint True starts the run, saying so."""
-    from hf_linear_attn.training.finetuning import resolve_resume
+    from hf_linear_attn.training.trainer_checkpoints import resolve_resume
 
     out = tmp_path / "out"
     assert resolve_resume("True", out, 1, allow_inexact=False) is None
@@ -319,7 +320,7 @@ class _Killed(BaseException):
 
 
 def test_a_kill_while_pretraining_deletes_an_old_checkpoint_leaves_no_part_of_it_under_its_name(tmp_path, monkeypatch):
-    from hf_linear_attn.training.pretraining import checkpoints_in, save_checkpoint
+    from hf_linear_attn.training.run_state import checkpoints_in, save_checkpoint
 
     accelerator = _tiny_accelerated()
     for step in (1, 2):

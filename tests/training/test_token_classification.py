@@ -19,9 +19,10 @@ from tokenizers.models import WordLevel
 from transformers import AutoModelForMaskedLM, AutoTokenizer, PreTrainedTokenizerFast
 
 from hf_linear_attn import LinearGPT2Config, LinformerConfig
-from hf_linear_attn.training.data import (
+from hf_linear_attn.training.data.corpus import train_bpe_tokenizer
+from hf_linear_attn.training.data.token_tasks import (
     TokenTask, align_word_labels, continuation_label_ids, encode_token_task, load_token_data,
-    prepare_tokenizer_for_words, token_label_names, train_bpe_tokenizer,
+    prepare_tokenizer_for_words, token_label_names,
 )
 from hf_linear_attn.training.errors import UsageError
 from hf_linear_attn.training.metrics.entities import entity_scores, entity_spans

@@ -17,7 +17,7 @@ from transformers import AutoTokenizer, DataCollatorForLanguageModeling, PreTrai
 from hf_linear_attn import LinformerConfig, LinformerForMaskedLM
 from experiments.reproduction import ReproductionError, load_preset, plan
 from experiments.reproduction.stages import folder_digest, shared_tokenizers
-from hf_linear_attn.training.data import train_bpe_tokenizer
+from hf_linear_attn.training.data.corpus import train_bpe_tokenizer
 
 PRESETS = REPO_ROOT / "configs" / "reproduce"
 RECORDS = REPO_ROOT / "results" / "reproduction"
@@ -151,7 +151,7 @@ def pretrained(tmp_path_factory):
     tokens packed as pretrain.py packs them), saved with its lstrip tokenizer; the sentences and the lines."""
     from datasets import Dataset, DatasetDict
 
-    from hf_linear_attn.training.data import pack_corpus
+    from hf_linear_attn.training.data.corpus import pack_corpus
 
     sentences = _sentences()
     rng = random.Random(0)

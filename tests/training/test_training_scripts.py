@@ -288,7 +288,7 @@ def test_a_run_resumed_from_an_older_checkpoint_saves_over_the_steps_it_had_save
     the old one (the rename onto a full folder used to fail) and nothing temporary is left."""
     from accelerate import Accelerator
 
-    from hf_linear_attn.training.pretraining import checkpoints_in, save_checkpoint
+    from hf_linear_attn.training.run_state import checkpoints_in, save_checkpoint
 
     accelerator = Accelerator(cpu=True)
     model = torch.nn.Linear(2, 2)
@@ -318,7 +318,7 @@ def test_resume_and_tokenizer_mismatches_are_refused(corpus, tmp_path):
     big = pretrain_args(corpus, config, tmp_path / "big")
     big[big.index("--model_config"): big.index("--model_config") + 2] = ["--model_name_or_path", str(tmp_path / "run")]
     big += ["--tokenizer_name_or_path", str(tmp_path / "bigtok")]
-    from hf_linear_attn.training.data import train_bpe_tokenizer
+    from hf_linear_attn.training.data.corpus import train_bpe_tokenizer
 
     lines = (corpus / "train.txt").read_text().splitlines()
     train_bpe_tokenizer(lines, 900, "roberta", 64).save_pretrained(tmp_path / "bigtok")
@@ -359,7 +359,7 @@ def test_hub_datasets_take_the_same_path_as_local_files(monkeypatch):
     column, IMDB's test split as evaluation) comes out like local files do. The Hub itself is a stand-in here."""
     from datasets import ClassLabel, Dataset, DatasetDict, Features, Value
 
-    from hf_linear_attn.training import data
+    from hf_linear_attn.training import data  # data.files reads every Hub dataset: the stand-in goes there
 
     requested = []
 
@@ -374,7 +374,7 @@ def test_hub_datasets_take_the_same_path_as_local_files(monkeypatch):
         return DatasetDict({s: Dataset.from_dict({"text": [f"{s} review"], "label": [1]}, features=features)
                             for s in ("train", "test", "unsupervised")})
 
-    monkeypatch.setattr(data, "load_dataset", hub)
+    monkeypatch.setattr(data.files, "load_dataset", hub)
     qqp, split = data.load_task_data(data.get_task("qqp"), dataset_name="nyu-mll/glue")
     assert requested[-1] == ("nyu-mll/glue", "qqp") and split == "nyu-mll/glue validation"
     assert qqp["train"].column_names == ["question1", "question2", "label"] and qqp["train"]["label"] == [1, 0]
@@ -425,7 +425,7 @@ def test_subsets_of_hub_splits_are_drawn_at_random_and_of_local_files_taken_in_o
     """IMDB's Hub splits are sorted by label: --max_train_samples must not take 1,000 negative reviews."""
     from datasets import Dataset
 
-    from hf_linear_attn.training.finetuning import _subset
+    from hf_linear_attn.training.finetuning_setup import subset as _subset
 
     rows = Dataset.from_dict({"text": [f"review {i}" for i in range(200)], "label": [0] * 100 + [1] * 100})
     drawn = _subset(rows, 20, hub=True, seed=42)
@@ -440,7 +440,7 @@ def test_subsets_of_hub_splits_are_drawn_at_random_and_of_local_files_taken_in_o
 
 @needs_data
 def test_glue_tsvs_are_read_with_quoting_disabled_and_labels_mapped():
-    from hf_linear_attn.training.data import get_task, load_task_data
+    from hf_linear_attn.training.data.tasks import get_task, load_task_data
 
     qnli, split = load_task_data(get_task("qnli"), train_file=str(GLUE / "qnli" / "train_subset.tsv"),
                                  validation_file=str(GLUE / "qnli" / "dev.tsv"))
@@ -461,7 +461,7 @@ def test_glue_tsvs_are_read_with_quoting_disabled_and_labels_mapped():
 def test_long_reviews_keep_head_and_tail(tokenizer):
     from datasets import Dataset, DatasetDict
 
-    from hf_linear_attn.training.data import encode_task, get_task
+    from hf_linear_attn.training.data.tasks import encode_task, get_task
 
     review = json.loads(next(open(SHARED_DATA / "imdb" / "train.jsonl")))["text"]
     full = tokenizer(review, add_special_tokens=False)["input_ids"]
@@ -475,7 +475,7 @@ def test_long_reviews_keep_head_and_tail(tokenizer):
 
 
 def test_offline_metrics_match_hand_computation_and_the_hub_keys():
-    from hf_linear_attn.training.data import TASKS
+    from hf_linear_attn.training.data.tasks import TASKS
     from hf_linear_attn.training.metrics import load_task_metric
 
     predictions, references = [1, 1, 0, 0, 1, 0, 1], [1, 0, 0, 1, 1, 0, 0]
@@ -490,7 +490,7 @@ def test_offline_metrics_match_hand_computation_and_the_hub_keys():
 
 
 def test_push_refuses_a_folder_missing_model_code(tmp_path):
-    from hf_linear_attn.training.data import UsageError
+    from hf_linear_attn.training.errors import UsageError
     from hf_linear_attn.training.hub import check_push_folder
 
     (tmp_path / "config.json").write_text(json.dumps({"auto_map": {
@@ -507,8 +507,8 @@ def test_presets_parse_as_script_arguments():
     from transformers import TrainingArguments
 
     from hf_linear_attn.training.arguments import parse_arguments
-    from hf_linear_attn.training.finetuning import FinetuneArguments
-    from hf_linear_attn.training.pretraining import PretrainArguments
+    from hf_linear_attn.training.finetuning_arguments import FinetuneArguments
+    from hf_linear_attn.training.pretraining_arguments import PretrainArguments
 
     for path in sorted((REPO_ROOT / "configs" / "pretrain").glob("*.json")):
         args, config = parse_arguments((PretrainArguments,), ["--config", str(path), "--output_dir", "x"])
@@ -526,8 +526,8 @@ def test_help_of_the_training_scripts_renders(script):
     """`--help` lists every flag: a bare '%' in a help string once made argparse crash on `pretrain.py --help`."""
     from transformers import HfArgumentParser, TrainingArguments
 
-    from hf_linear_attn.training.finetuning import FinetuneArguments
-    from hf_linear_attn.training.pretraining import PretrainArguments
+    from hf_linear_attn.training.finetuning_arguments import FinetuneArguments
+    from hf_linear_attn.training.pretraining_arguments import PretrainArguments
 
     types = (PretrainArguments,) if script == "pretrain" else (FinetuneArguments, TrainingArguments)
     text = HfArgumentParser(types).format_help()

@@ -1,0 +1,141 @@
+"""The arguments of scripts/finetune.py besides TrainingArguments' own (`FinetuneArguments`, every field a --flag),
+and what can be checked of them before any data is read or anything written."""
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import TrainingArguments
+
+from .data.tasks import parse_text_columns
+from .errors import UsageError
+from .model_cards import DEFAULT_TEMPLATE, check_template
+
+
+@dataclass
+class FinetuneArguments:
+    """Model and data arguments of scripts/finetune.py (Trainer's own arguments come from TrainingArguments)."""
+
+    model_name_or_path: str = field(metadata={"help": "pretrained checkpoint: a folder of this package or a Hub id"})
+    task_name: str | None = field(default=None, metadata={
+        "help": "a preset: sst2, qnli, qqp or imdb (columns, labels, metric); leave out for any other data and name "
+                "its columns with --text_columns and --label_column"})
+    tokenizer_name_or_path: str | None = field(default=None, metadata={"help": "default: the model's folder"})
+    dataset_name: str | None = field(default=None, metadata={
+        "help": "Hub dataset: nyu-mll/glue (the task is its config) or stanfordnlp/imdb"})
+    dataset_config_name: str | None = field(default=None)
+    train_file: str | None = field(default=None, metadata={"help": "local GLUE TSV, JSON lines, CSV or parquet"})
+    validation_file: str | None = field(default=None, metadata={"help": "without it, a split of train is held out"})
+    test_file: str | None = field(default=None, metadata={
+        "help": "rows to predict with --do_predict (labels optional: with labels, predict metrics too)"})
+    text_columns: str | None = field(default=None, metadata={
+        "help": "without --task_name: the text column, or two separated by a comma for pairs (e.g. "
+                "question,sentence)"})
+    label_column: str | None = field(default=None, metadata={
+        "help": "without --task_name: the label column (default 'label'); text or integer labels are classes, "
+                "float labels mean regression. Token classification: the column of per-word labels (default "
+                "'ner_tags'); its words are the one column --text_columns names (default 'tokens')"})
+    task_type: str = field(default="sequence_classification", metadata={
+        "help": "sequence_classification: a label (or a number) per text; token_classification: a label per word "
+                "(NER, POS, chunking) from rows of a word list and a label list, as run_ner.py",
+        "choices": ["sequence_classification", "token_classification"]})
+    label_list: str | None = field(default=None, metadata={
+        "help": "token classification: every label name in id order, comma-separated (e.g. O,B-PER,I-PER): names "
+                "integer labels and fixes the ids; default: the names of a ClassLabel column, else the train "
+                "labels sorted"})
+    label_all_tokens: bool = field(default=False, metadata={
+        "help": "token classification: train every sub-token of a word on its label (B-X as I-X after the "
+                "first) instead of the first sub-token only; evaluation and predictions stay one label per word"})
+    return_entity_level_metrics: bool = field(default=False, metadata={
+        "help": "token classification: report precision / recall / F1 / number of each entity type too"})
+    validation_split_percentage: float = field(default=10.0)
+    max_seq_length: int = field(default=128)
+    head_fraction: float = field(default=0.25, metadata={
+        "help": "for single texts longer than max_seq_length: the share of tokens kept from the start (the rest "
+                "from the end)"})
+    max_train_samples: int | None = field(default=None, metadata={
+        "help": "train on N rows: the first N of a local file, a seeded random N of a Hub split (Hub splits can "
+                "be sorted by label, as IMDB's are)"})
+    max_eval_samples: int | None = field(default=None, metadata={
+        "help": "evaluate on N rows, chosen as for --max_train_samples"})
+    max_predict_samples: int | None = field(default=None, metadata={
+        "help": "predict N rows, chosen as for --max_train_samples"})
+    metric_source: str = field(default="auto", metadata={
+        "help": "evaluate modules from the Hub, the local offline copies, or auto (local when HF_HUB_OFFLINE=1)",
+        "choices": ["auto", "hub", "local"]})
+    model_card_template: str = field(default=str(DEFAULT_TEMPLATE))
+    overwrite_output_dir: bool = field(default=False, metadata={"help": "replace what output_dir holds"})
+    allow_inexact_resume: bool = field(default=False, metadata={
+        "help": "with --resume_from_checkpoint: accept a checkpoint without its RNG states (the continuation then "
+                "differs from an uninterrupted run) instead of stopping"})
+    trust_remote_code: bool = field(default=False)
+
+
+def check_arguments(args: FinetuneArguments, training: TrainingArguments) -> None:
+    """What can be checked before any data is read or anything is written."""
+    if args.max_seq_length < 1:
+        raise UsageError(f"--max_seq_length must be at least 1 (got {args.max_seq_length}); 128 is usual")
+    if training.do_train and training.max_steps <= 0 and training.num_train_epochs <= 0:
+        raise UsageError(f"nothing to train: --num_train_epochs {training.num_train_epochs} and --max_steps "
+                         f"{training.max_steps}; pass a positive --num_train_epochs or --max_steps")
+    strategies = (("--save_steps", training.save_steps, training.save_strategy),
+                  ("--eval_steps", training.eval_steps, training.eval_strategy),
+                  ("--logging_steps", training.logging_steps, training.logging_strategy))
+    for flag, steps, strategy in strategies:
+        if str(getattr(strategy, "value", strategy)) == "steps" and steps is not None and steps <= 0:
+            raise UsageError(f"{flag} must be positive with the 'steps' strategy (got {steps}): a number of steps, "
+                             "or a share of all steps if below 1; or set the strategy to 'no'")
+    if training.do_train and not (training.learning_rate > 0 and math.isfinite(training.learning_rate)):
+        raise UsageError(f"--learning_rate must be a positive number (got {training.learning_rate}); the presets use "
+                         "1e-5 to 5e-5")  # else torch's AdamW raised a bare ValueError once training began
+    for flag, value in (("--per_device_train_batch_size", training.per_device_train_batch_size),
+                        ("--per_device_eval_batch_size", training.per_device_eval_batch_size),
+                        ("--gradient_accumulation_steps", training.gradient_accumulation_steps)):
+        if value < 1:  # else the DataLoader raised a bare ValueError after the data was read
+            raise UsageError(f"{flag} must be at least 1 (got {value})")
+    if training.fp16 and not torch.cuda.is_available():
+        raise UsageError("--fp16 needs a GPU: on a CPU pass --bf16 (native on CPUs with AVX512-BF16 / AMX) or "
+                         "leave it out")
+    if not 0.0 <= args.head_fraction <= 1.0:
+        raise UsageError(f"--head_fraction must be between 0 and 1 (got {args.head_fraction}): the share of a long "
+                            "text's tokens kept from its start")
+    for flag, value in (("--max_train_samples", args.max_train_samples), ("--max_eval_samples", args.max_eval_samples),
+                        ("--max_predict_samples", args.max_predict_samples)):
+        if value is not None and value < 1:
+            raise UsageError(f"{flag} must be at least 1 (got {value})")
+    if not Path(args.model_card_template).is_file():
+        raise UsageError(f"model card template not found: {args.model_card_template} (--model_card_template)")
+    check_template(Path(args.model_card_template))
+
+
+TOKEN_FLAGS = ("label_list", "label_all_tokens", "return_entity_level_metrics")
+
+
+def parse_label_names(value: str | None) -> tuple[str, ...]:
+    """--label_list "O,B-PER,I-PER" -> ("O", "B-PER", "I-PER")."""
+    if value is None:
+        return ()
+    names = tuple(n.strip() for n in value.split(","))
+    if not names or any(not n for n in names) or len(set(names)) != len(names):
+        raise UsageError(f"--label_list must list distinct, non-empty label names in id order, comma-separated "
+                         f"(got {value!r}), e.g. --label_list O,B-PER,I-PER,B-LOC,I-LOC")
+    return names
+
+
+def check_task_type(args: FinetuneArguments) -> None:
+    """Flags that belong to the other task type are refused (rather than ignored), before any data is read."""
+    if args.task_type != "token_classification":
+        given = [f"--{flag}" for flag in TOKEN_FLAGS if getattr(args, flag) not in (None, False)]
+        if given:
+            raise UsageError(f"{', '.join(given)} apply to token classification: add --task_type "
+                             "token_classification, or leave them out")
+        return
+    if args.task_name is not None:
+        raise UsageError(f"--task_name {args.task_name} is a sequence-classification preset; for token "
+                         "classification name the columns of your data with --text_columns (the words, default "
+                         "'tokens') and --label_column (default 'ner_tags'), or leave out --task_type")
+    if args.text_columns and len(parse_text_columns(args.text_columns)) != 1:
+        raise UsageError(f"token classification reads one column of words (a list of strings per row), not "
+                         f"{args.text_columns!r}: pass --text_columns tokens (or your column's name)")
+    parse_label_names(args.label_list)
