@@ -28,7 +28,7 @@ H, D = 12, 64
 
 
 def cpu_description() -> dict:
-    """Model name and the instruction-set flags that decide bf16 speed."""
+    """Model name and the instruction-set flags that decide bf16 speed."""  # noqa: D401
     model, flags = platform.processor() or "unknown", set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -74,6 +74,9 @@ def main(argv=None):
     parser.add_argument("--output_dir", required=True)
     parser.add_argument("--n", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--forms", nargs="*", default=[], metavar="FORM:CHUNK",
+                        help="explicit bf16 forms timed beside the default, e.g. scan:64 parallel:128 (what "
+                             "CAUSAL_FORM_TABLE's CPU bf16 rows are chosen from)")
     args = parser.parse_args(argv)
     if not native_bf16("cpu"):
         parser.error("this CPU has no native bf16 products (oneDNN reports none: no AVX512-BF16 / AMX); the bf16 "
@@ -94,6 +97,9 @@ def main(argv=None):
         "float32 path": lambda a, b, c: causal_linear_attention(a, b, c, precision="float32")[0],
         "fla torch chunk": lambda a, b, c: fla(t(a), t(b), t(c), normalize=True).transpose(1, 2),
     }
+    for form, chunk in (tuple(f.split(":")) for f in args.forms):  # the explicit bf16 forms: CAUSAL_FORM_TABLE's rows
+        methods[f"bf16 {form} C{chunk}"] = (lambda f, c_: lambda a, b, c: causal_linear_attention(
+            a, b, c, precision="bfloat16", form=f, chunk_size=c_)[0])(form, int(chunk))
     rows = []
     for n in args.n:
         g = torch.Generator().manual_seed(n)
@@ -142,6 +148,8 @@ def main(argv=None):
         s = row["seconds"]
         lines.append(f"| {row['mode']} | {row['n']:,} | " + " | ".join(f"{1e3 * s[m]:.1f}" for m in methods)
                      + f" | {s['fla torch chunk'] / s['default (auto)']:.2f}x |")
+    lines += ["", "default (auto) = `causal_linear_attention(phi_q, phi_k, v)` on bf16 inputs: the bf16 path where the "
+              "CPU computes bf16 natively, with CAUSAL_FORM_TABLE's form; float32 path = `precision=\"float32\"`."]
     for row in rows:
         if "errors" in row:
             lines += ["", f"Relative L2 error of the forward against float64 at n = {row['n']:,}: "

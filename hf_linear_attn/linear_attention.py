@@ -160,20 +160,20 @@ class _CausalLinearAttentionScan(torch.autograd.Function):
 # batch 1 up to n 2,048 (1.19x at n 1,024) and 1.05-1.11x at batch 16 up to n 256; from batch 16 x n 1,024
 # (196,608 positions) the scan wins by 1.4-1.6x, and at batch 1 from n 4,096 by 1.05-1.17x. The boundary at 65,536
 # positions sits between.
-# CPU bf16 products, from a grid on a 2-core Zen 5 EPYC with AVX512-BF16 (2026-11-26, idle cores; the same forms x
-# chunks at H 12, d 64, batch 1 and 16, n 512-4,096; kept in the team's shared measurements as bf16-forms-zen5.md,
-# to be replaced by this repository's crossover suite run with --dtype bfloat16 on such a machine). Forward: scan
-# C=128 up to batch 1 x n 1,024, parallel C=128 at n 2,048 and C=256 at n 4,096 (19.3 ms against 30-47 for the
-# rest), and from batch 16 the scan C=64 (at n >= 2,048 twice as fast as any parallel form). Forward + backward:
-# parallel C=64 on the smallest calls, C=128 from batch 1 x n 1,024 (at n 4,096 45.3 ms, fla's torch chunk form
-# 62.4, the float32 path 80.0), the scan C=64 from batch 16 x n 2,048 (393,216 positions: 967 ms against 1,259).
+# CPU bf16 products (the bf16 path: "auto" takes it on such CPUs for training only, see _bf16_compute), on 2-core
+# Zen 5 EPYCs with AVX512-BF16, 2026-11-26, idle cores, H 12, d 64. Batch 1 from `python scripts/bf16_kernel_check.py
+# --n 1024 4096 --forms ...` (results/benchmarks/bf16-kernel-zen5-2026-11-26, bf16 matmul peak 410 GFLOP/s there):
+# forward + backward, parallel C=64 is fastest or tied at both n (95.1 ms at 4,096 against 106-145 for the other
+# forms); forward, the scan C=128 within noise of the best. Batch 16 (no run of ours yet; a grid on another Zen 5
+# machine, bf16 peak 855, kept in the team's shared measurements as bf16-forms-zen5.md): the scan C=64 from 98,304
+# positions forward and from 393,216 forward + backward (967 ms against 1,259 for the best parallel form).
 # GPUs: fla's Triton kernel where installed (see causal_linear_attention), else these "cuda" rows, the earlier fixed
 # choice; not measured yet.
 CAUSAL_FORM_TABLE: dict[tuple[str, bool, bool], list[tuple[int, str, int]]] = {
     ("cpu", False, False): [(0, "scan", 64)],
     ("cpu", False, True): [(0, "parallel", 64), (65536, "scan", 64)],
-    ("cpu", True, False): [(0, "scan", 128), (24576, "parallel", 128), (49152, "parallel", 256), (98304, "scan", 64)],
-    ("cpu", True, True): [(0, "parallel", 64), (12288, "parallel", 128), (393216, "scan", 64)],
+    ("cpu", True, False): [(0, "scan", 128), (98304, "scan", 64)],
+    ("cpu", True, True): [(0, "parallel", 64), (393216, "scan", 64)],
     ("cuda", False, False): [(0, "parallel", 64)],
     ("cuda", False, True): [(0, "parallel", 64)],
     ("cuda", True, False): [(0, "parallel", 64)],
@@ -231,7 +231,10 @@ def causal_linear_attention(
     out_dtype = v.dtype
     batch, heads, n, m = phi_q.shape
     d_v = v.shape[-1]
-    low = _bf16_compute(precision, phi_q, phi_k, v)
+    needs_grad = torch.is_grad_enabled() and any(
+        t.requires_grad for t in (phi_q, phi_k, v, *(state if state is not None else ()))
+    )
+    low = _bf16_compute(precision, phi_q, phi_k, v, causal=True, needs_grad=needs_grad)
     if torch.compiler.is_exporting():
         # torch.export (and the ONNX exporter, which runs it) traces n as a symbol: the scan's loop over chunks
         # would unroll for the traced n, and the chunked forms' padding to a whole number of chunks leaves shape
@@ -250,9 +253,6 @@ def causal_linear_attention(
         elif form == "auto" and low and n > 0 and fla_chunk_kernel(phi_q.device.type) is not None:
             form = "fla"  # where fla's Triton kernel computes this same function (see _causal_fla), it runs it
         if form != "fla" and (form == "auto" or chunk_size is None):
-            needs_grad = torch.is_grad_enabled() and any(
-                t.requires_grad for t in (phi_q, phi_k, v, *(state if state is not None else ()))
-            )
             auto_form, auto_chunk = choose_causal_form(phi_q.device.type, low, batch * heads * n, needs_grad)
             form = auto_form if form == "auto" else form
             chunk_size = auto_chunk if chunk_size is None else chunk_size
@@ -291,20 +291,25 @@ def native_bf16(device_type: str) -> bool:
     return device_type == "cuda"
 
 
-def _bf16_compute(precision: str, *tensors: torch.Tensor) -> bool:
+def _bf16_compute(precision: str, *tensors: torch.Tensor, causal: bool = False, needs_grad: bool = False) -> bool:
     """Whether the bf16 compute path applies: every input (features and values) bf16, and ``precision``
-    "bfloat16", or "auto" on a device that computes bf16 products natively (:func:`native_bf16`)."""
+    "bfloat16", or "auto" where bf16 products are native (:func:`native_bf16`) and measured to pay (below)."""
     if precision not in ("auto", "float32", "bfloat16"):
         raise ValueError(f"precision must be 'auto', 'float32' or 'bfloat16', got {precision!r}.")
     if precision == "float32" or not all(t.dtype == torch.bfloat16 for t in tensors):
         return False
     if precision == "bfloat16":
         return True
-    # "auto": bf16 products where they are native. Measured on a Zen 5 EPYC (AVX512-BF16): the bf16 path with the
-    # table's forms beats the float32 path on bf16 inputs at every size of the crossover grid (see
-    # CAUSAL_FORM_TABLE), with an error against float64 within bf16 rounding of it. Without native bf16 (AVX2) a
-    # bf16 product is a reference loop, thousands of times slower: "auto" keeps the float32 path there.
-    return native_bf16(tensors[0].device.type)
+    # "auto": bf16 products where they are native and measured to pay. Without native bf16 (AVX2) a bf16 product is
+    # a reference loop, thousands of times slower: the float32 path. On CUDA: the bf16 path (fla's kernel or the torch
+    # forms). On a CPU with AVX512-BF16 (Zen 5 EPYC, `python scripts/bf16_kernel_check.py`, results/benchmarks/
+    # bf16-kernel-zen5-2026-11-26): the causal bf16 path wins forward + backward (20.0 against 25.6 ms at n 1,024,
+    # 95 against 119 at 4,096, H 12, d 64) but loses the forward alone (0.6-0.9x the float32 path): its float32
+    # normaliser and dtype conversions cost more than the bf16 products save. The bidirectional form is unmeasured.
+    device = tensors[0].device.type
+    if not native_bf16(device):
+        return False
+    return device != "cpu" or (causal and needs_grad)
 
 
 def _causal_bf16(phi_q, phi_k, v, key_mask, eps, c, state, form):
