@@ -121,13 +121,14 @@ def test_a_run_is_resumed_only_with_the_checkpoint_layout_it_was_trained_with(tm
     """A sharded (FSDP) run resumed without FSDP, or the other way round, is refused before anything loads: the
     one's checkpoints have files the other cannot read."""
     from hf_linear_attn.training.errors import UsageError
-    from hf_linear_attn.training.pretraining_arguments import PretrainArguments, _run_record, check_output_dir
+    from hf_linear_attn.training.pretraining_arguments import PretrainArguments
+    from hf_linear_attn.training.run_state import check_output_dir, run_record
 
     args = PretrainArguments(output_dir=str(tmp_path), model_config="m.json", resume=True)
-    (tmp_path / RUN_ARGS).write_text(json.dumps(_run_record(args, 2, "SHARDED_STATE_DICT")))
+    (tmp_path / RUN_ARGS).write_text(json.dumps(run_record(args, 2, "SHARDED_STATE_DICT")))
     with pytest.raises(UsageError, match="trained under FSDP \\(SHARDED_STATE_DICT\\) and this launch is without"):
         check_output_dir(args, 2, layout=None)
-    (tmp_path / RUN_ARGS).write_text(json.dumps(_run_record(args, 2)))
+    (tmp_path / RUN_ARGS).write_text(json.dumps(run_record(args, 2)))
     with pytest.raises(UsageError, match="trained without FSDP and this launch is under FSDP"):
         check_output_dir(args, 2, layout="SHARDED_STATE_DICT")
     # the same layout passes the check and goes on to look for a checkpoint: none yet, so the run starts again
