@@ -163,8 +163,9 @@ class _CausalLinearAttentionScan(torch.autograd.Function):
 # CPU bf16 products (the bf16 path: "auto" takes it on such CPUs for training only, see _bf16_compute), on 2-core
 # Zen 5 EPYCs with AVX512-BF16, 2026-11-26, idle cores, H 12, d 64. Batch 1 from `python scripts/bf16_kernel_check.py
 # --n 1024 4096 --forms ...` (results/benchmarks/bf16-kernel-zen5-2026-11-26, bf16 matmul peak 410 GFLOP/s there):
-# forward + backward, parallel C=64 is fastest or tied at both n (95.1 ms at 4,096 against 106-145 for the other
-# forms); forward, the scan C=128 within noise of the best. Batch 16 (no run of ours yet; a grid on another Zen 5
+# forward + backward, parallel C=64 is fastest or tied at both n (97.7 ms at 4,096; parallel C=128 / 256 99-101, the
+# scans 140-185); forward (taken only with precision="bfloat16": "auto" keeps the float32 path there), the scan
+# C=128 within noise of the best. Batch 16 (no run of ours yet; a grid on another Zen 5
 # machine, bf16 peak 855, kept in the team's shared measurements as bf16-forms-zen5.md): the scan C=64 from 98,304
 # positions forward and from 393,216 forward + backward (967 ms against 1,259 for the best parallel form).
 # GPUs: fla's Triton kernel where installed (see causal_linear_attention), else these "cuda" rows, the earlier fixed
@@ -212,8 +213,8 @@ def causal_linear_attention(
 
     ``precision``: float32 inputs are computed in float32 (z rides along as a column of ones after V, so one product
     gives numerator and normaliser). bf16 inputs (phi(Q), phi(K) and V all bf16) take the bf16 compute path with
-    "bfloat16", and with "auto" where the device computes bf16 natively (CUDA, CPUs with AVX512-BF16 / AMX; see
-    :func:`_bf16_compute`); "float32" keeps the float32 path. On the bf16 path the products run in bf16, the state S,
+    "bfloat16", and with "auto" where the device computes bf16 natively and it pays (CUDA; CPUs with AVX512-BF16 /
+    AMX when gradients are needed; see :func:`_bf16_compute`); "float32" keeps the float32 path. On the bf16 path the products run in bf16, the state S,
     z and the normaliser phi(q) . z_t are accumulated in float32 (z_t is a float32 prefix sum, the normaliser a
     float32 dot product, never a bf16 product).
 
@@ -303,9 +304,10 @@ def _bf16_compute(precision: str, *tensors: torch.Tensor, causal: bool = False, 
     # "auto": bf16 products where they are native and measured to pay. Without native bf16 (AVX2) a bf16 product is
     # a reference loop, thousands of times slower: the float32 path. On CUDA: the bf16 path (fla's kernel or the torch
     # forms). On a CPU with AVX512-BF16 (Zen 5 EPYC, `python scripts/bf16_kernel_check.py`, results/benchmarks/
-    # bf16-kernel-zen5-2026-11-26): the causal bf16 path wins forward + backward (20.0 against 25.6 ms at n 1,024,
-    # 95 against 119 at 4,096, H 12, d 64) but loses the forward alone (0.6-0.9x the float32 path): its float32
-    # normaliser and dtype conversions cost more than the bf16 products save. The bidirectional form is unmeasured.
+    # bf16-kernel-zen5-2026-11-26): the causal bf16 path wins forward + backward (parallel C=64: 22.3 against 34.6 ms
+    # at n 1,024, 97.7 against 140.3 at 4,096, H 12, d 64) but loses the forward alone (the float32 path 6.1 / 24.5
+    # ms, the best bf16 form 6.7 / 35.4): its float32 normaliser and dtype conversions cost more than the bf16
+    # products save. The bidirectional form is unmeasured.
     device = tensors[0].device.type
     if not native_bf16(device):
         return False
@@ -316,8 +318,8 @@ def _causal_bf16(phi_q, phi_k, v, key_mask, eps, c, state, form):
     """The bf16 compute path of :func:`causal_linear_attention` (call with autocast off).
 
     Numerator tril(phi(Q) phi(K)^T) V + phi(Q) S_0: bf16 products, float32 state and output. Normaliser
-    phi(q_t) . (z_0 + sum_{j<=t} phi(k_j)): a float32 prefix sum and a float32 dot product (O(n m), a few percent of
-    the time; :func:`_float32_normaliser`), so its error is float32's, not bf16's.
+    phi(q_t) . (z_0 + sum_{j<=t} phi(k_j)): a float32 prefix sum and a float32 dot product (O(n m), but on a CPU about
+    a fifth of a forward + backward at n 4,096; :func:`_float32_normaliser`), so its error is float32's, not bf16's.
     """
     batch, heads, n, m = phi_q.shape
     d_v = v.shape[-1]
