@@ -77,13 +77,12 @@ def train_classifier(model, train, evaluation, length: int, steps: int, batch_si
 
 
 @torch.no_grad()
-def evaluate_copy(model, length: int, batch_size: int, batches: int, seed: int) -> dict:
-    """Loss and token accuracy on the copied half, over fresh seeded batches."""
+def score_causal_lm(model, batches) -> dict:
+    """Loss and accuracy of a causal LM at its labelled positions over (input_ids, labels) batches (the model shifts
+    the labels): what the copy task and recall score."""
     model.eval()
-    generator = torch.Generator().manual_seed(seed)
     losses, correct, total = [], 0, 0
-    for _ in range(batches):
-        ids, labels = copy_batch(batch_size, length, generator)
+    for ids, labels in batches:
         out = model(input_ids=ids, labels=labels)
         losses.append(out.loss.item())
         predicted = out.logits[:, :-1].argmax(-1)
@@ -92,23 +91,38 @@ def evaluate_copy(model, length: int, batch_size: int, batches: int, seed: int) 
         correct += (predicted[keep] == target[keep]).sum().item()
         total += keep.sum().item()
     model.train()
-    return {"eval_loss": sum(losses) / len(losses), "eval_token_accuracy": correct / total}
+    return {"loss": sum(losses) / len(losses), "accuracy": correct / total, "scored": total}
 
 
-def train_copy(model, length: int, steps: int, batch_size: int, optim: dict, seed: int, log_every: int) -> dict:
-    """Train a causal LM on fresh copy-task batches; the loss curve every `log_every` steps (Figure 2's shape)."""
-    generator = torch.Generator().manual_seed(seed)
+def train_causal_lm(model, next_batch, steps: int, optim: dict, log_every: int, stop_on_nonfinite: bool = False) -> dict:
+    """Train a causal LM on `steps` fresh (input_ids, labels) batches from `next_batch()`; the loss curve every
+    `log_every` steps (Figure 2's shape) and the seconds it took."""
     optimizer, scheduler = make_optimizer(model, optim, steps)
     model.train()
     curve, window = [], []
     start = time.perf_counter()
     for step in range(steps):
-        ids, labels = copy_batch(batch_size, length, generator)
+        ids, labels = next_batch()
         window.append(_step(model, optimizer, scheduler, dict(input_ids=ids, labels=labels),
                             optim.get("grad_clip", 1.0)))
         if (step + 1) % log_every == 0 or step + 1 == steps:
             curve.append([step + 1, sum(window) / len(window)])
             window = []
-    train_seconds = time.perf_counter() - start
-    return {**evaluate_copy(model, length, batch_size, 4, seed + 1), "loss_curve": curve,
-            "train_seconds": train_seconds, "steps": steps, "steps_per_second": steps / train_seconds}
+            if stop_on_nonfinite and not math.isfinite(curve[-1][1]):
+                break
+    seconds = time.perf_counter() - start
+    return {"loss_curve": curve, "train_seconds": seconds, "steps": steps, "steps_per_second": steps / seconds}
+
+
+def evaluate_copy(model, length: int, batch_size: int, batches: int, seed: int) -> dict:
+    """Loss and token accuracy on the copied half, over fresh seeded batches."""
+    generator = torch.Generator().manual_seed(seed)
+    score = score_causal_lm(model, (copy_batch(batch_size, length, generator) for _ in range(batches)))
+    return {"eval_loss": score["loss"], "eval_token_accuracy": score["accuracy"]}
+
+
+def train_copy(model, length: int, steps: int, batch_size: int, optim: dict, seed: int, log_every: int) -> dict:
+    """Train a causal LM on fresh copy-task batches; the loss curve every `log_every` steps (Figure 2's shape)."""
+    generator = torch.Generator().manual_seed(seed)
+    trained = train_causal_lm(model, lambda: copy_batch(batch_size, length, generator), steps, optim, log_every)
+    return {**evaluate_copy(model, length, batch_size, 4, seed + 1), **trained}
