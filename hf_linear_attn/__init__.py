@@ -68,10 +68,16 @@ from .modeling_linformer_gpt2 import (
 )
 from .recurrent_cache import (
     BlockLinformerCacheLayer,
+    DecayedStateLayer,
     KeyValueStateLayer,
     LinearAttentionStateLayer,
     RecurrentStateCache,
     SlidingWindowStateLayer,
+)
+from .decayed_linear_attention import (
+    causal_decayed_linear_attention,
+    naive_decayed_linear_attention,
+    recurrent_decayed_linear_attention_step,
 )
 from .sliding_window_attention import (
     banded_sliding_window_attention,
@@ -116,6 +122,7 @@ __all__ = [
     "BlockLinformerState",
     "DecoderPrefill",
     "DecoderStateStep",
+    "DecayedStateLayer",
     "LinearAttentionStateLayer",
     "LinearGPT2Config",
     "LinearRobertaConfig",
@@ -136,6 +143,9 @@ __all__ = [
     "build_feature_map",
     "causal_linear_attention",
     "recurrent_linear_attention_step",
+    "causal_decayed_linear_attention",
+    "naive_decayed_linear_attention",
+    "recurrent_decayed_linear_attention_step",
     "linear_attention_weights",
     "linformer_attention",
     "project_sequence",

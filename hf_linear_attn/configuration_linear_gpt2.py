@@ -30,6 +30,65 @@ def check_layer_types(layer_types, n_layer: int) -> None:
             raise ValueError(f"layer_types[{i}] = {kind!r} is not a layer kind; choose one of {', '.join(LAYER_TYPES)}.")
 
 
+STATE_DECAYS = ("fixed", "gated")
+
+
+def retnet_decay_rates(num_heads: int) -> list[float]:
+    """RetNet's fixed per-head decays, gamma_h = 1 - 2^(-5 - h) (Sun et al. 2023, section 2.2): memories of ~32 to
+    ~32 * 2^(H-1) tokens."""
+    return [1.0 - 2.0 ** (-5 - h) for h in range(num_heads)]
+
+
+def feature_width(feature_map: str, head_dim: int, num_random_features: int, learned_feature_dim: int | None) -> int:
+    """m, the width of phi's output per head (the rows of the state S)."""
+    if feature_map == "favor":
+        return num_random_features
+    if feature_map == "hedgehog":
+        return 2 * (learned_feature_dim or head_dim)
+    return head_dim
+
+
+def check_decay_options(config) -> None:
+    """Raise a ValueError naming the fix for a bad state decay: its kind, rates, gate sizes and the combinations
+    that are not built (a window, FAVOR+ with a per-feature gate)."""
+    decay = config.state_decay
+    if decay is None:
+        if config.decay_rates is not None:
+            raise ValueError("decay_rates is set but state_decay is None: set state_decay='fixed' to use the rates.")
+        return
+    if decay not in STATE_DECAYS:
+        raise ValueError(f"state_decay must be None, 'fixed' (RetNet) or 'gated' (GLA), got {decay!r}.")
+    if config.attention_window:
+        raise ValueError(
+            f"state_decay={decay!r} with attention_window={config.attention_window}: a decayed state beside a window "
+            "is not implemented; choose one of them (or combine a decayed layer with full_attention layers through "
+            "layer_types)."
+        )
+    if decay == "fixed":
+        rates = config.decay_rates
+        if rates is not None:
+            if len(rates) != config.n_head:
+                raise ValueError(f"decay_rates has {len(rates)} entries for n_head={config.n_head}: give one per head.")
+            bad = [r for r in rates if not 0.0 < r <= 1.0]
+            if bad:
+                raise ValueError(f"decay_rates must lie in (0, 1] (1: no decay), got {bad}.")
+            if min(rates) < 1e-30:
+                raise ValueError(f"decay_rates {min(rates)} is below float32's range: use a rate of at least 1e-30.")
+        return
+    if config.decay_rates is not None:
+        raise ValueError("decay_rates applies to state_decay='fixed'; a gated decay is computed from the input.")
+    if config.feature_map == "favor":
+        raise ValueError(
+            "state_decay='gated' gives each feature of phi its own gate, but FAVOR+'s features are random draws that "
+            "redraw_random_features replaces, so a learned gate would lose its feature: use feature_map 'elu', "
+            "'relu' or 'hedgehog', or state_decay='fixed'."
+        )
+    if config.gate_low_rank_dim < 1:
+        raise ValueError(f"gate_low_rank_dim must be positive, got {config.gate_low_rank_dim}.")
+    if not config.gate_logit_normalizer > 0:
+        raise ValueError(f"gate_logit_normalizer must be positive, got {config.gate_logit_normalizer}.")
+
+
 @plain_value_errors
 @strict
 class LinearGPT2Config(GPT2StyleConfig):
@@ -59,6 +118,15 @@ class LinearGPT2Config(GPT2StyleConfig):
             hybrid models name them: `"linear_attention"` (this family's attention, with its window if any) or
             `"full_attention"` (GPT-2's causal softmax attention, SDPA, with a key/value cache that grows by one row
             per token). None: every layer linear.
+        state_decay (`str`, *optional*): a decaying state, `S_t = a_t S_{t-1} + phi(k_t) v_t^T` and z alike (the
+            normaliser decays with S): `"fixed"` (RetNet: one constant a per head, `decay_rates`) or `"gated"` (GLA:
+            a per-feature gate from the layer input, `a_t = sigmoid(x W_down W_up + b)^(1 / gate_logit_normalizer)`,
+            `attn.gk_proj`). None: no decay, exactly as before. Not with `attention_window`; `"gated"` not with
+            `feature_map="favor"`.
+        decay_rates (`list[float]`, *optional*): the fixed decays, one per head in (0, 1]; defaults to RetNet's
+            `1 - 2^(-5 - h)`.
+        gate_low_rank_dim (`int`, defaults to 16): rank of the gate's projection (GLA's `gate_low_rank_dim`).
+        gate_logit_normalizer (`float`, defaults to 16): GLA's temperature tau; larger keeps the gate nearer 1.
     """
 
     model_type = "linear_gpt2"
@@ -70,6 +138,10 @@ class LinearGPT2Config(GPT2StyleConfig):
     linear_attention_chunk_size: int = 64
     attention_window: int = 0
     layer_types: list[str] | None = None
+    state_decay: str | None = None
+    decay_rates: list[float] | None = None
+    gate_low_rank_dim: int = 16
+    gate_logit_normalizer: float | int = 16
 
     default_auto_map = build_auto_map("linear_gpt2", "LinearGPT2", DECODER_HEADS)
 
@@ -81,3 +153,4 @@ class LinearGPT2Config(GPT2StyleConfig):
             raise ValueError(f"linear_attention_chunk_size must be positive, got {self.linear_attention_chunk_size}.")
         check_window_options(self.attention_window, self.n_positions, "n_positions", self.feature_map)
         check_layer_types(self.layer_types, self.n_layer)
+        check_decay_options(self)

@@ -72,6 +72,11 @@ class GPT2StyleAttention(nn.Module):
     def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
         return x.reshape(*x.shape[:2], self.num_heads, self.head_dim).transpose(1, 2)
 
+    def per_token_inputs(self, hidden_states: torch.Tensor) -> dict:
+        """Extra keyword arguments of ``attend`` computed from the layer's input (B, n, D): none by default; the
+        gate of gated linear attention (``log_decay``)."""
+        return {}
+
     def attend(self, q, k, v, key_mask, state, use_cache, need_tail, output_attentions, shared_projection):
         """The family's causal attention on heads (B, H, n, d), continuing from ``state`` (None: no earlier token).
 
@@ -91,7 +96,8 @@ class GPT2StyleAttention(nn.Module):
                 "keeps no past keys. Call the model without past_key_values to inspect attention."
             )
         output, weights, state, tail = self.attend(
-            q, k, v, key_mask, state, use_cache, need_tail, output_attentions, shared_projection
+            q, k, v, key_mask, state, use_cache, need_tail, output_attentions, shared_projection,
+            **self.per_token_inputs(hidden_states),
         )
         output = output.transpose(1, 2).reshape(hidden_states.shape)
         return self.resid_dropout(self.c_proj(output)), weights, state, tail

@@ -8,7 +8,12 @@ so the cost of a token does not grow with the context.
 import torch
 from transformers import initialization as init
 
-from .configuration_linear_gpt2 import LinearGPT2Config
+from .configuration_linear_gpt2 import LinearGPT2Config, feature_width, retnet_decay_rates
+from .decayed_linear_attention import (
+    causal_decayed_linear_attention,
+    decayed_linear_attention_weights,
+    recurrent_decayed_linear_attention_step,
+)
 from .feature_maps import build_feature_map
 from .linear_attention import (
     causal_linear_attention,
@@ -23,7 +28,12 @@ from .modeling_gpt2_style import (
     GPT2StyleModel,
     GPT2StylePreTrainedModel,
 )
-from .recurrent_cache import KeyValueStateLayer, LinearAttentionStateLayer, SlidingWindowStateLayer
+from .recurrent_cache import (
+    DecayedStateLayer,
+    KeyValueStateLayer,
+    LinearAttentionStateLayer,
+    SlidingWindowStateLayer,
+)
 from .sliding_window_attention import (
     SlidingWindowFactor,
     causal_sliding_window_attention,
@@ -51,6 +61,7 @@ class LinearGPT2Attention(GPT2StyleAttention):
         # parameters (c_attn, c_proj), no feature map and no window.
         self.full_attention = config.layer_types is not None and config.layer_types[layer_idx] == "full_attention"
         self.window = 0
+        self.state_decay = None
         if self.full_attention:
             self.attn_pdrop = config.attn_pdrop
             self.feature_map = None
@@ -65,6 +76,33 @@ class LinearGPT2Attention(GPT2StyleAttention):
         if self.window:
             self.window_factor = SlidingWindowFactor(self.num_heads)
             self.cache_layer_class = SlidingWindowStateLayer  # per instance: the cache holds the window too
+        # state_decay: S_t = a_t S_{t-1} + phi(k_t) v_t^T (decayed_linear_attention); a fixed a per head (RetNet) or
+        # a per-feature gate from the layer input (GLA's low-rank projection, named as fla names it: gk_proj)
+        self.state_decay = config.state_decay
+        if self.state_decay is not None:
+            self.cache_layer_class = DecayedStateLayer  # its rollback replays the decays too
+        if self.state_decay == "fixed":
+            self.decay_rates = list(config.decay_rates or retnet_decay_rates(self.num_heads))
+        elif self.state_decay == "gated":
+            width = feature_width(config.feature_map, self.head_dim, config.num_random_features,
+                                  config.learned_feature_dim)
+            self.gk_proj = torch.nn.Sequential(
+                torch.nn.Linear(self.embed_dim, config.gate_low_rank_dim, bias=False),
+                torch.nn.Linear(config.gate_low_rank_dim, self.num_heads * width, bias=True),
+            )
+            self.gate_logit_normalizer = config.gate_logit_normalizer
+
+    def per_token_inputs(self, hidden_states):
+        """log a_t of the decayed state: (1, H, 1, 1) fixed rates, or the gate (B, H, n, m) from ``hidden_states``."""
+        if self.state_decay is None:
+            return {}
+        if self.state_decay == "fixed":
+            rates = torch.tensor(self.decay_rates, dtype=torch.float32, device=hidden_states.device)
+            return {"log_decay": rates.log().view(1, -1, 1, 1)}
+        # GLA: log a = log sigmoid(x W_down W_up + b) / tau, in float32 (a product of many a's near 1 is what decays)
+        logits = self.gk_proj(hidden_states).float()
+        log_decay = torch.nn.functional.logsigmoid(logits) / self.gate_logit_normalizer
+        return {"log_decay": log_decay.view(*hidden_states.shape[:2], self.num_heads, -1).transpose(1, 2)}
 
     def initial_state(self, batch_size: int) -> tuple[torch.Tensor, ...]:
         """Zeros (S (B, H, m, d), z (B, H, m)) in float32, m the feature map's output width; with a window also the
@@ -127,13 +165,43 @@ class LinearGPT2Attention(GPT2StyleAttention):
             output = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], dropout_p=dropout)
         return output, weights, (k, v, real)
 
-    def attend(self, q, k, v, key_mask, state, use_cache, need_tail, output_attentions, shared_projection):
+    def _attend_decayed(self, phi_q, phi_k, v, log_decay, key_mask, state, need_tail, output_attentions):
+        """attend() with a decaying state: the chunked form for prompts, the recurrent step for single tokens."""
+        n = phi_q.shape[2]
+        log_decay = log_decay.expand(*log_decay.shape[:2], n, log_decay.shape[-1])
+        if state is not None and n == 1:
+            output, state = recurrent_decayed_linear_attention_step(
+                phi_q, phi_k, v, log_decay, state, key_mask, eps=self.eps
+            )
+        else:
+            output, state = causal_decayed_linear_attention(
+                phi_q, phi_k, v, log_decay, key_mask, eps=self.eps, chunk_size=self.chunk_size, state=state
+            )
+        tail = None
+        if need_tail:  # rollback tail: phi(k), v with pads zeroed and the decays (0 at pads: they leave the state)
+            phi_k_tail, v_tail = mask_keys(phi_k, v, key_mask)
+            decay_tail = log_decay.float().expand(phi_q.shape[0], -1, -1, -1)
+            if key_mask is not None:
+                decay_tail = torch.where(key_mask[:, None, :, None], decay_tail, 0.0)
+            tail = (phi_k_tail, v_tail, decay_tail)
+        weights = None
+        if output_attentions:
+            weights = decayed_linear_attention_weights(phi_q, phi_k, log_decay, key_mask, eps=self.eps)
+        return output, weights, state, tail
+
+    def attend(self, q, k, v, key_mask, state, use_cache, need_tail, output_attentions, shared_projection,
+               log_decay=None):
         if state is not None:
             state = tuple(t.to(q.device) for t in state)
         if self.full_attention:
             output, weights, state = self._attend_full(q, k, v, key_mask, state, output_attentions)
             return output, weights, state if use_cache else None, None
         phi_q, phi_k = self.feature_map.pair(q, k, key_mask)
+        if log_decay is not None:
+            output, weights, state, tail = self._attend_decayed(
+                phi_q, phi_k, v, log_decay, key_mask, state, need_tail, output_attentions
+            )
+            return output, weights, state if use_cache else None, tail
         if self.window:
             output, weights, state, tail = self._attend_window(
                 q, k, v, phi_q, phi_k, key_mask, state, need_tail, output_attentions

@@ -2,6 +2,7 @@
 
 * :class:`LinearAttentionStateLayer` holds the state of causal linear attention, S (B, H, m, d) and z (B, H, m)
   in float32: its size does not depend on the number of tokens seen ("Transformers are RNNs").
+* :class:`DecayedStateLayer` holds the same (S, z) for linear attention whose state decays (RetNet, GLA).
 * :class:`SlidingWindowStateLayer` holds that state plus the last W keys / values of window + linear attention.
 * :class:`KeyValueStateLayer` holds the keys and values of a full-attention layer of a hybrid schedule.
 * :class:`BlockLinformerCacheLayer` holds the causal block Linformer's k-row summaries of completed blocks and the
@@ -20,6 +21,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .block_linformer import BlockLinformerState, block_linformer_step, empty_block_linformer_state
+from .decayed_linear_attention import advance_decayed_state
 from .sliding_window_attention import advance_sliding_window_state, empty_sliding_window_state
 
 
@@ -183,6 +185,19 @@ class LinearAttentionStateLayer(RecurrentStateLayer):
         phi_k, v = (t.float() for t in tail)
         s, z = torch.matmul(phi_k.transpose(-1, -2), v), phi_k.sum(-2)
         return (s, z) if state is None else (state[0] + s, state[1] + z)
+
+
+class DecayedStateLayer(LinearAttentionStateLayer):
+    """State (S, z) of linear attention with a decaying state (``state_decay``), float32, constant in size.
+
+    Rollback tail: phi(k), v (pads zeroed) and log a_t (B, H, t, 1 or m; 0 at pads) of the recorded tokens; the
+    state after a prefix of them is the committed state decayed and added to, as the decoder builds it.
+    """
+
+    tail_token_dims = (2, 2, 2)
+
+    def _replay(self, state, tail):
+        return advance_decayed_state(*tail, state)
 
 
 class SlidingWindowStateLayer(RecurrentStateLayer):

@@ -63,6 +63,16 @@ DECODER_VARIANTS = {
     "linear-hybrid": lambda **kw: LinearGPT2Config(
         **{**TINY_DECODER, "layer_types": ["full_attention", "linear_attention"], "linear_attention_chunk_size": 8, **kw}
     ),
+    # decaying states: fixed per-head rates (RetNet's form; one head undecayed) and GLA's per-feature gate (on
+    # hedgehog's 2 x 8 features, wider than the head), with chunks of 4 so that decays cross chunk boundaries
+    "linear-decay": lambda **kw: LinearGPT2Config(
+        **{**TINY_DECODER, "state_decay": "fixed", "decay_rates": [0.5, 0.8, 0.95, 1.0],
+           "linear_attention_chunk_size": 4, **kw}
+    ),
+    "linear-gated": lambda **kw: LinearGPT2Config(
+        **{**TINY_DECODER, "state_decay": "gated", "feature_map": "hedgehog", "gate_low_rank_dim": 8,
+           "linear_attention_chunk_size": 4, **kw}
+    ),
     "linformer-none": lambda **kw: LinformerGPT2Config(
         **{**TINY_DECODER, "linformer_k": 4, "linformer_block_size": 8, "linformer_sharing": "none", **kw}
     ),

@@ -10,13 +10,25 @@ import torch
 from experiments.long_range.models import DECODERS, Dims, build_decoder
 from hf_linear_attn.training.errors import UsageError
 
-# linear_gpt2 with another feature map than elu + 1: name -> feature_map
-FEATURE_MAP_VARIANTS = {"linear_gpt2_relu": "relu", "linear_gpt2_hedgehog": "hedgehog", "linear_gpt2_favor": "favor"}
-MODELS = (*DECODERS, *FEATURE_MAP_VARIANTS)
+# linear_gpt2 with other settings than the long-range suite's elu + 1: name -> config overrides (a callable of the
+# number of layers where the setting depends on it). Feature maps; a decaying state (issue 41: RetNet's fixed
+# per-head decay, GLA's per-feature gate from the input); a hybrid schedule whose first layer is GPT-2's softmax
+# attention (its key/value cache grows with n, the linear layers' states do not).
+LINEAR_VARIANTS = {
+    "linear_gpt2_relu": {"feature_map": "relu"},
+    "linear_gpt2_hedgehog": {"feature_map": "hedgehog"},
+    "linear_gpt2_favor": {"feature_map": "favor"},
+    "linear_gpt2_decay": {"state_decay": "fixed"},
+    "linear_gpt2_gated": {"state_decay": "gated"},
+    "linear_gpt2_hybrid": lambda layers: {"layer_types": ["full_attention"] + ["linear_attention"] * (layers - 1)},
+}
+MODELS = (*DECODERS, *LINEAR_VARIANTS)
 LABELS = {"gpt2_sdpa": "GPT-2 (softmax)", "reformer_lsh": "Reformer (LSH)", "linear_gpt2": "linear_gpt2 (elu+1)",
           "linformer_gpt2": "causal block Linformer", "linear_gpt2_relu": "linear_gpt2 (ReLU)",
           "linear_gpt2_hedgehog": "linear_gpt2 (hedgehog)", "linear_gpt2_favor": "linear_gpt2 (FAVOR+)",
-          "linear_gpt2_window": "linear_gpt2, sliding window + linear"}
+          "linear_gpt2_window": "linear_gpt2, sliding window + linear",
+          "linear_gpt2_decay": "linear_gpt2, fixed decay (RetNet)", "linear_gpt2_gated": "linear_gpt2, gated (GLA)",
+          "linear_gpt2_hybrid": "linear_gpt2, softmax layer 1 + linear"}
 
 
 def check_models(names) -> None:
@@ -28,12 +40,13 @@ def check_models(names) -> None:
 def build_recall_model(name: str, dims: Dims, n: int, vocab_size: int):
     """A randomly initialised causal LM for recall at length n (no dropout: a synthetic task)."""
     check_models([name])
-    if name in FEATURE_MAP_VARIANTS:
+    if name in LINEAR_VARIANTS:
         import hf_linear_attn as ours
 
         base = build_decoder("linear_gpt2", dims, n, vocab_size)
-        config = ours.LinearGPT2Config(**{**base.config.to_dict(), "feature_map": FEATURE_MAP_VARIANTS[name]})
-        return ours.LinearGPT2ForCausalLM(config)
+        overrides = LINEAR_VARIANTS[name]
+        overrides = overrides(dims.num_layers) if callable(overrides) else overrides
+        return ours.LinearGPT2ForCausalLM(ours.LinearGPT2Config(**{**base.config.to_dict(), **overrides}))
     return build_decoder(name, dims, n, vocab_size)
 
 

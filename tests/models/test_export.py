@@ -25,7 +25,7 @@ def test_the_explicit_state_step_equals_the_cached_forward():
     torch.testing.assert_close(logits[:, -1], model(ids).logits[:, -1], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("variant", ["linear-elu", "linear-favor", "linear-hedgehog", "linear-window"])
+@pytest.mark.parametrize("variant", ["linear-elu", "linear-favor", "linear-hedgehog", "linear-window", "linear-decay", "linear-gated"])
 def test_torch_export_of_the_step_with_a_dynamic_batch_equals_eager(variant):
     model, step, ids, positions, state = prefill_then_step(variant)
     batch = torch.export.Dim("batch", min=1, max=64)
@@ -74,7 +74,7 @@ def states_of(cache):
 
 
 @pytest.mark.parametrize("variant", [
-    "linear-elu", "linear-window", pytest.param("linear-favor", marks=pytest.mark.slow),
+    "linear-elu", "linear-window", "linear-gated", pytest.param("linear-favor", marks=pytest.mark.slow),
     pytest.param("linear-hedgehog", marks=pytest.mark.slow),
 ])
 def test_torch_export_of_the_prompt_pass_serves_every_length_from_one_program(variant):

@@ -8,7 +8,10 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from hf_linear_attn import LinformerGPT2Config, LinformerGPT2ForCausalLM
 
-DECODERS = ["linear-elu", "linear-favor", "linear-window", "linear-hybrid", "linformer-headwise", "linformer-key-value"]
+DECODERS = [
+    "linear-elu", "linear-favor", "linear-window", "linear-hybrid", "linear-decay", "linear-gated", "linformer-headwise",
+    "linformer-key-value",
+]
 
 
 def gpt2_and_its_one_block_linformer():
@@ -127,7 +130,8 @@ def test_a_state_without_recording_refuses_to_roll_back_and_says_how():
 
 
 @pytest.mark.parametrize(
-    "variant", ["linear-elu", "linear-hedgehog", "linear-window", "linear-hybrid", "linformer-headwise", "linformer-layerwise"]
+    "variant", ["linear-elu", "linear-hedgehog", "linear-window", "linear-hybrid", "linear-gated", "linformer-headwise",
+                "linformer-layerwise"]
 )
 def test_assisted_greedy_equals_plain_greedy_token_for_token(variant):
     """A different (smaller-seed) draft of the same family proposes tokens; the target's verified output must be
