@@ -158,9 +158,12 @@ def _chunked_form(q, k, v1, log_decay, s0, c: int):
     chunk_kv = torch.matmul((k_c * torch.exp(b_end - b)).transpose(-1, -2), v_c)  # (B, H, N, m, d + 1)
     chunk_decay = torch.exp(b_end).transpose(-1, -2)  # (B, H, N, g, 1): broadcasts over the state's rows
     states, s = [], s0
-    for i in range(chunks):  # the only sequential part: n / C elementwise updates of a (B, H, m, d + 1) state
+    # the only sequential part: n / C elementwise updates of a (B, H, m, d + 1) state. unbind, not [:, :, i]: the
+    # backward of one index is a zero tensor of the whole input, so n / C of them cost O((n / C)^2) (measured: 26x the
+    # time for 4x the length), where unbind's backward stacks the slices' gradients once
+    for decay, kv in zip(chunk_decay.unbind(2), chunk_kv.unbind(2)):
         states.append(s)
-        s = chunk_decay[:, :, i] * s + chunk_kv[:, :, i]
+        s = decay * s + kv
     before = torch.stack(states, dim=2)  # (B, H, N, m, d + 1): the state entering each chunk
     out = torch.matmul(scores, v_c) + torch.matmul(q_c * torch.exp(b), before)
     return out.reshape(batch, heads, n + padded, -1)[:, :, :n], s
