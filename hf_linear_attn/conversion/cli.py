@@ -21,7 +21,8 @@ from .convert import (check_source, check_target, convert, extend_max_length, lo
 from .distill import distill, distillation_distance, distillation_mode, language_model_quality
 
 FAMILY_OPTIONS = ("linformer_k", "linformer_sharing", "linformer_init", "linformer_normalize_rows",
-                  "linformer_block_size", "feature_map", "num_random_features", "learned_feature_dim")
+                  "linformer_block_size", "feature_map", "num_random_features", "learned_feature_dim",
+                  "attention_window", "state_decay", "layer_types")
 
 
 @dataclass
@@ -46,6 +47,14 @@ class ConvertArguments(HubArguments):
                                                                     "the one distillation trains)"})
     num_random_features: int | None = field(default=None, metadata={"help": "FAVOR+ features"})
     learned_feature_dim: int | None = field(default=None, metadata={"help": "hedgehog width"})
+    attention_window: int | None = field(default=None, metadata={"help": "linear_gpt2 / linear_roberta: exact "
+                                                                         "softmax over the last W keys (its factor "
+                                                                         "is distilled)"})
+    state_decay: str | None = field(default=None, metadata={"help": "linear_gpt2: fixed (RetNet) | gated (GLA; "
+                                                                    "the gate is distilled)"})
+    layer_types: list[str] | None = field(default=None, metadata={"help": "linear_gpt2: one of linear_attention / "
+                                                                          "full_attention per layer (a hybrid; full "
+                                                                          "layers keep GPT-2's attention exactly)"})
     distill_steps: int = field(default=0, metadata={"help": "attention-distillation steps (0: convert only)"})
     distill_batch_size: int = field(default=8)
     distill_lr: float | None = field(default=None, metadata={"help": "default 1e-2 for feature maps, 1e-3 for E / F"})

@@ -17,6 +17,7 @@ import transformers
 from transformers import AutoConfig, AutoTokenizer
 
 from hf_linear_attn import MODEL_FAMILIES, FavorFeatureMap, HedgehogFeatureMap, LinformerProjection, family_of
+from hf_linear_attn.sliding_window_attention import SlidingWindowFactor
 from hf_linear_attn.training.checkpoints import file_problem
 from hf_linear_attn.training.errors import UsageError
 
@@ -194,6 +195,10 @@ def _describe_init(module, config, name: str) -> str:
         return "hedgehog feature map, identity init: phi(x) = [softmax(x), softmax(-x)] per head"
     if isinstance(module, FavorFeatureMap):
         return "FAVOR+ random features, an orthogonal Gaussian draw"
+    if isinstance(module, SlidingWindowFactor):
+        return "window factor g = exp(theta), theta = 0: the window's exact terms unweighted"
+    if ".gk_proj." in f".{name}":
+        return "GLA gate projection (low rank): weights normal (config.initializer_range), bias 0"
     return f"new {type(module).__name__} ({name.rsplit('.', 1)[-1]}), the model's own init"
 
 

@@ -23,7 +23,7 @@ from transformers import (
 from hf_linear_attn.linformer_projection import project_sequence
 from hf_linear_attn.conversion.convert import convert, extend_max_length
 from hf_linear_attn.training.errors import UsageError
-from hf_linear_attn.conversion.distill import distill
+from hf_linear_attn.conversion.distill import distill, distillation_distance
 
 STOCK_ROBERTA = dict(TINY, type_vocab_size=1, layer_norm_eps=1e-5)
 STOCK_GPT2 = {k: v for k, v in TINY_DECODER.items() if k != "initializer_range"}
@@ -77,6 +77,34 @@ def test_gpt2_to_both_decoders_copies_weights_and_one_block_linformer_is_gpt2(gp
     source = gpt2.state_dict()
     assert all(torch.equal(linear.state_dict()[name], source[name]) for name in report.copied)
     assert report.copied_parameters == sum(p.numel() for p in gpt2.parameters())
+
+
+def test_gpt2_converts_into_each_linear_variant_and_distils_the_new_parts(gpt2_folder):
+    """Issue 41: a window covering the positions and an all-softmax schedule are GPT-2 itself after conversion; the
+    gate of a gated student is new, described, and distillation trains it (and only it) closer to the teacher."""
+    folder, gpt2 = gpt2_folder
+    ids = random_ids(2, 40)
+    window, report = convert(folder, "linear_gpt2", attention_window=TINY_DECODER["n_positions"])
+    assert sorted(report.new) == [f"transformer.h.{i}.attn.window_factor.log_factor" for i in range(2)]
+    assert all("theta = 0" in how for how in report.new.values())
+    torch.testing.assert_close(window.eval()(ids).logits, gpt2(ids).logits, atol=1e-4, rtol=1e-4)
+    full, report = convert(folder, "linear_gpt2", layer_types=["full_attention"] * 2)
+    assert not report.new
+    torch.testing.assert_close(full.eval()(ids).logits, gpt2(ids).logits, atol=1e-5, rtol=1e-5)
+    gated, report = convert(folder, "linear_gpt2", state_decay="gated", feature_map="hedgehog",
+                            layer_types=["full_attention", "linear_attention"])
+    assert sorted(report.new) == sorted(
+        ["transformer.h.1.attn.feature_map.weight"]
+        + [f"transformer.h.1.attn.gk_proj.{p}" for p in ("0.weight", "1.weight", "1.bias")])
+    assert "GLA gate" in report.new["transformer.h.1.attn.gk_proj.1.bias"]
+    frozen = {name: p.detach().clone() for name, p in gated.named_parameters() if name not in report.new}
+    before = gated.transformer.h[1].attn.gk_proj[1].weight.detach().clone()
+    rows = random_ids(16, 32, seed=3)
+    distance = distillation_distance(gated, gpt2, rows)
+    distill(gated, gpt2, list(report.new), rows, steps=30, batch_size=8, progress=False)
+    assert distillation_distance(gated, gpt2, rows) < 0.8 * distance, distance
+    assert not torch.equal(gated.transformer.h[1].attn.gk_proj[1].weight, before)
+    assert all(torch.equal(p, frozen[name]) for name, p in gated.named_parameters() if name in frozen)
 
 
 def test_a_new_head_is_reported_new_not_copied(roberta_folder):
