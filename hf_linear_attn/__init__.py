@@ -35,7 +35,7 @@ from .linformer_projection import (
     pooling_matrix,
     project_sequence,
 )
-from .modeling_gpt2_style import DecoderPrefill, DecoderStateStep
+from .explicit_state import DecoderPrefill, DecoderStateStep
 from .modeling_linear_gpt2 import (
     LinearGPT2ForCausalLM,
     LinearGPT2ForSequenceClassification,
