@@ -16,6 +16,7 @@ import torch
 
 from hf_linear_attn import pooling_matrix
 from hf_linear_attn.training.errors import UsageError
+from hf_linear_attn.training.sources import check_model_source
 
 PROJECTION_KINDS = ("key", "value", "shared")
 
@@ -107,6 +108,7 @@ def renormalise_rows(folder: str | Path, output_dir: str | Path, kinds: tuple[st
     unknown = set(kinds) - set(PROJECTION_KINDS)
     if unknown or not kinds:
         raise UsageError(f"choose projections to renormalise among {', '.join(PROJECTION_KINDS)}, got {kinds}")
+    check_model_source(str(folder), "the model folder")  # a truncated or missing config.json: the copy would not load
     folder, output_dir = Path(folder), Path(output_dir)
     file = _weights_file(folder)
     if output_dir.resolve() == folder.resolve():

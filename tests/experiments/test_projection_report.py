@@ -103,3 +103,8 @@ def test_bad_inputs_get_clear_errors(tmp_path, capsys):
     (tmp_path / "full" / "keep.txt").write_text("x")
     with pytest.raises(UsageError, match="not empty"):
         renormalise_rows(tmp_path / "layerwise", tmp_path / "full", ("shared",))
+    config = tmp_path / "layerwise" / "config.json"  # a truncated config: the copy would not load, so none is written
+    config.write_text(config.read_text()[:40])
+    with pytest.raises(UsageError, match="not readable JSON.*truncated"):
+        renormalise_rows(tmp_path / "layerwise", tmp_path / "truncated", ("shared",))
+    assert not (tmp_path / "truncated").exists()
