@@ -72,6 +72,12 @@ def custom_task(text_columns: tuple[str, ...], label_column: str, labels, regres
                 accept_label_ids=False, regression=regression)
 
 
+def _column(dataset: Dataset, name: str) -> list:
+    """One column as a list, in one read: iterating ``dataset[name]`` formats row by row (datasets 4+: 3.7 s against
+    0.03 s for 70,000 labels, measured), which made every reproduction stage that reads SST-2 pay seconds."""
+    return dataset.select_columns([name])[:][name]
+
+
 def _normalise_labels(dataset: Dataset, task: Task, split: str) -> Dataset:
     """The label column renamed to "label" and mapped to class indices (label names or integers accepted); for
     regression cast to float. Labels all -1 (GLUE's unlabelled test splits) are dropped."""
@@ -82,7 +88,7 @@ def _normalise_labels(dataset: Dataset, task: Task, split: str) -> Dataset:
         return dataset.remove_columns("label")
     if task.regression:
         try:
-            values = [float(v) for v in dataset["label"]]
+            values = [float(v) for v in _column(dataset, "label")]
         except (TypeError, ValueError) as error:
             raise UsageError(f"the {split} labels must be numbers for regression: {error}") from error
         return dataset.remove_columns("label").add_column("label", values, feature=Value("float32"))
@@ -94,7 +100,7 @@ def _normalise_labels(dataset: Dataset, task: Task, split: str) -> Dataset:
         accepted = f"0..{len(task.label_names) - 1} nor " if task.accept_label_ids else ""
         raise UsageError(f"the {split} data of {task.name} has labels {unknown[:5]} that are neither "
                             f"{accepted}{list(task.label_names)}")
-    labels = [lookup[str(v)] for v in dataset["label"]]
+    labels = [lookup[str(v)] for v in _column(dataset, "label")]
     return dataset.remove_columns("label").add_column("label", labels, feature=Value("int64"))
 
 
