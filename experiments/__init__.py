@@ -4,7 +4,9 @@
 - `long_range/`: LRA-style ListOps and Text, the copy task, training efficiency (scripts/long_range.py,
   docs/long_range.md);
 - `demo.py`: what the two quick demos share (scripts/demo_encoders.py, scripts/demo_decoders.py);
-- `projection_report.py`: what a Linformer checkpoint's projections do (scripts/inspect_linformer.py).
+- `projection_report.py`: what a Linformer checkpoint's projections do (scripts/inspect_linformer.py);
+- `wikitext_tasks.py`: small synthetic question answering and multiple choice sets from WikiText-2 text
+  (scripts/make_wikitext_tasks.py, docs/training.md).
 
 Outside the installed package, beside scripts/: an experiment may need the checkout (presets in configs/, data in
 ../shared/data, the training scripts it launches); the wheel never does. A new experiment gets its own folder here,

@@ -1,6 +1,8 @@
 """Fine-tune, evaluate and predict with the Transformers Trainer, at run_glue.py's conventions: a preset task
 (SST-2, QNLI, QQP, IMDB) or any CSV / TSV / JSON / parquet files or Hub dataset with --text_columns / --label_column;
-token classification (run_ner.py's conventions) with --task_type token_classification.
+token classification (run_ner.py's conventions) with --task_type token_classification, extractive question
+answering (run_qa.py's) with --task_type question_answering, multiple choice (run_swag.py's) with --task_type
+multiple_choice.
 
     python scripts/finetune.py --config configs/finetune/cpu-sst2.json \
         --model_name_or_path outputs/pretrain/linformer-k32 --output_dir outputs/finetune/linformer-k32-sst2
@@ -12,12 +14,17 @@ token classification (run_ner.py's conventions) with --task_type token_classific
         --output_dir ... --push_to_hub --hub_model_id me/linformer-sst2
     python scripts/finetune.py --task_type token_classification --train_file train.jsonl \
         --validation_file dev.jsonl --model_name_or_path ... --output_dir ...   # "tokens" / "ner_tags" per row
+    python scripts/finetune.py --task_type question_answering --train_file train.jsonl \
+        --validation_file dev.jsonl --model_name_or_path ... --output_dir ...   # SQuAD: id, question, context, answers
+    python scripts/finetune.py --task_type multiple_choice --train_file train.csv \
+        --validation_file dev.csv --model_name_or_path ... --output_dir ...     # SWAG: sent1, sent2, ending0.., label
 
 --do_train / --do_eval / --do_predict choose what runs; without any of them the script trains and evaluates.
 Arguments: this package's (see --help) and every TrainingArguments flag; --config FILE.json gives defaults that
 later flags override. Writes train_results.json, eval_results.json, predict_results.json, all_results.json,
-trainer_state.json, predict_results.txt, the model (weights, config, model code, tokenizer) and a model card
-README.md with model-index results; --push_to_hub (checked before training) uploads them in one commit.
+trainer_state.json, predict_results.txt (question answering: eval_ / predict_predictions.json), the model (weights,
+config, model code, tokenizer) and a model card README.md with model-index results; --push_to_hub (checked before
+training) uploads them in one commit.
 """
 
 import sys

@@ -3,7 +3,9 @@ train / validation / test files or a Hub dataset, the four paper tasks (SST-2, Q
 text and label columns (classification with any number of labels, or regression); results files as Transformers'
 examples write them, predictions, model card, Hub push (checked before training). `--task_type
 token_classification` trains a label per word instead, at run_ner.py's conventions (CoNLL-style rows: a list of
-words and a list of labels; entity precision / recall / F1).
+words and a list of labels; entity precision / recall / F1); `question_answering` extractive answers at run_qa.py's
+(SQuAD-format rows, windows over long contexts, answers read back from start / end logits; SQuAD exact match and
+F1); `multiple_choice` the right ending of SWAG-style rows at run_swag.py's (accuracy).
 
 `run_finetuning` reads as its steps: the checks made before any data is read (finetuning_arguments.py, the Hub
 target, the checkpoint to resume from: trainer_checkpoints.py), the data, task and model (finetuning_setup.py), the
@@ -20,7 +22,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from datasets import DatasetDict
 from transformers import (
+    AutoModelForMultipleChoice,
+    AutoModelForQuestionAnswering,
     AutoModelForSequenceClassification,
     AutoModelForTokenClassification,
     DataCollatorForTokenClassification,
@@ -32,20 +37,24 @@ from transformers import (
 import hf_linear_attn  # noqa: F401  (registers the package's models with the Auto classes)
 
 from .checkpoints import disk_full_error, is_disk_full
+from .data.choice_tasks import ChoiceCollator, ChoiceTask, encode_choice_task, load_choice_data, read_choice_files
 from .data.files import refuse_sources_inside, require_split_sources
+from .data.qa_tasks import check_window_room, encode_qa_split, load_qa_data, read_qa_files, require_offsets
 from .data.tasks import encode_task, get_task, load_task_data, read_task_files
 from .data.token_tasks import (
     TokenTask, encode_token_task, load_token_data, prepare_tokenizer_for_words, read_token_files,
 )
 from .errors import UsageError
-from .finetuning_arguments import FinetuneArguments, check_arguments, check_task_type
-from .finetuning_setup import (  # noqa: F401  (subset: its old address)
-    load_tokenizer_and_config, require_token_head, resolve_task, resolve_token_task, subset,
+from .finetuning_arguments import FinetuneArguments, check_arguments, check_task_type, qa_setting
+from .finetuning_setup import (  # noqa: F401  (subset, require_token_head: their old address)
+    load_tokenizer_and_config, require_fine_tuned_head, require_head, require_token_head, resolve_choice,
+    resolve_qa_task, resolve_task, resolve_token_task, subset,
 )
 from .hub import check_push_target, push_folder
 from .metrics import load_task_metric
 from .metrics.entities import has_entity_scheme
 from .model_cards import write_model_card
+from .qa_postprocessing import QASplit, qa_metric_function, write_answers
 from .trainer_checkpoints import AtomicCheckpointTrainer, resolve_resume  # noqa: F401  (their old address)
 
 
@@ -116,10 +125,14 @@ def _regression_metrics(predictions, references) -> dict:
 
 
 def _write_predictions(path: Path, predictions: np.ndarray, task) -> None:
-    """run_glue.py's predict_results file: a header, then `index<TAB>prediction` (a label name, or a number)."""
+    """run_glue.py's predict_results file: a header, then `index<TAB>prediction` (a label name, a number, or the
+    index of the chosen ending)."""
     lines = ["index\tprediction"]
     for index, value in enumerate(predictions):
-        lines.append(f"{index}\t{value:3.3f}" if task.regression else f"{index}\t{task.label_names[int(value)]}")
+        if isinstance(task, ChoiceTask):  # the index of the chosen ending
+            lines.append(f"{index}\t{int(value)}")
+        else:
+            lines.append(f"{index}\t{value:3.3f}" if task.regression else f"{index}\t{task.label_names[int(value)]}")
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
@@ -132,6 +145,7 @@ class Plan:
     do_eval: bool
     do_predict: bool
     token_level: bool
+    task_type: str
     splits: list
     repo_id: str
     replace: bool
@@ -151,8 +165,10 @@ def plan_run(args: FinetuneArguments, training: TrainingArguments, modes_given: 
     if args.task_name is not None:
         get_task(args.task_name)
     check_arguments(args, training)
-    if token_level:
-        require_token_head(args)
+    if args.task_type != "sequence_classification":
+        require_head(args)
+    if not do_train and args.task_type in ("question_answering", "multiple_choice"):
+        require_fine_tuned_head(args)
     output_dir = Path(training.output_dir)
     repo_id = training.hub_model_id or output_dir.name
     if training.push_to_hub:
@@ -164,7 +180,7 @@ def plan_run(args: FinetuneArguments, training: TrainingArguments, modes_given: 
     resume_from = (resolve_resume(training.resume_from_checkpoint, output_dir, training.world_size,
                                   args.allow_inexact_resume) if do_train else None)
     splits = [s for s, on in (("train", do_train), ("validation", do_eval), ("test", do_predict)) if on]
-    return Plan(do_train, do_eval, do_predict, token_level, splits, repo_id, replace, resume_from)
+    return Plan(do_train, do_eval, do_predict, token_level, args.task_type, splits, repo_id, replace, resume_from)
 
 
 def read_data(args: FinetuneArguments, training: TrainingArguments, plan: Plan):
@@ -178,9 +194,19 @@ def read_data(args: FinetuneArguments, training: TrainingArguments, plan: Plan):
                   else preset.hub_config)
     wanted = {s: f for s, f in (("train", args.train_file), ("validation", args.validation_file),
                                 ("test", args.test_file)) if s in plan.splits}
-    read = read_token_files if plan.token_level else read_task_files
+    read = {"token_classification": read_token_files, "question_answering": read_qa_files,
+            "multiple_choice": read_choice_files}.get(plan.task_type, read_task_files)
     raw = read(args.dataset_name, hub_config, wanted.get("train"), wanted.get("validation"), wanted.get("test"))
-    if plan.token_level:
+    common = dict(dataset_name=args.dataset_name, train_file=args.train_file, validation_file=args.validation_file,
+                  test_file=args.test_file, validation_split_percentage=args.validation_split_percentage,
+                  seed=training.seed, splits=plan.splits)
+    if plan.task_type == "question_answering":
+        task = resolve_qa_task(args)
+        data, eval_split = load_qa_data(task, raw, **common)
+    elif plan.task_type == "multiple_choice":
+        task = resolve_choice(args, raw)
+        data, eval_split = load_choice_data(task, raw, **common)
+    elif plan.token_level:
         task = resolve_token_task(args, raw, plan.do_train)
         data, eval_split = load_token_data(task, raw, args.dataset_name, args.train_file, args.validation_file,
                                            args.test_file, args.validation_split_percentage, training.seed,
@@ -194,7 +220,7 @@ def read_data(args: FinetuneArguments, training: TrainingArguments, plan: Plan):
                          ("test", args.max_predict_samples)):
         if split in data:
             data[split] = subset(data[split], count, hub, training.seed)
-    if plan.do_train and not task.regression:
+    if plan.do_train and not task.regression and plan.task_type in ("sequence_classification", "token_classification"):
         seen = ({i for row in data["train"]["labels"] for i in row} if plan.token_level
                 else set(data["train"]["label"]))
         if len(seen) < 2:
@@ -207,12 +233,17 @@ def load_model(args: FinetuneArguments, training: TrainingArguments, task, plan:
     """(tokenizer, model): the model with a new head for the task when training (seeded first), the fine-tuned one
     when only evaluating or predicting."""
     tokenizer, config = load_tokenizer_and_config(args, task, train=plan.do_train)
+    source = args.tokenizer_name_or_path or args.model_name_or_path
     if plan.token_level:
-        tokenizer = prepare_tokenizer_for_words(tokenizer, args.tokenizer_name_or_path or args.model_name_or_path)
+        tokenizer = prepare_tokenizer_for_words(tokenizer, source)
+    if plan.task_type == "question_answering":
+        require_offsets(tokenizer, source)
     # The classification head is new: seed before it is drawn (torch's own start seed is random), so a seed
     # names one run, as in Trainer's model_init path
     set_seed(training.seed)
-    auto_class = AutoModelForTokenClassification if plan.token_level else AutoModelForSequenceClassification
+    auto_class = {"token_classification": AutoModelForTokenClassification,
+                  "question_answering": AutoModelForQuestionAnswering,
+                  "multiple_choice": AutoModelForMultipleChoice}.get(plan.task_type, AutoModelForSequenceClassification)
     try:
         model = auto_class.from_pretrained(args.model_name_or_path, config=config,
                                            trust_remote_code=args.trust_remote_code)
@@ -222,9 +253,42 @@ def load_model(args: FinetuneArguments, training: TrainingArguments, task, plan:
     return tokenizer, model
 
 
+@dataclass
+class AnswerReading:
+    """What question answering needs beyond Trainer's outputs: each split's questions and windows (QASplit), the
+    settings that read answers from logits, the squad metric, and the answers of the latest evaluation."""
+
+    splits: dict
+    n_best_size: int
+    max_answer_length: int
+    metric: object
+    latest: dict
+
+
+def encode_questions(args: FinetuneArguments, data, tokenizer, metric):
+    """encode()'s answer for question answering: windows over each split's contexts, the collator, SQuAD exact
+    match / F1 over the validation windows, and the AnswerReading that predictions need."""
+    stride = qa_setting(args, "doc_stride")
+    check_window_room(data, tokenizer, args.max_seq_length, stride)
+    windows = {split: encode_qa_split(part, tokenizer, args.max_seq_length, stride, "answers" in part.column_names)
+               for split, part in data.items()}
+    reading = AnswerReading({split: QASplit.from_encoded(data[split], part) for split, part in windows.items()},
+                            qa_setting(args, "n_best_size"), qa_setting(args, "max_answer_length"), metric, {})
+    compute_metrics = (qa_metric_function(reading.splits["validation"], metric, reading.n_best_size,
+                                          reading.max_answer_length, reading.latest)
+                       if "validation" in reading.splits and reading.splits["validation"].answers is not None
+                       else None)
+    encoded = DatasetDict({split: part.remove_columns(["example_index", "offset_mapping"])
+                           for split, part in windows.items()})
+    return encoded, DataCollatorWithPadding(tokenizer), compute_metrics, reading
+
+
 def encode(args: FinetuneArguments, task, data, tokenizer, plan: Plan):
-    """(encoded splits, collator, compute_metrics, the test rows' word starts or None)."""
+    """(encoded splits, collator, compute_metrics, what reading predictions back needs: the test rows' word starts
+    for token classification, an AnswerReading for question answering, else None)."""
     metric = None if task.regression else load_task_metric(task, args.metric_source)
+    if plan.task_type == "question_answering":
+        return encode_questions(args, data, tokenizer, metric)
     if plan.token_level:
         encoded = encode_token_task(data, task, tokenizer, args.max_seq_length, args.label_all_tokens)
         _warn_cut_rows(data, encoded, args.max_seq_length)
@@ -232,7 +296,11 @@ def encode(args: FinetuneArguments, task, data, tokenizer, plan: Plan):
         encoded = encoded.remove_columns("word_starts")  # only for reading predictions back per word
         compute_metrics = _token_metric_function(task, metric, args.return_entity_level_metrics)
         return encoded, DataCollatorForTokenClassification(tokenizer), compute_metrics, word_starts  # pads with -100
-    encoded = encode_task(data, task, tokenizer, args.max_seq_length, args.head_fraction)
+    if plan.task_type == "multiple_choice":
+        encoded, collator = encode_choice_task(data, tokenizer, args.max_seq_length), ChoiceCollator(tokenizer)
+    else:
+        encoded = encode_task(data, task, tokenizer, args.max_seq_length, args.head_fraction)
+        collator = DataCollatorWithPadding(tokenizer)
 
     def compute_metrics(prediction):
         logits = prediction.predictions[0] if isinstance(prediction.predictions, tuple) else prediction.predictions
@@ -240,7 +308,7 @@ def encode(args: FinetuneArguments, task, data, tokenizer, plan: Plan):
             return _regression_metrics(np.squeeze(logits, -1), prediction.label_ids)
         return metric.compute(predictions=np.argmax(logits, axis=-1), references=prediction.label_ids)
 
-    return encoded, DataCollatorWithPadding(tokenizer), compute_metrics, None
+    return encoded, collator, compute_metrics, None
 
 
 def train_and_save(trainer, plan: Plan, output_dir: Path, train_rows: int) -> tuple[dict, object]:
@@ -261,8 +329,33 @@ def train_and_save(trainer, plan: Plan, output_dir: Path, train_rows: int) -> tu
     return train_metrics, train_result
 
 
-def predict(trainer, test, task, plan: Plan, output_dir: Path, word_starts) -> dict:
-    """Predictions of the test split into predict_results.txt, and its metrics where it has labels."""
+def predict_answers(trainer, test, reading: AnswerReading, output_dir: Path) -> dict:
+    """Question answering: the answers of the test questions into predict_predictions.json and
+    predict_nbest_predictions.json (run_qa.py's files), SQuAD exact match and F1 where the questions have answers."""
+    questions = reading.splits["test"]
+    compute_metrics, trainer.compute_metrics = trainer.compute_metrics, None  # it reads the validation windows
+    try:
+        output = trainer.predict(test, metric_key_prefix="predict")
+    finally:
+        trainer.compute_metrics = compute_metrics
+    answers, n_best = questions.answers_from(output.predictions, reading.n_best_size, reading.max_answer_length)
+    labelled = questions.answers is not None
+    predict_metrics = {k: v for k, v in output.metrics.items() if labelled or not k.startswith("predict_loss")}
+    if labelled:
+        predict_metrics.update({f"predict_{k}": v for k, v in questions.score(reading.metric, answers).items()})
+    predict_metrics.update(predict_samples=len(questions.ids), predict_windows=len(test))
+    trainer.log_metrics("predict", predict_metrics)
+    trainer.save_metrics("predict", predict_metrics)  # predict_results.json and all_results.json
+    if trainer.is_world_process_zero():
+        write_answers(output_dir, "predict", answers, n_best)
+    return predict_metrics
+
+
+def predict(trainer, test, task, plan: Plan, output_dir: Path, readback) -> dict:
+    """Predictions of the test split into predict_results.txt (question answering: predict_predictions.json), and
+    its metrics where it has labels."""
+    if plan.task_type == "question_answering":
+        return predict_answers(trainer, test, readback, output_dir)
     labelled = bool({"label", "labels"} & set(test.column_names))
     output = trainer.predict(test, metric_key_prefix="predict")
     logits = output.predictions[0] if isinstance(output.predictions, tuple) else output.predictions
@@ -271,11 +364,15 @@ def predict(trainer, test, task, plan: Plan, output_dir: Path, word_starts) -> d
     trainer.log_metrics("predict", predict_metrics)
     trainer.save_metrics("predict", predict_metrics)  # predict_results.json and all_results.json
     if trainer.is_world_process_zero() and plan.token_level:
-        _write_token_predictions(output_dir / "predict_results.txt", logits, word_starts, task)
+        _write_token_predictions(output_dir / "predict_results.txt", logits, readback, task)  # word starts
     elif trainer.is_world_process_zero():
         predictions = np.squeeze(logits, -1) if task.regression else np.argmax(logits, axis=-1)
         _write_predictions(output_dir / "predict_results.txt", predictions, task)
     return predict_metrics
+
+
+PIPELINE_TAGS = {"sequence_classification": "text-classification", "token_classification": "token-classification",
+                 "question_answering": "question-answering", "multiple_choice": "multiple-choice"}
 
 
 def write_card_and_push(args: FinetuneArguments, training: TrainingArguments, plan: Plan, task, model, metrics: dict,
@@ -290,6 +387,13 @@ def write_card_and_push(args: FinetuneArguments, training: TrainingArguments, pl
     if plan.token_level:
         rule = ("Each word is labelled on its first sub-token; the words of longer sentences past the limit are cut "
                 "(neither trained on nor labelled).")
+    elif plan.task_type == "question_answering":
+        rule = (f"Each input is the question and a window of its context; a longer context is read in windows that "
+                f"share {qa_setting(args, 'doc_stride')} tokens, and the answer is the best-scoring span of any "
+                f"window (at most {qa_setting(args, 'max_answer_length')} tokens).")
+    elif plan.task_type == "multiple_choice":
+        rule = ("Each choice is the context paired with the ending prefix and that ending; longer pairs are "
+                "truncated longest-first, and the choice the model scores highest is its answer.")
     command = "python scripts/finetune.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     hyper = {"learning rate": training.learning_rate, "epochs": training.num_train_epochs,
              "batch size": training.per_device_train_batch_size * training.gradient_accumulation_steps,
@@ -297,6 +401,9 @@ def write_card_and_push(args: FinetuneArguments, training: TrainingArguments, pl
              "weight decay": training.weight_decay, "seed": training.seed}
     if plan.token_level:
         hyper["label all sub-tokens"] = args.label_all_tokens
+    if plan.task_type == "question_answering":
+        hyper.update({f"{name.replace('_', ' ')}": qa_setting(args, name)
+                      for name in ("doc_stride", "n_best_size", "max_answer_length")})
     machine = f"{platform.machine()} {'CUDA' if torch.cuda.is_available() else 'CPU'}, torch {torch.__version__}"
     dataset_id = args.dataset_name or task.hub_dataset
     write_model_card(output_dir, repo_id=plan.repo_id, config=model.config, base_model=args.model_name_or_path,
@@ -304,7 +411,7 @@ def write_card_and_push(args: FinetuneArguments, training: TrainingArguments, pl
                      command=command, data_description=data_description, truncation_rule=rule,
                      max_seq_length=args.max_seq_length, hyperparameters=hyper, machine=machine,
                      template=Path(args.model_card_template),
-                     pipeline_tag="token-classification" if plan.token_level else "text-classification")
+                     pipeline_tag=PIPELINE_TAGS[plan.task_type])
     if push:  # uploads the card and the results files with the model
         metrics["hub_commit"] = push_folder(output_dir, plan.repo_id, token=training.hub_token,
                                             private=training.hub_private_repo)
@@ -317,13 +424,15 @@ def write_card_and_push(args: FinetuneArguments, training: TrainingArguments, pl
 def run_finetuning(args: FinetuneArguments, training: TrainingArguments, argv=None, modes_given: bool = True) -> dict:
     """Train (--do_train), evaluate (--do_eval) and predict (--do_predict), as run_glue.py does; without any of the
     three flags (modes_given False), train and evaluate. Writes {train,eval,predict}_results.json, all_results.json,
-    trainer_state.json, predict_results.txt, and after training the model and README.md; pushes when
+    trainer_state.json, predict_results.txt (question answering: {eval,predict}_predictions.json and
+    {eval,predict}_nbest_predictions.json), and after training the model and README.md; pushes when
     --push_to_hub (checked before anything else). Returns the metrics."""
     plan = plan_run(args, training, modes_given)
     output_dir = Path(training.output_dir)
     task, data, eval_split = read_data(args, training, plan)
     tokenizer, model = load_model(args, training, task, plan)
-    encoded, collator, compute_metrics, word_starts = encode(args, task, data, tokenizer, plan)
+    encoded, collator, compute_metrics, readback = encode(args, task, data, tokenizer, plan)
+    rows = {split: len(part) for split, part in data.items()}  # questions, not the windows over their contexts
 
     if plan.replace and training.process_index == 0:  # every input is valid: only now is the old run removed
         shutil.rmtree(output_dir)
@@ -334,19 +443,24 @@ def run_finetuning(args: FinetuneArguments, training: TrainingArguments, argv=No
                                       data_collator=collator, compute_metrics=compute_metrics)
     metrics = {}
     if plan.do_train:
-        train_metrics, train_result = train_and_save(trainer, plan, output_dir, len(encoded["train"]))
+        train_metrics, train_result = train_and_save(trainer, plan, output_dir, rows["train"])
         metrics.update(train_metrics)
     if plan.do_eval:
         eval_metrics = trainer.evaluate()
-        eval_metrics.update({"eval_samples": len(encoded["validation"]), "eval_split": eval_split, "task": task.name})
+        eval_metrics.update({"eval_samples": rows["validation"], "eval_split": eval_split, "task": task.name})
+        if plan.task_type == "question_answering":
+            eval_metrics["eval_windows"] = len(encoded["validation"])
+            if trainer.is_world_process_zero():
+                output_dir.mkdir(parents=True, exist_ok=True)
+                write_answers(output_dir, "eval", readback.latest["predictions"], readback.latest["n_best"])
         if plan.do_train:
-            eval_metrics.update({"train_samples": len(encoded["train"]),
+            eval_metrics.update({"train_samples": rows["train"],
                                  "train_runtime": train_result.metrics["train_runtime"]})
         trainer.log_metrics("eval", eval_metrics)
         trainer.save_metrics("eval", eval_metrics)  # eval_results.json and all_results.json
         metrics.update(eval_metrics)
     if plan.do_predict:
-        metrics.update(predict(trainer, encoded["test"], task, plan, output_dir, word_starts))
+        metrics.update(predict(trainer, encoded["test"], task, plan, output_dir, readback))
     if plan.do_train and trainer.is_world_process_zero():
-        write_card_and_push(args, training, plan, task, model, metrics, eval_split, len(encoded["train"]), argv, push)
+        write_card_and_push(args, training, plan, task, model, metrics, eval_split, rows["train"], argv, push)
     return metrics

@@ -31,15 +31,22 @@ class FinetuneArguments:
         "help": "rows to predict with --do_predict (labels optional: with labels, predict metrics too)"})
     text_columns: str | None = field(default=None, metadata={
         "help": "without --task_name: the text column, or two separated by a comma for pairs (e.g. "
-                "question,sentence)"})
+                "question,sentence). Question answering: the question and context columns (default "
+                "question,context); multiple choice: the context and ending-prefix columns (default sent1,sent2; "
+                "one column for no prefix)"})
     label_column: str | None = field(default=None, metadata={
         "help": "without --task_name: the label column (default 'label'); text or integer labels are classes, "
                 "float labels mean regression. Token classification: the column of per-word labels (default "
-                "'ner_tags'); its words are the one column --text_columns names (default 'tokens')"})
+                "'ner_tags'); its words are the one column --text_columns names (default 'tokens'). Question "
+                "answering: the answers column (default 'answers'); multiple choice: the index of the right "
+                "ending (default 'label')"})
     task_type: str = field(default="sequence_classification", metadata={
         "help": "sequence_classification: a label (or a number) per text; token_classification: a label per word "
-                "(NER, POS, chunking) from rows of a word list and a label list, as run_ner.py",
-        "choices": ["sequence_classification", "token_classification"]})
+                "(NER, POS, chunking) from rows of a word list and a label list, as run_ner.py; "
+                "question_answering: extractive answers from SQuAD-format rows (id, question, context, answers), as "
+                "run_qa.py; multiple_choice: the right ending among ending0..endingN of SWAG-style rows (sent1, "
+                "sent2, label), as run_swag.py",
+        "choices": ["sequence_classification", "token_classification", "question_answering", "multiple_choice"]})
     label_list: str | None = field(default=None, metadata={
         "help": "token classification: every label name in id order, comma-separated (e.g. O,B-PER,I-PER): names "
                 "integer labels and fixes the ids; default: the names of a ClassLabel column, else the train "
@@ -49,6 +56,15 @@ class FinetuneArguments:
                 "first) instead of the first sub-token only; evaluation and predictions stay one label per word"})
     return_entity_level_metrics: bool = field(default=False, metadata={
         "help": "token classification: report precision / recall / F1 / number of each entity type too"})
+    doc_stride: int | None = field(default=None, metadata={
+        "help": "question answering: a context longer than a window is split into windows of --max_seq_length "
+                "tokens that share this many tokens (default: a third of --max_seq_length, run_qa.py's 128 at its "
+                "384)"})
+    n_best_size: int | None = field(default=None, metadata={
+        "help": "question answering: the best start and end tokens of each window paired into candidate answers "
+                "(default 20)"})
+    max_answer_length: int | None = field(default=None, metadata={
+        "help": "question answering: the longest answer, in tokens, a prediction may have (default 30)"})
     validation_split_percentage: float = field(default=10.0)
     max_seq_length: int = field(default=128)
     head_fraction: float = field(default=0.25, metadata={
@@ -110,6 +126,8 @@ def check_arguments(args: FinetuneArguments, training: TrainingArguments) -> Non
 
 
 TOKEN_FLAGS = ("label_list", "label_all_tokens", "return_entity_level_metrics")
+QA_FLAGS = ("doc_stride", "n_best_size", "max_answer_length")
+QA_DEFAULTS = {"n_best_size": 20, "max_answer_length": 30}  # run_qa.py's; its doc_stride is 128 at length 384
 
 
 def parse_label_names(value: str | None) -> tuple[str, ...]:
@@ -123,13 +141,29 @@ def parse_label_names(value: str | None) -> tuple[str, ...]:
     return names
 
 
+def qa_setting(args: FinetuneArguments, name: str) -> int:
+    """--doc_stride / --n_best_size / --max_answer_length, or its default (run_qa.py's; --doc_stride: a third of
+    --max_seq_length, as run_qa.py's 128 of 384)."""
+    value = getattr(args, name)
+    if value is None:
+        return args.max_seq_length // 3 if name == "doc_stride" else QA_DEFAULTS[name]
+    return value
+
+
+TASK_TYPE_WORDS = {"token_classification": "token classification", "question_answering": "question answering",
+                   "multiple_choice": "multiple choice"}
+
+
 def check_task_type(args: FinetuneArguments) -> None:
-    """Flags that belong to the other task type are refused (rather than ignored), before any data is read."""
+    """Flags that belong to another task type are refused (rather than ignored), before any data is read."""
+    for task_type, flags in (("token_classification", TOKEN_FLAGS), ("question_answering", QA_FLAGS)):
+        given = [f"--{flag}" for flag in flags if getattr(args, flag) not in (None, False)]
+        if args.task_type != task_type and given:
+            raise UsageError(f"{', '.join(given)} apply to {TASK_TYPE_WORDS[task_type]}: add --task_type "
+                             f"{task_type}, or leave them out")
+    if args.task_type in ("question_answering", "multiple_choice"):
+        check_span_or_choice_arguments(args)
     if args.task_type != "token_classification":
-        given = [f"--{flag}" for flag in TOKEN_FLAGS if getattr(args, flag) not in (None, False)]
-        if given:
-            raise UsageError(f"{', '.join(given)} apply to token classification: add --task_type "
-                             "token_classification, or leave them out")
         return
     if args.task_name is not None:
         raise UsageError(f"--task_name {args.task_name} is a sequence-classification preset; for token "
@@ -139,3 +173,29 @@ def check_task_type(args: FinetuneArguments) -> None:
         raise UsageError(f"token classification reads one column of words (a list of strings per row), not "
                          f"{args.text_columns!r}: pass --text_columns tokens (or your column's name)")
     parse_label_names(args.label_list)
+
+
+def check_span_or_choice_arguments(args: FinetuneArguments) -> None:
+    """Question answering and multiple choice: no preset, two text columns at most, QA's window settings in range."""
+    words = TASK_TYPE_WORDS[args.task_type]
+    columns = "question,context" if args.task_type == "question_answering" else "sent1,sent2"
+    if args.task_name is not None:
+        raise UsageError(f"--task_name {args.task_name} is a sequence-classification preset; for {words} name the "
+                         f"columns of your data with --text_columns (default {columns!r}) and --label_column, or "
+                         "leave out --task_type")
+    if args.text_columns:
+        given = parse_text_columns(args.text_columns)
+        if args.task_type == "question_answering" and len(given) != 2:
+            raise UsageError(f"question answering reads two text columns, the question and the context, not "
+                             f"{args.text_columns!r}: pass --text_columns question,context (your columns' names)")
+    if args.task_type != "question_answering":
+        return
+    stride, n_best, longest = (qa_setting(args, name) for name in QA_FLAGS)
+    if not 0 <= stride < args.max_seq_length:
+        raise UsageError(f"--doc_stride {stride} must be at least 0 and below --max_seq_length {args.max_seq_length}: "
+                         "it is the number of tokens consecutive windows over a long context share (run_qa.py uses "
+                         "128 with --max_seq_length 384); each window also holds the question")
+    if n_best < 1:
+        raise UsageError(f"--n_best_size must be at least 1 (got {n_best}); 20 is usual")
+    if longest < 1:
+        raise UsageError(f"--max_answer_length must be at least 1 token (got {longest}); 30 is usual")

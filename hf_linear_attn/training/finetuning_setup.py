@@ -4,11 +4,14 @@ its labels, the model config with a head sized for it, and the tokenizer that fi
 from dataclasses import replace as replace_task
 
 from datasets import ClassLabel, Value
-from transformers import AutoConfig, AutoModelForTokenClassification, AutoTokenizer
+import transformers
+from transformers import AutoConfig, AutoTokenizer
 
 from hf_linear_attn import MODEL_FAMILIES, family_of
 from hf_linear_attn.families import max_model_length
 
+from .data.choice_tasks import ChoiceTask, resolve_choice_task
+from .data.qa_tasks import QATask
 from .data.tasks import custom_task, get_task, parse_text_columns
 from .data.token_tasks import TokenTask, token_label_names
 from .errors import UsageError
@@ -39,7 +42,12 @@ def load_tokenizer_and_config(args: FinetuneArguments, task, train: bool = True)
     (checked against the task) when only evaluating or predicting."""
     num_labels, label_names = (1, ()) if task.regression else (len(task.label_names), task.label_names)
     source = args.tokenizer_name_or_path or args.model_name_or_path
-    if train:
+    if isinstance(task, (QATask, ChoiceTask)):
+        # a span head has two outputs (start and end logits), whatever a classification fine-tune left in the
+        # config; a choice head has one score per choice, whatever num_labels says
+        num_labels = 2 if isinstance(task, QATask) else None
+        config = read_model_config(args, num_labels=2) if train and num_labels else read_model_config(args)
+    elif train:
         labels = {} if task.regression else {"id2label": dict(enumerate(label_names)),
                                              "label2id": {n: i for i, n in enumerate(label_names)}}
         if not isinstance(task, TokenTask):  # a sequence head's loss reads it; a token head's is cross-entropy
@@ -47,7 +55,7 @@ def load_tokenizer_and_config(args: FinetuneArguments, task, train: bool = True)
         config = read_model_config(args, num_labels=num_labels, **labels)
     else:
         config = read_model_config(args)
-    if not train and config.num_labels != num_labels:
+    if not train and num_labels is not None and config.num_labels != num_labels:
         raise UsageError(f"{args.model_name_or_path} has a head of {config.num_labels} output(s) but {task.name} "
                          f"needs {num_labels}: evaluate or predict with the fine-tuned checkpoint (or add --do_train)")
     check_tokenizer_source(source, "--tokenizer_name_or_path" if args.tokenizer_name_or_path
@@ -105,22 +113,62 @@ def resolve_task(args: FinetuneArguments, raw, train: bool):
     return custom_task(columns, label, source.unique(label), regression, args.dataset_name, args.dataset_config_name)
 
 
-def require_token_head(args: FinetuneArguments) -> None:
-    """An error, before any data is read, for a model without a token-classification head (this package's
-    decoders have none: a causal model sees no word after the one it labels)."""
+HEADS = {  # --task_type -> (Auto class, the head's name in messages, the architectures' suffix)
+    "token_classification": ("AutoModelForTokenClassification", "token-classification", "ForTokenClassification"),
+    "question_answering": ("AutoModelForQuestionAnswering", "question-answering", "ForQuestionAnswering"),
+    "multiple_choice": ("AutoModelForMultipleChoice", "multiple-choice", "ForMultipleChoice"),
+}
+
+
+def require_head(args: FinetuneArguments) -> None:
+    """An error, before any data is read, for a model without the head --task_type needs (this package's decoders
+    have no token, span or choice head: a causal model does not see the text after a position)."""
+    auto_name, head, _ = HEADS[args.task_type]
     config = read_model_config(args)
     family = family_of(config)
-    encoders = sorted(t for t, f in MODEL_FAMILIES.items() if "AutoModelForTokenClassification" in f.models)
+    encoders = sorted(t for t, f in MODEL_FAMILIES.items() if auto_name in f.models)
     if family is not None:
-        has_head = "AutoModelForTokenClassification" in family.models
+        has_head = auto_name in family.models
     else:
-        has_head = (type(config) in AutoModelForTokenClassification._model_mapping
-                    or "AutoModelForTokenClassification" in (getattr(config, "auto_map", None) or {}))
+        has_head = (type(config) in getattr(transformers, auto_name)._model_mapping
+                    or auto_name in (getattr(config, "auto_map", None) or {}))
     if not has_head:
         kind = f"a {family.kind} ({config.model_type})" if family is not None else f"a {config.model_type} model"
-        raise UsageError(f"{args.model_name_or_path} is {kind} without a token-classification head: token "
-                         f"classification needs an encoder of this package ({', '.join(encoders)}) or a "
-                         "Transformers model with one (RoBERTa, BERT)")
+        raise UsageError(f"{args.model_name_or_path} is {kind} without a {head} head: "
+                         f"{args.task_type.replace('_', ' ')} needs an encoder of this package "
+                         f"({', '.join(encoders)}) or a Transformers model with one (RoBERTa, BERT)")
+
+
+def require_token_head(args: FinetuneArguments) -> None:
+    """`require_head` for token classification (its old name)."""
+    require_head(replace_task(args, task_type="token_classification"))
+
+
+def require_fine_tuned_head(args: FinetuneArguments) -> None:
+    """When only evaluating or predicting: an error unless --model_name_or_path was fine-tuned with the head of
+    --task_type (a pretrained checkpoint's new head would be random)."""
+    _, head, suffix = HEADS[args.task_type]
+    config = read_model_config(args)
+    if not any(a.endswith(suffix) for a in (config.architectures or [])):
+        raise UsageError(f"{args.model_name_or_path} is not fine-tuned for {args.task_type.replace('_', ' ')} (its "
+                         f"architectures: {config.architectures}): its {head} head would be random; train it with "
+                         "--do_train, or evaluate a checkpoint that fine-tuning wrote")
+
+
+def resolve_qa_task(args: FinetuneArguments) -> QATask:
+    """The question answering task: the question and context columns (--text_columns, default question,context)
+    and the answers column (--label_column, default answers)."""
+    question, context = parse_text_columns(args.text_columns) if args.text_columns else ("question", "context")
+    name = f"{args.dataset_name} question answering" if args.dataset_name else "question answering"
+    return QATask(name, question, context, args.label_column or "answers", args.dataset_name,
+                  args.dataset_config_name)
+
+
+def resolve_choice(args: FinetuneArguments, raw) -> ChoiceTask:
+    """The multiple choice task: context and ending prefix (--text_columns, default sent1,sent2), the ending
+    columns of the data (ending0, ending1, ...) and the label column (--label_column, default label)."""
+    columns = parse_text_columns(args.text_columns) if args.text_columns else None
+    return resolve_choice_task(columns, args.label_column, raw, args.dataset_name, args.dataset_config_name)
 
 
 def resolve_token_task(args: FinetuneArguments, raw, train: bool) -> TokenTask:

@@ -74,6 +74,47 @@ def render_card(template: Path, card_data: ModelCardData, **variables) -> ModelC
 
 
 PERCENT_METRICS = ("accuracy", "f1", "precision", "recall")  # shown as percentages in the card's table
+# question answering reports SQuAD's exact match and F1 in percent already (as the squad metric and run_qa.py do)
+PERCENT_ALREADY = {"question-answering": ("exact_match", "f1")}
+
+
+def usage_example(pipeline_tag: str, repo_id: str, text_columns) -> str:
+    """The card's Python example of using the model for its task."""
+    load = f'"{pipeline_tag}", model="{repo_id}", trust_remote_code=True'
+    if pipeline_tag == "question-answering":  # Transformers 5 has no question-answering pipeline any more
+        return ("import torch\nfrom transformers import AutoModelForQuestionAnswering, AutoTokenizer\n\n"
+                f'tokenizer = AutoTokenizer.from_pretrained("{repo_id}")\n'
+                f'model = AutoModelForQuestionAnswering.from_pretrained("{repo_id}", trust_remote_code=True)\n'
+                'question = "Where does the European lobster live?"\n'
+                'context = "The European lobster lives in the eastern Atlantic Ocean and the Mediterranean Sea."\n'
+                "inputs = tokenizer(question, context, return_offsets_mapping=True, return_tensors=\"pt\")\n"
+                "offsets = inputs.pop(\"offset_mapping\")[0]\n"
+                "outside = torch.tensor([s != 1 for s in inputs.sequence_ids(0)])  # question, special tokens\n"
+                "with torch.no_grad():\n"
+                "    output = model(**inputs)\n"
+                "start = output.start_logits[0].masked_fill(outside, -1e9).argmax()\n"
+                "end = start + output.end_logits[0, start:].masked_fill(outside[start:], -1e9).argmax()\n"
+                "print(context[offsets[start][0]:offsets[end][1]])")
+    if pipeline_tag == "multiple-choice":  # no pipeline: score each (context, ending) pair, take the best
+        return ("import torch\nfrom transformers import AutoModelForMultipleChoice, AutoTokenizer\n\n"
+                f'tokenizer = AutoTokenizer.from_pretrained("{repo_id}")\n'
+                f'model = AutoModelForMultipleChoice.from_pretrained("{repo_id}", trust_remote_code=True)\n'
+                'context = "The lobster was cooked."\n'
+                'endings = ["It turned red.", "It sang a song.", "It won the election.", "It rained."]\n'
+                "inputs = tokenizer([context] * len(endings), endings, return_tensors=\"pt\", padding=True)\n"
+                "with torch.no_grad():\n"
+                "    scores = model(**{k: v.unsqueeze(0) for k, v in inputs.items()}).logits\n"
+                "print(endings[scores.argmax().item()])")
+    return (f"from transformers import pipeline\n\nclassifier = pipeline({load})\n"
+            f"classifier({example_input(pipeline_tag, text_columns)})")
+
+
+def example_input(pipeline_tag: str, text_columns) -> str:
+    """The input of a classification pipeline in the card's example: a text, a pair, or a sentence to label."""
+    if pipeline_tag == "token-classification":
+        return '"Ada Lovelace wrote the first program in London."'  # a pipeline takes text, not word lists
+    return '"a gripping, beautifully acted film"' if len(text_columns) == 1 else (
+        '{"text": "How do I learn Python?", "text_pair": "What is the best way to learn Python?"}')
 
 
 def write_model_card(output_dir: Path, *, repo_id: str, config, base_model: str, task, metrics: dict,
@@ -82,11 +123,13 @@ def write_model_card(output_dir: Path, *, repo_id: str, config, base_model: str,
                      pipeline_tag: str = "text-classification"):
     """README.md with `model-index` results (one EvalResult per metric) from the template (default: model_card_template.md in this package).
 
-    `pipeline_tag`: "text-classification" (a label or score per text) or "token-classification" (a label per
-    word): the card's task type, tags and usage example."""
+    `pipeline_tag`: "text-classification" (a label or score per text), "token-classification" (a label per
+    word), "question-answering" (extractive answers) or "multiple-choice": the card's task type, tags and usage
+    example."""
     if not Path(template).is_file():
         raise UsageError(f"model card template not found: {template}")
-    names = [k for k in ("accuracy", "f1", "mse", "pearson", "precision", "recall") if f"eval_{k}" in metrics]
+    names = [k for k in ("exact_match", "accuracy", "f1", "mse", "pearson", "precision", "recall")
+             if f"eval_{k}" in metrics]
     task_title = {"sst2": "GLUE SST-2", "qnli": "GLUE QNLI", "qqp": "GLUE QQP", "imdb": "IMDB"}.get(task.name,
                                                                                                      task.name)
     results = [EvalResult(task_type=pipeline_tag, dataset_type=dataset_id or "local", dataset_name=task_title,
@@ -96,19 +139,21 @@ def write_model_card(output_dir: Path, *, repo_id: str, config, base_model: str,
                               library_name="transformers", license="apache-2.0", language="en",
                               tags=["hf-linear-attn", config.model_type, pipeline_tag],
                               datasets=[dataset_id] if dataset_id else None, metrics=names,
-                              pipeline_tag=pipeline_tag, eval_results=results or None)
+                              # multiple choice has no Transformers pipeline (HEAD_PIPELINES), so no Hub widget
+                              pipeline_tag=None if pipeline_tag == "multiple-choice" else pipeline_tag,
+                              eval_results=results or None)
     architecture, attention = describe_architecture(config)
-    example = '"a gripping, beautifully acted film"' if len(task.text_columns) == 1 else (
-        '{"text": "How do I learn Python?", "text_pair": "What is the best way to learn Python?"}')
-    if pipeline_tag == "token-classification":
-        example = '"Ada Lovelace wrote the first program in London."'  # a pipeline takes text, not word lists
+    as_percent = [n for n in PERCENT_METRICS if n not in PERCENT_ALREADY.get(pipeline_tag, ())]
     card = render_card(
         template, card_data, model_name=repo_id.split("/")[-1], repo_id=repo_id,
         architecture=architecture, attention_description=attention, base_model=base_model, task_title=task_title,
         eval_split=eval_split, eval_samples=metrics.get("eval_samples", "?"), metric_names=" | ".join(names),
-        metric_values=" | ".join(f"{100 * metrics[f'eval_{n}']:.2f}" if n in PERCENT_METRICS else
-                                f"{metrics[f'eval_{n}']:.4f}" for n in names), machine=machine,
-        example_input=example, command=without_token(command), data_description=data_description,
+        metric_values=" | ".join(f"{100 * metrics[f'eval_{n}']:.2f}" if n in as_percent else
+                                 f"{metrics[f'eval_{n}']:.2f}" if n in PERCENT_ALREADY.get(pipeline_tag, ()) else
+                                 f"{metrics[f'eval_{n}']:.4f}" for n in names), machine=machine,
+        example_input=example_input(pipeline_tag, task.text_columns),
+        usage_code=usage_example(pipeline_tag, repo_id, task.text_columns),
+        command=without_token(command), data_description=data_description,
         truncation_rule=truncation_rule,
         max_seq_length=max_seq_length, hyperparameters=", ".join(f"{k} {v}" for k, v in hyperparameters.items()),
         limitations=("Trained and evaluated at the scale recorded above; figures from a small CPU-scale run are not "

@@ -1,6 +1,7 @@
 """Data for the training scripts, by what it is for: `files` (reading local files or a Hub dataset, the checks every
 loader shares), `corpus` (pretraining text, its tokenizer and packing), `tasks` (a label per text: GLUE / IMDB or any
-columns) and `token_tasks` (a label per word, CoNLL-style).
+columns), `token_tasks` (a label per word, CoNLL-style), `qa_tasks` (extractive question answering, SQuAD format)
+and `choice_tasks` (multiple choice, SWAG-style).
 
 The names below keep the addresses `hf_linear_attn.training.data.X` that code outside the training package imports
 (conversion, the experiments, older scripts); new code imports from the module that defines a name. `UsageError`

@@ -44,8 +44,9 @@ TEXT_BUILDERS = {".txt": "text", ".tokens": "text", ".raw": "text", ".json": "js
                  ".parquet": "parquet", ".tsv": "csv", ".csv": "csv"}
 
 
-def builder_for(path: str, allowed: tuple[str, ...]) -> tuple[str, dict]:
-    """The `datasets` builder and its options for a local file, chosen by extension."""
+def builder_for(path: str, allowed: tuple[str, ...], quoting: int = csv.QUOTE_NONE) -> tuple[str, dict]:
+    """The `datasets` builder and its options for a local file, chosen by extension. CSV / TSV are read with
+    `quoting` (none by default, for GLUE's files; SWAG's CSV files quote fields that hold commas)."""
     file = Path(path)
     if not file.is_file():
         raise UsageError(f"file not found: {path}")
@@ -57,7 +58,7 @@ def builder_for(path: str, allowed: tuple[str, ...]) -> tuple[str, dict]:
     if builder == "csv":
         # GLUE TSVs hold stray double quotes: default quoting merges rows (QNLI dev: 5,267 rows instead of 5,463);
         # "NA" / "null" are real questions in QQP, not missing values.
-        options = {"delimiter": "\t" if file.suffix.lower() == ".tsv" else ",", "quoting": csv.QUOTE_NONE,
+        options = {"delimiter": "\t" if file.suffix.lower() == ".tsv" else ",", "quoting": quoting,
                    "keep_default_na": False, "na_filter": False}
     return builder, options
 
@@ -115,9 +116,9 @@ def require_some_text(dataset: Dataset, columns, split: str) -> None:
                          "learn or score; check the file (its delimiter, its columns) or --text_columns")
 
 
-def load_local(files: dict[str, str], allowed: tuple[str, ...]) -> DatasetDict:
+def load_local(files: dict[str, str], allowed: tuple[str, ...], quoting: int = csv.QUOTE_NONE) -> DatasetDict:
     """Load local files (one builder for all splits) into a DatasetDict, wrapping parse errors with the file name."""
-    kinds = {split: builder_for(path, allowed) for split, path in files.items()}
+    kinds = {split: builder_for(path, allowed, quoting) for split, path in files.items()}
     splits = {}
     for split, path in files.items():  # one split at a time: GLUE's QNLI dev has an index column, its train not
         builder, options = kinds[split]
