@@ -114,8 +114,9 @@ def recalled_at(rows: list[dict], model: str, length: int, width: int, threshold
 
 def render(rows: list[dict], meta: dict) -> str:
     out = ["# Multi-query associative recall (MQAR)", "", f"Command: `{meta['command']}`.", "",
-           f"Machine: {meta['machine']}. Preset: {meta['preset']}, {meta['finished']} of {meta['total']} stages "
-           f"finished. {meta['notes']}", ""]
+           f"Machine: {meta['machine']}"
+           + "".join(f"; {text}" for text in meta.get("hardware", [])) + f". Preset: {meta['preset']}, "
+           f"{meta['finished']} of {meta['total']} stages finished. {meta['notes']}", ""]
     models = list(dict.fromkeys(r["model"] for r in rows))
     for n in sorted({r["length"] for r in rows}):
         pairs = sorted({r["pairs"] for r in rows if r["length"] == n})
@@ -168,7 +169,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def run(preset_path: Path, output_dir: Path, models=None, dry_run=False, report_only=False, argv=None,
         log=print) -> dict:
-    from benchmarks.measuring import describe_hardware, describe_machine
+    from benchmarks.measuring import describe_hardware, describe_machine, hardware_of_records
 
     preset = load_preset(preset_path)
     stages, left_out = plan(preset, models)
@@ -189,6 +190,7 @@ def run(preset_path: Path, output_dir: Path, models=None, dry_run=False, report_
     rows = summarise(finished)
     o = preset["optimizer"]
     meta = {"preset": Path(preset_path).stem, "machine": machine, "finished": len(finished), "total": len(stages),
+            "hardware": hardware_of_records(finished.values()),
             "left_out": left_out, "date": time.strftime("%Y-%m-%d"),
             "command": "python scripts/recall.py " + shlex.join(a for a in (sys.argv[1:] if argv is None else argv)
                                                                if a != "--report_only"),
