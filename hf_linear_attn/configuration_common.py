@@ -1,10 +1,12 @@
 """What every configuration of this package shares: the dropout and size checks, plain ValueErrors from every
-check, and the ``auto_map`` of a family."""
+check, and the ``auto_map`` of a family (:class:`FamilyConfig`, the base of both style configs)."""
 
 import contextlib
 import functools
 
+from huggingface_hub.dataclasses import strict
 from huggingface_hub.errors import StrictDataclassClassValidationError
+from transformers import PreTrainedConfig
 
 # Auto class -> class-name suffix of every head a family ships, for the encoders and for the decoders.
 ENCODER_HEADS = {
@@ -77,3 +79,28 @@ def build_auto_map(model_type: str, class_prefix: str, heads: dict[str, str]) ->
     auto_map = {"AutoConfig": f"configuration_{model_type}.{class_prefix}Config"}
     auto_map.update({auto: f"modeling_{model_type}.{class_prefix}{suffix}" for auto, suffix in heads.items()})
     return auto_map
+
+
+@strict
+class FamilyConfig(PreTrainedConfig):
+    """The fields and defaults both style configs (RoBERTa's, GPT-2's) share: no cross-attention, tied word embeddings
+    (declared: transformers 5 skips tying without it) and the ``auto_map`` every checkpoint of a family carries."""
+
+    add_cross_attention: bool = False
+    tie_word_embeddings: bool = True
+    auto_map: dict | None = None
+
+    # Filled in by each family: every Auto class a checkpoint of this family opens with (trust_remote_code).
+    default_auto_map = {}
+
+    def __post_init__(self, **kwargs):
+        if self.auto_map is None:
+            self.auto_map = dict(self.default_auto_map)
+        super().__post_init__(**kwargs)
+
+    @property
+    def head_dim(self) -> int:
+        """hidden_size // num_attention_heads (GPT-2's n_embd // n_head, through its attribute_map)."""
+        heads = self.attribute_map.get("num_attention_heads", "num_attention_heads")  # the field's own name
+        check_positive(self, (heads,))  # read by transformers' own checks before ours
+        return self.hidden_size // self.num_attention_heads

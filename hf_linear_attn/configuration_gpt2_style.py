@@ -1,13 +1,12 @@
 """Configuration fields shared by the GPT-style decoders (linear attention and causal block Linformer)."""
 
 from huggingface_hub.dataclasses import strict
-from transformers import PreTrainedConfig
 
-from .configuration_common import check_dropouts, check_positive
+from .configuration_common import FamilyConfig, check_dropouts, check_positive
 
 
 @strict
-class GPT2StyleConfig(PreTrainedConfig):
+class GPT2StyleConfig(FamilyConfig):
     r"""
     The GPT-2 fields, with GPT-2's names and meanings, so that a GPT-2 checkpoint maps one to one (pre-LayerNorm
     blocks, learned absolute positions, LM head tied to the token embeddings).
@@ -57,22 +56,6 @@ class GPT2StyleConfig(PreTrainedConfig):
     bos_token_id: int | None = 50256
     eos_token_id: int | list[int] | None = 50256
     pad_token_id: int | None = None
-    add_cross_attention: bool = False
-    tie_word_embeddings: bool = True
-    auto_map: dict | None = None
-
-    # Filled in by each family: every Auto class a checkpoint of this family opens with (trust_remote_code).
-    default_auto_map = {}
-
-    def __post_init__(self, **kwargs):
-        if self.auto_map is None:
-            self.auto_map = dict(self.default_auto_map)
-        super().__post_init__(**kwargs)
-
-    @property
-    def head_dim(self) -> int:
-        check_positive(self, ("n_head",))  # read by transformers' own checks before ours
-        return self.n_embd // self.n_head
 
     def validate_decoder_shape(self):
         check_positive(self, ("vocab_size", "n_embd", "n_layer", "n_head"))

@@ -1,13 +1,12 @@
 """Configuration fields shared by the RoBERTa-style encoders (Linformer and linear attention)."""
 
 from huggingface_hub.dataclasses import strict
-from transformers import PreTrainedConfig
 
-from .configuration_common import check_dropouts, check_positive
+from .configuration_common import FamilyConfig, check_dropouts, check_positive
 
 
 @strict
-class RobertaStyleConfig(PreTrainedConfig):
+class RobertaStyleConfig(FamilyConfig):
     r"""
     The RoBERTa fields, with RoBERTa's names and meanings, so that a RoBERTa checkpoint maps one to one.
 
@@ -56,22 +55,6 @@ class RobertaStyleConfig(PreTrainedConfig):
     eos_token_id: int | list[int] | None = 2
     use_cache: bool = False
     is_decoder: bool = False
-    add_cross_attention: bool = False
-    tie_word_embeddings: bool = True
-    auto_map: dict | None = None
-
-    # Filled in by each family: every Auto class a checkpoint of this family opens with (trust_remote_code).
-    default_auto_map = {}
-
-    def __post_init__(self, **kwargs):
-        if self.auto_map is None:
-            self.auto_map = dict(self.default_auto_map)
-        super().__post_init__(**kwargs)
-
-    @property
-    def head_dim(self) -> int:
-        check_positive(self, ("num_attention_heads",))  # read by transformers' own checks before ours
-        return self.hidden_size // self.num_attention_heads
 
     @property
     def first_position(self) -> int:

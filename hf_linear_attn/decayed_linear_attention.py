@@ -28,7 +28,7 @@ Forms (float32 throughout, autocast off, output in V's dtype):
 
 import torch
 
-from .linear_attention import _no_autocast, _with_ones, mask_keys
+from .linear_attention import _no_autocast, _split_output, _state_with_normaliser, _with_ones, mask_keys
 
 # Chunk length for one decay per feature where a chunk decays too strongly for the matmul form (_split_scores): the
 # C x C x m product costs C m floats per position (4 kB at m = 64), so the chunk stays short.
@@ -52,17 +52,6 @@ def _float32_decay_inputs(phi_q, phi_k, v, log_decay, key_mask):
     if key_mask is not None:  # a pad position leaves the state exactly as it was: no key, no decay
         log_decay = torch.where(key_mask[:, None, :, None], log_decay, 0.0)
     return phi_q.float(), phi_k, _with_ones(v), log_decay
-
-
-def _state_with_normaliser(state, batch, heads, m, d_v, like):
-    if state is None:
-        return like.new_zeros(batch, heads, m, d_v + 1)
-    return torch.cat([state[0].float(), state[1].float().unsqueeze(-1)], dim=-1)
-
-
-def _split_output(out, final, d_v, eps, out_dtype):
-    y = out[..., :d_v] / (out[..., d_v:] + eps)
-    return y.to(out_dtype), (final[..., :d_v].contiguous(), final[..., d_v].contiguous())
 
 
 def causal_decayed_linear_attention(

@@ -36,6 +36,19 @@ def _with_ones(v: torch.Tensor) -> torch.Tensor:
     return torch.cat([v, v.new_ones(*v.shape[:-1], 1)], dim=-1)
 
 
+def _state_with_normaliser(state, batch, heads, m, d_v, like):
+    """[S, z] (B, H, m, d_v + 1) in float32, the state as the products with [V, 1] carry it; zeros without a state."""
+    if state is None:
+        return like.new_zeros(batch, heads, m, d_v + 1)
+    return torch.cat([state[0].float(), state[1].float().unsqueeze(-1)], dim=-1)
+
+
+def _split_output(out, final, d_v, eps, out_dtype):
+    """Outputs phi(q) S / (phi(q) . z + eps) in ``out_dtype`` and the final (S, z) from the products with [V, 1]."""
+    y = out[..., :d_v] / (out[..., d_v:] + eps)
+    return y.to(out_dtype), (final[..., :d_v].contiguous(), final[..., d_v].contiguous())
+
+
 def bidirectional_linear_attention(
     phi_q: torch.Tensor,
     phi_k: torch.Tensor,
@@ -262,10 +275,7 @@ def causal_linear_attention(
         if low:
             return _causal_bf16(phi_q, phi_k, v, key_mask, eps, c, state, form)
         phi_q, phi_k, v = _float32_inputs(phi_q, phi_k, v, key_mask)
-        if state is None:
-            state0 = phi_q.new_zeros(batch, heads, m, d_v + 1)
-        else:
-            state0 = torch.cat([state[0].float(), state[1].float().unsqueeze(-1)], dim=-1)
+        state0 = _state_with_normaliser(state, batch, heads, m, d_v, phi_q)
         v1 = _with_ones(v)
         if form == "scan":
             out, final = _CausalLinearAttentionScan.apply(
@@ -276,8 +286,7 @@ def causal_linear_attention(
             out, final = _prefix_sum_form(phi_q, phi_k, v1, state0)
         else:
             out, final = _chunkwise_parallel(phi_q, phi_k, v1, state0, c)
-        y = out[..., :d_v] / (out[..., d_v:] + eps)
-        return y.to(out_dtype), (final[..., :d_v].contiguous(), final[..., d_v].contiguous())
+        return _split_output(out, final, d_v, eps, out_dtype)
 
 
 @functools.lru_cache(maxsize=None)

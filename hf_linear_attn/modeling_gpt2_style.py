@@ -1,7 +1,7 @@
 """GPT-2-style decoder with a pluggable causal attention: blocks, base model, causal-LM and classification heads.
 
-The families (linear attention, causal block Linformer) supply their attention (``attend``), their cache layer and
-their init. Everything else has GPT-2's layout and parameter names (``transformer.wte``, ``transformer.h.N.attn.c_attn``,
+The families (linear attention, causal block Linformer) supply their attention (``attend``) and their cache layer; the
+init of what they add is :func:`~.weight_init.init_added_weights`. Everything else has GPT-2's layout and parameter names (``transformer.wte``, ``transformer.h.N.attn.c_attn``,
 ``transformer.h.N.mlp.c_fc``, ``lm_head``...), so a GPT-2 state dict maps one to one; the feed-forward is GPT-2's own.
 
 Generation: the cache (:class:`~.recurrent_cache.RecurrentStateCache`) holds a state per layer, never one key / value
@@ -34,6 +34,7 @@ from .attention_mask import check_padding_mask
 from .configuration_common import validate_config
 from .recurrent_cache import RecurrentStateCache
 from .sequence_classification import sequence_classification_loss
+from .weight_init import init_added_weights
 
 
 class GPT2StyleAttention(nn.Module):
@@ -136,7 +137,8 @@ class GPT2StylePreTrainedModel(PreTrainedModel):
     _skip_keys_device_placement = ["past_key_values"]
     # Old GPT-2 checkpoints carry the causal-mask buffers of their attention: not weights, nothing to load.
     _keys_to_ignore_on_load_unexpected = [r"\.attn\.bias$", r"\.attn\.masked_bias$"]
-    # Set by each family: its attention class and its base model class.
+    # Set by each family: its attention class and its bare model class, the one every head of the family builds
+    # inside it.
     attention_class = None
     base_model_class = None
 
@@ -157,6 +159,7 @@ class GPT2StylePreTrainedModel(PreTrainedModel):
                 std /= (2 * self.config.n_layer) ** 0.5
             init.normal_(module.weight, mean=0.0, std=std)
             init.zeros_(module.bias)
+        init_added_weights(module, self.config)
 
     def check_key_mask(self, key_mask: torch.Tensor, has_past: bool) -> None:
         """Raise if this family cannot honour ``key_mask`` (batch, n) of the new tokens; every mask is fine by default."""

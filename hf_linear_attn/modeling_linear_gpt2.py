@@ -6,7 +6,6 @@ so the cost of a token does not grow with the context.
 """
 
 import torch
-from transformers import initialization as init
 
 from .configuration_linear_gpt2 import LinearGPT2Config, feature_width, retnet_decay_rates
 from .decayed_linear_attention import (
@@ -41,7 +40,7 @@ from .sliding_window_attention import (
     sliding_window_attention_step,
     sliding_window_attention_weights,
 )
-from .weight_init import init_feature_map, redraw_random_features
+from .weight_init import RandomFeaturesMixin
 
 
 class LinearGPT2Attention(GPT2StyleAttention):
@@ -221,35 +220,24 @@ class LinearGPT2Attention(GPT2StyleAttention):
         return output, weights, state if use_cache else None, tail
 
 
-class LinearGPT2PreTrainedModel(GPT2StylePreTrainedModel):
-    """Init of the feature maps: FAVOR+ draws orthogonal random features, hedgehog starts at the identity."""
+class LinearGPT2PreTrainedModel(RandomFeaturesMixin, GPT2StylePreTrainedModel):
+    """Config and attention of the linear-attention decoders, and FAVOR+ redraws. Init (``init_added_weights``):
+    FAVOR+ draws orthogonal random features, hedgehog starts at the identity, the window's factor at g = 1."""
 
     config_class = LinearGPT2Config
     attention_class = LinearGPT2Attention
-
-    @torch.no_grad()
-    def _init_weights(self, module):
-        super()._init_weights(module)
-        init_feature_map(module)
-        if isinstance(module, SlidingWindowFactor):
-            init.zeros_(module.log_factor)  # g = 1: the window's exact terms unweighted
-
-    def redraw_random_features(self, generator: torch.Generator | None = None) -> int:
-        """Draw new FAVOR+ features in every layer (rank 0's draw on every process); returns the number redrawn."""
-        return redraw_random_features(self, generator)
 
 
 class LinearGPT2Model(LinearGPT2PreTrainedModel, GPT2StyleModel):
     """The bare linear-attention decoder: last_hidden_state (B, n, D) and the recurrent state."""
 
 
+LinearGPT2PreTrainedModel.base_model_class = LinearGPT2Model  # the decoder every head below builds inside it
+
+
 class LinearGPT2ForCausalLM(LinearGPT2PreTrainedModel, GPT2StyleForCausalLM):
     """Linear-attention decoder with GPT-2's LM head; generate() runs it as an RNN."""
-
-    base_model_class = LinearGPT2Model
 
 
 class LinearGPT2ForSequenceClassification(LinearGPT2PreTrainedModel, GPT2StyleForSequenceClassification):
     """Linear-attention decoder classifying each sequence from its last real token."""
-
-    base_model_class = LinearGPT2Model

@@ -5,10 +5,6 @@ S = sum_j phi(k_j) v_j^T and z = sum_j phi(k_j), so cost and memory are linear i
 feature map; S, z and the normaliser are float32 under bf16 / fp16.
 """
 
-import torch
-from torch import nn
-from transformers import initialization as init
-
 from .configuration_linear_roberta import LinearRobertaConfig
 from .feature_maps import build_feature_map
 from .linear_attention import bidirectional_linear_attention, linear_attention_weights
@@ -20,29 +16,25 @@ from .modeling_roberta_style import (
     RobertaStyleForTokenClassification,
     RobertaStyleModel,
     RobertaStylePreTrainedModel,
+    RobertaStyleSelfAttention,
 )
 from .sliding_window_attention import (
     SlidingWindowFactor,
     banded_sliding_window_attention,
     sliding_window_attention_weights,
 )
-from .weight_init import init_feature_map, redraw_random_features
+from .weight_init import RandomFeaturesMixin
 
 
-class LinearRobertaSelfAttention(nn.Module):
+class LinearRobertaSelfAttention(RobertaStyleSelfAttention):
     """Multi-head bidirectional linear attention: hidden (B, n, D) -> (B, n, D).
 
     With ``output_attentions`` it also returns the n x n matrix it applies implicitly (quadratic: for inspection
-    and distillation only).
+    and distillation only). Linear attention shares nothing across layers (no shared projection).
     """
 
     def __init__(self, config: LinearRobertaConfig, layer_idx: int):
-        super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.head_dim = config.hidden_size // config.num_attention_heads
-        self.query = nn.Linear(config.hidden_size, config.hidden_size)
-        self.key = nn.Linear(config.hidden_size, config.hidden_size)
-        self.value = nn.Linear(config.hidden_size, config.hidden_size)
+        super().__init__(config, layer_idx)
         self.eps = config.linear_attention_eps
         self.feature_map = build_feature_map(
             config.feature_map, self.num_heads, self.head_dim,
@@ -53,14 +45,6 @@ class LinearRobertaSelfAttention(nn.Module):
         self.chunk_size = config.linear_attention_chunk_size
         if self.window:
             self.window_factor = SlidingWindowFactor(self.num_heads)
-
-    @staticmethod
-    def build_shared_projection(config: LinearRobertaConfig) -> None:
-        """Linear attention shares nothing across layers."""
-        return None
-
-    def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
-        return x.reshape(*x.shape[:2], self.num_heads, self.head_dim).transpose(1, 2)
 
     def forward(self, hidden_states, key_mask=None, output_attentions=False, shared_projection=None):
         q, k, v = (self._split_heads(proj(hidden_states)) for proj in (self.query, self.key, self.value))
@@ -81,53 +65,36 @@ class LinearRobertaSelfAttention(nn.Module):
         return output.transpose(1, 2).reshape(hidden_states.shape), weights
 
 
-class LinearRobertaPreTrainedModel(RobertaStylePreTrainedModel):
-    """Init of the feature maps: FAVOR+ draws orthogonal random features, hedgehog starts at the identity."""
+class LinearRobertaPreTrainedModel(RandomFeaturesMixin, RobertaStylePreTrainedModel):
+    """Config and attention of the linear-attention encoders, and FAVOR+ redraws. Init (``init_added_weights``):
+    FAVOR+ draws orthogonal random features, hedgehog starts at the identity, the band's factor at g = 1."""
 
     config_class = LinearRobertaConfig
     self_attention_class = LinearRobertaSelfAttention
-
-    @torch.no_grad()
-    def _init_weights(self, module):
-        super()._init_weights(module)
-        init_feature_map(module)
-        if isinstance(module, SlidingWindowFactor):
-            init.zeros_(module.log_factor)  # g = 1: the band's exact terms unweighted
-
-    def redraw_random_features(self, generator: torch.Generator | None = None) -> int:
-        """Draw new FAVOR+ features in every layer (rank 0's draw on every process); returns the number redrawn."""
-        return redraw_random_features(self, generator)
 
 
 class LinearRobertaModel(LinearRobertaPreTrainedModel, RobertaStyleModel):
     """The bare linear-attention encoder: last_hidden_state (B, n, D) and pooler_output (B, D)."""
 
 
+LinearRobertaPreTrainedModel.base_model_class = LinearRobertaModel  # the encoder every head below builds inside it
+
+
 class LinearRobertaForMaskedLM(LinearRobertaPreTrainedModel, RobertaStyleForMaskedLM):
     """Linear-attention encoder with RoBERTa's masked-LM head."""
-
-    base_model_class = LinearRobertaModel
 
 
 class LinearRobertaForSequenceClassification(LinearRobertaPreTrainedModel, RobertaStyleForSequenceClassification):
     """Linear-attention encoder with RoBERTa's sequence classification / regression head."""
 
-    base_model_class = LinearRobertaModel
-
 
 class LinearRobertaForTokenClassification(LinearRobertaPreTrainedModel, RobertaStyleForTokenClassification):
     """Linear-attention encoder with a token classification head."""
-
-    base_model_class = LinearRobertaModel
 
 
 class LinearRobertaForQuestionAnswering(LinearRobertaPreTrainedModel, RobertaStyleForQuestionAnswering):
     """Linear-attention encoder with an extractive question-answering head."""
 
-    base_model_class = LinearRobertaModel
-
 
 class LinearRobertaForMultipleChoice(LinearRobertaPreTrainedModel, RobertaStyleForMultipleChoice):
     """Linear-attention encoder with a multiple-choice head."""
-
-    base_model_class = LinearRobertaModel

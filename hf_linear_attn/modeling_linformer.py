@@ -7,7 +7,6 @@ projection, so an example gives the same outputs alone or in a right-padded batc
 
 
 import torch
-from torch import nn
 
 from .configuration_linformer import LinformerConfig
 from .linformer_projection import (
@@ -26,15 +25,15 @@ from .modeling_roberta_style import (
     RobertaStyleForTokenClassification,
     RobertaStyleModel,
     RobertaStylePreTrainedModel,
+    RobertaStyleSelfAttention,
 )
-from .weight_init import init_linformer_projection
 
 
 EMPTY_BATCH = ("the input holds 0 sequences (a batch of size 0): pass at least one sequence (skip empty batches, "
                "e.g. a DataLoader with drop_last=True or a filter before the model)")
 
 
-class LinformerSelfAttention(nn.Module):
+class LinformerSelfAttention(RobertaStyleSelfAttention):
     """Multi-head Linformer attention: hidden (B, n, D) -> (B, n, D), weights (B, H, n, k) on request.
 
     Projections by sharing mode: "none": `key_projection` / `value_projection` with one matrix per head;
@@ -43,12 +42,7 @@ class LinformerSelfAttention(nn.Module):
     """
 
     def __init__(self, config: LinformerConfig, layer_idx: int):
-        super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.head_dim = config.hidden_size // config.num_attention_heads
-        self.query = nn.Linear(config.hidden_size, config.hidden_size)
-        self.key = nn.Linear(config.hidden_size, config.hidden_size)
-        self.value = nn.Linear(config.hidden_size, config.hidden_size)
+        super().__init__(config, layer_idx)
         self.dropout = config.attention_probs_dropout_prob
         self.sharing = config.linformer_sharing
         self.normalize_rows = config.linformer_normalize_rows
@@ -60,9 +54,6 @@ class LinformerSelfAttention(nn.Module):
     def build_shared_projection(config: LinformerConfig) -> LinformerProjection | None:
         """The single matrix of layerwise sharing, owned by the encoder; None for the other modes."""
         return shared_linformer_projection(config.linformer_sharing, config.k_for_layer(0), config.max_sequence_length)
-
-    def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
-        return x.reshape(*x.shape[:2], self.num_heads, self.head_dim).transpose(1, 2)
 
     def forward(self, hidden_states, key_mask=None, output_attentions=False, shared_projection=None):
         if hidden_states.shape[0] == 0:  # the projection's reshape cannot size 0 rows: name the input instead
@@ -81,15 +72,11 @@ class LinformerSelfAttention(nn.Module):
 
 
 class LinformerPreTrainedModel(RobertaStylePreTrainedModel):
-    """Linformer init (E and F by `config.linformer_init`) and its padding rule."""
+    """Config, attention and padding rule of the Linformer encoders. Init (``init_added_weights``): E and F by
+    `config.linformer_init`."""
 
     config_class = LinformerConfig
     self_attention_class = LinformerSelfAttention
-
-    @torch.no_grad()
-    def _init_weights(self, module):
-        super()._init_weights(module)
-        init_linformer_projection(module, self.config.linformer_init, self.config.initializer_range)
 
     def check_key_mask(self, key_mask: torch.Tensor) -> None:
         """Refuse left padding: E and F index absolute positions, so a shifted example would be projected differently."""
@@ -104,31 +91,24 @@ class LinformerModel(LinformerPreTrainedModel, RobertaStyleModel):
     """The bare Linformer encoder: last_hidden_state (B, n, D) and pooler_output (B, D)."""
 
 
+LinformerPreTrainedModel.base_model_class = LinformerModel  # the encoder every head below builds inside it
+
+
 class LinformerForMaskedLM(LinformerPreTrainedModel, RobertaStyleForMaskedLM):
     """Linformer with RoBERTa's masked-LM head."""
-
-    base_model_class = LinformerModel
 
 
 class LinformerForSequenceClassification(LinformerPreTrainedModel, RobertaStyleForSequenceClassification):
     """Linformer with RoBERTa's sequence classification / regression head."""
 
-    base_model_class = LinformerModel
-
 
 class LinformerForTokenClassification(LinformerPreTrainedModel, RobertaStyleForTokenClassification):
     """Linformer with a token classification head."""
-
-    base_model_class = LinformerModel
 
 
 class LinformerForQuestionAnswering(LinformerPreTrainedModel, RobertaStyleForQuestionAnswering):
     """Linformer with an extractive question-answering head."""
 
-    base_model_class = LinformerModel
-
 
 class LinformerForMultipleChoice(LinformerPreTrainedModel, RobertaStyleForMultipleChoice):
     """Linformer with a multiple-choice head."""
-
-    base_model_class = LinformerModel

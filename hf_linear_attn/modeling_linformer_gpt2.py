@@ -28,7 +28,6 @@ from .modeling_gpt2_style import (
     GPT2StylePreTrainedModel,
 )
 from .recurrent_cache import BlockLinformerCacheLayer
-from .weight_init import init_linformer_projection
 
 
 class LinformerGPT2Attention(GPT2StyleAttention):
@@ -97,15 +96,11 @@ class LinformerGPT2Attention(GPT2StyleAttention):
 
 
 class LinformerGPT2PreTrainedModel(GPT2StylePreTrainedModel):
-    """Init of E and F by ``config.linformer_init``, and the block Linformer's padding rule."""
+    """Config, attention and padding rule of the causal block Linformer. Init (``init_added_weights``): E and F by
+    ``config.linformer_init``."""
 
     config_class = LinformerGPT2Config
     attention_class = LinformerGPT2Attention
-
-    @torch.no_grad()
-    def _init_weights(self, module):
-        super()._init_weights(module)
-        init_linformer_projection(module, self.config.linformer_init, self.config.initializer_range)
 
     def check_key_mask(self, key_mask: torch.Tensor, has_past: bool) -> None:
         """Blocks start at each row's first real token: the real tokens must be one run (left or right padding).
@@ -126,13 +121,12 @@ class LinformerGPT2Model(LinformerGPT2PreTrainedModel, GPT2StyleModel):
     """The bare causal block-Linformer decoder: last_hidden_state (B, n, D) and the block cache."""
 
 
+LinformerGPT2PreTrainedModel.base_model_class = LinformerGPT2Model  # the decoder every head below builds inside it
+
+
 class LinformerGPT2ForCausalLM(LinformerGPT2PreTrainedModel, GPT2StyleForCausalLM):
     """Causal block-Linformer decoder with GPT-2's LM head."""
-
-    base_model_class = LinformerGPT2Model
 
 
 class LinformerGPT2ForSequenceClassification(LinformerGPT2PreTrainedModel, GPT2StyleForSequenceClassification):
     """Causal block-Linformer decoder classifying each sequence from its last real token."""
-
-    base_model_class = LinformerGPT2Model

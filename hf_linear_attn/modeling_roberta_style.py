@@ -1,7 +1,8 @@
 """RoBERTa-style encoder with a pluggable self-attention: layers, base model and the five task heads.
 
-The families (Linformer, linear attention) supply only their self-attention module and their init. Everything
-else reuses RoBERTa's own building blocks from transformers, so parameter names (``roberta.embeddings...``,
+The families (Linformer, linear attention) supply only their self-attention module (on RoBERTa's query / key / value
+projections, :class:`RobertaStyleSelfAttention`); the init of what they add is :func:`~.weight_init.init_added_weights`.
+Everything else reuses RoBERTa's own building blocks from transformers, so parameter names (``roberta.embeddings...``,
 ``roberta.encoder.layer.N.attention.self.query``, ``lm_head``, ``classifier``...) match RoBERTa one to one.
 
 The attention modules take a boolean ``key_mask`` (batch, n), True at real tokens, instead of an additive
@@ -36,6 +37,7 @@ from transformers.utils.generic import can_return_tuple
 from .attention_mask import check_padding_mask
 from .configuration_common import validate_config
 from .sequence_classification import sequence_classification_loss
+from .weight_init import init_added_weights
 
 
 class RobertaStyleEmbeddings(RobertaEmbeddings):
@@ -68,6 +70,31 @@ class RobertaStyleEmbeddings(RobertaEmbeddings):
                 position_ids = torch.arange(n, device=inputs_embeds.device).expand(batch, n) + self.position_offset
         return super().forward(input_ids=input_ids, token_type_ids=token_type_ids, position_ids=position_ids,
                                inputs_embeds=inputs_embeds, past_key_values_length=past_key_values_length)
+
+
+class RobertaStyleSelfAttention(nn.Module):
+    """RoBERTa's query / key / value projections around a family's attention, hidden (B, n, D) -> (B, n, D).
+
+    Subclasses implement ``forward(hidden_states, key_mask, output_attentions, shared_projection)`` on the heads that
+    ``_split_heads`` gives, and ``build_shared_projection`` where their layers share parameters.
+    """
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.head_dim = config.hidden_size // config.num_attention_heads
+        self.query = nn.Linear(config.hidden_size, config.hidden_size)
+        self.key = nn.Linear(config.hidden_size, config.hidden_size)
+        self.value = nn.Linear(config.hidden_size, config.hidden_size)
+
+    @staticmethod
+    def build_shared_projection(config) -> nn.Module | None:
+        """Parameters shared by every layer, owned by the encoder; none by default."""
+        return None
+
+    def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, n, D) -> (B, H, n, d)."""
+        return x.reshape(*x.shape[:2], self.num_heads, self.head_dim).transpose(1, 2)
 
 
 class RobertaStyleAttention(nn.Module):
@@ -142,7 +169,8 @@ class RobertaStylePreTrainedModel(PreTrainedModel):
     base_model_prefix = "roberta"
     supports_gradient_checkpointing = True
     _no_split_modules = ["RobertaStyleEmbeddings", "RobertaStyleLayer"]
-    # Set by each family: its self-attention class (with build_shared_projection) and its base model class.
+    # Set by each family: its self-attention class (a RobertaStyleSelfAttention) and its bare model class, the one
+    # every head of the family builds inside it.
     self_attention_class = None
     base_model_class = None
 
@@ -154,6 +182,7 @@ class RobertaStylePreTrainedModel(PreTrainedModel):
         elif isinstance(module, RobertaEmbeddings):
             init.copy_(module.position_ids, torch.arange(module.position_ids.shape[-1]).expand((1, -1)))
             init.zeros_(module.token_type_ids)
+        init_added_weights(module, self.config)
 
     def check_key_mask(self, key_mask: torch.Tensor) -> None:
         """Raise if this family cannot honour ``key_mask`` (batch, n); every mask is fine by default."""

@@ -47,6 +47,8 @@ anyway.
 import torch
 from torch import nn
 
+from .linear_attention import _no_autocast, _with_ones
+
 
 class SlidingWindowFactor(nn.Module):
     """The learned per-head factor of the window's exact terms, g = exp(log_factor), log_factor (H,); 0 at init."""
@@ -58,10 +60,6 @@ class SlidingWindowFactor(nn.Module):
     def forward(self) -> torch.Tensor:
         """theta (H,), what the attention functions take as ``log_factor``."""
         return self.log_factor
-
-
-def _no_autocast(tensor: torch.Tensor):
-    return torch.autocast(device_type=tensor.device.type, enabled=False)
 
 
 def _head_bias(log_factor: torch.Tensor | None, heads: int, ndim: int, like: torch.Tensor) -> torch.Tensor:
@@ -83,11 +81,6 @@ def _masked_inputs(q, k, v, phi_q, phi_k, key_mask):
         # keys too: the window's buffer then holds zeros in pad slots, as a row alone holds in its empty slots
         k, phi_k, v = torch.where(keep, k, 0.0), torch.where(keep, phi_k, 0.0), torch.where(keep, v, 0.0)
     return q, k, v, phi_q, phi_k, valid
-
-
-def _with_ones(v: torch.Tensor) -> torch.Tensor:
-    """[V, 1]: one product gives the numerator and the normaliser."""
-    return torch.cat([v, v.new_ones(*v.shape[:-1], 1)], dim=-1)
 
 
 def _stabiliser(scores: torch.Tensor, linear_normaliser: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1,7 +1,8 @@
-"""Init of the parameters this package adds to RoBERTa / GPT-2 (feature maps, Linformer projections).
+"""Init of the parameters this package adds to RoBERTa / GPT-2 (feature maps, Linformer projections, window factors).
 
-Shared by the encoders and the decoders. The ``transformers.initialization`` functions skip weights that were
-loaded from a checkpoint, so these are safe to call from ``_init_weights``.
+Shared by the encoders and the decoders: both style base models call :func:`init_added_weights` from their
+``_init_weights``. The ``transformers.initialization`` functions skip weights that were loaded from a checkpoint, so
+these are safe to call from ``_init_weights``.
 """
 
 import torch
@@ -10,6 +11,7 @@ from transformers import initialization as init
 
 from .feature_maps import FavorFeatureMap, HedgehogFeatureMap, identity_weight, orthogonal_gaussian_matrix
 from .linformer_projection import LinformerProjection, pooling_matrix, xavier_bound
+from .sliding_window_attention import SlidingWindowFactor
 
 
 def init_feature_map(module: nn.Module) -> None:
@@ -36,6 +38,17 @@ def init_linformer_projection(module: nn.Module, linformer_init: str, initialize
         init.uniform_(module.weight, -bound, bound)
 
 
+def init_added_weights(module: nn.Module, config) -> None:
+    """Init of ``module`` if it is a part this package adds: a feature map (:func:`init_feature_map`), Linformer's E / F
+    (:func:`init_linformer_projection` by ``config.linformer_init``) or a window factor (0: g = 1, the window's exact
+    terms unweighted); any other module is left alone."""
+    init_feature_map(module)
+    if isinstance(module, LinformerProjection):
+        init_linformer_projection(module, config.linformer_init, config.initializer_range)
+    elif isinstance(module, SlidingWindowFactor):
+        init.zeros_(module.log_factor)
+
+
 @torch.no_grad()
 def redraw_random_features(model: nn.Module, generator: torch.Generator | None = None) -> int:
     """Draw new FAVOR+ features in every layer of ``model`` (rank 0's draw on every process); returns how many."""
@@ -43,3 +56,11 @@ def redraw_random_features(model: nn.Module, generator: torch.Generator | None =
     for feature_map in maps:
         feature_map.redraw(generator)
     return len(maps)
+
+
+class RandomFeaturesMixin:
+    """What a model whose feature maps may be FAVOR+ adds (both linear-attention families): ``redraw_random_features``."""
+
+    def redraw_random_features(self, generator: torch.Generator | None = None) -> int:
+        """Draw new FAVOR+ features in every layer (rank 0's draw on every process); returns the number redrawn."""
+        return redraw_random_features(self, generator)

@@ -178,6 +178,15 @@ def replaced(args, **flags):
     return args
 
 
+def run_fresh_python(*args, cwd, timeout=300, **env) -> str:
+    """``python ARGS`` in a fresh process, offline, run from ``cwd`` with an empty PYTHONPATH (as a user of a saved
+    checkpoint runs it, without this checkout); ``env``: more variables. Its stdout; a non-zero exit fails the test."""
+    proc = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, cwd=cwd,
+                          env={**ENV, "PYTHONPATH": "", **env}, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
 def run_pretrain(args, launcher=(sys.executable,), check=True):
     """scripts/pretrain.py in a fresh process, as users run it."""
     proc = subprocess.run([*launcher, str(REPO_ROOT / "scripts" / "pretrain.py"), *args], capture_output=True,

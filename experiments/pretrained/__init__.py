@@ -26,8 +26,8 @@ import time
 from pathlib import Path
 
 from .reproduction_api import (
-    TASK_TITLES, ReproductionError, Stage, describe_machine, flags, majority_share, merged_config, resolve, run_stage,
-    slug,
+    TASK_TITLES, ReproductionError, Stage, describe_machine, finetune_stage, flags, majority_share, merged_config,
+    resolve, run_stage, slug,
 )
 
 PRESET_KEYS = {"description", "output_dir", "source", "seeds", "models", "baseline", "convert", "finetune"}
@@ -103,12 +103,7 @@ def plan(preset: dict, source: Path, output_dir: Path, root: Path, seeds=None, t
                                                 "conversion_report.json", output_dir, root,
                                                 {"kind": "convert", "model": name})
                         stages.append(converted[name])
-                tuned = output_dir / "finetune" / slug(name) / f"{task}-seed{seed}"
-                argv = ["--config", entry["config"], "--model_name_or_path", str(folder), "--output_dir", str(tuned),
-                        "--seed", str(seed), *flags(entry.get("args", {}))]
-                stages.append(Stage(f"fine-tune {name} on {TASK_TITLES[task]} (seed {seed})", "scripts/finetune.py",
-                                    tuned, argv, "eval_results.json", output_dir, root,
-                                    {"kind": "finetune", "model": name, "task": task, "seed": seed}))
+                stages.append(finetune_stage(name, task, entry, folder, seed, output_dir, root))
     return stages
 
 

@@ -1,7 +1,7 @@
 """The one place this experiment imports the reproduction machinery (experiments.reproduction, benchmarks.measuring).
 
 What is used: the stage runner (a subprocess per stage, reused when finished with the same arguments and
-inputs, a launch record so an interrupted run resumes), the majority-class share of a task's evaluation rows, the
+inputs, a launch record so an interrupted run resumes), its fine-tuning stage, the majority-class share of a task's evaluation rows, the
 machine description and the preset lookup.
 """
 
@@ -11,7 +11,7 @@ from experiments.reproduction.preset import (
     TASK_TITLES, ReproductionError, _flags as flags, _merged_config as merged_config, resolve, slug,
 )
 from experiments.reproduction.report import majority_share
-from experiments.reproduction.stages import Stage, run_stage
+from experiments.reproduction.stages import Stage, finetune_stage, run_stage
 
-__all__ = ["TASK_TITLES", "ReproductionError", "Stage", "describe_machine", "find_preset", "flags", "majority_share",
-           "merged_config", "resolve", "run_stage", "slug"]
+__all__ = ["TASK_TITLES", "ReproductionError", "Stage", "describe_machine", "find_preset", "finetune_stage", "flags",
+           "majority_share", "merged_config", "resolve", "run_stage", "slug"]

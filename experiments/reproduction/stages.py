@@ -195,6 +195,17 @@ def _check_mask_lstrip(folder: Path, wanted: bool) -> None:
             "--output_dir) to train them again")
 
 
+def finetune_stage(name: str, task: str, entry: dict, model_folder: Path, seed: int, output_dir: Path,
+                   project: Path) -> Stage:
+    """The stage that fine-tunes model `name` (its checkpoint in `model_folder`) on `task` with `seed`, as the preset's
+    finetune `entry` says (its config file and argument overrides), into finetune/<model>/<task>-seed<S>/."""
+    tuned = output_dir / "finetune" / slug(name) / f"{task}-seed{seed}"
+    argv = ["--config", entry["config"], "--model_name_or_path", str(model_folder), "--output_dir", str(tuned),
+            "--seed", str(seed), *_flags(entry.get("args", {}))]
+    return Stage(f"fine-tune {name} on {TASK_TITLES[task]} (seed {seed})", "scripts/finetune.py", tuned, argv,
+                 "eval_results.json", output_dir, project, {"kind": "finetune", "model": name, "task": task, "seed": seed})
+
+
 def plan(preset: dict, output_dir: Path, seeds: list[int] | None = None,
          tokenizers: dict | None = None) -> list[Stage]:
     """Every stage of the preset, in running order (each encoder's pretraining before its fine-tunes); `seeds`,
@@ -212,12 +223,7 @@ def plan(preset: dict, output_dir: Path, seeds: list[int] | None = None,
                             output_dir, project, {"kind": "pretrain", "model": name}))
         for task, entry in preset["finetune"].items():
             for seed in task_seeds[task]:
-                tuned = output_dir / "finetune" / slug(name) / f"{task}-seed{seed}"
-                argv = ["--config", entry["config"], "--model_name_or_path", str(folder), "--output_dir", str(tuned),
-                        "--seed", str(seed), *_flags(entry.get("args", {}))]
-                stages.append(Stage(f"fine-tune {name} on {TASK_TITLES[task]} (seed {seed})", "scripts/finetune.py",
-                                    tuned, argv, "eval_results.json", output_dir, project,
-                                    {"kind": "finetune", "model": name, "task": task, "seed": seed}))
+                stages.append(finetune_stage(name, task, entry, folder, seed, output_dir, project))
     for name, model_config in preset.get("decoders", {}).items():
         folder = output_dir / "decoders" / slug(name)
         argv = ["--config", preset["decoder_pretrain"]["config"], "--model_config", model_config,

@@ -161,21 +161,26 @@ def test_steps_from_the_empty_state_equal_the_chunked_form():
     torch.testing.assert_close(torch.cat(steps, dim=2), full, atol=1e-5, rtol=1e-5)
 
 
+def state_after_prefix(n, seed, padded_row, pads, window, prefix):
+    """Causal elu-feature inputs of n tokens, row ``padded_row`` left-padded by ``pads``, run through the chunked form
+    for their first ``prefix`` tokens: that decoding state, the rest's (q, k, v, phi_q, phi_k) and the rest's mask."""
+    feature_map = build_feature_map("elu", 3, 8, causal=True)
+    q, k, v = inputs(n, seed=seed)
+    mask = torch.ones(2, n, dtype=torch.bool)
+    mask[padded_row, :pads] = False
+    phi_q, phi_k = feature_map(q, True), feature_map(k, False)
+    tensors = (q, k, v, phi_q, phi_k)
+    _, state = causal_sliding_window_attention(*(t[:, :, :prefix] for t in tensors), window, mask[:, :prefix])
+    return state, [t[:, :, prefix:] for t in tensors], mask[:, prefix:]
+
+
 def test_advancing_a_state_equals_running_the_tokens():
     """The rollback replay (state + recorded keys / values, no outputs) gives the state the forward gives."""
-    feature_map = build_feature_map("elu", 3, 8, causal=True)
-    q, k, v = inputs(15, seed=5)
-    mask = torch.ones(2, 15, dtype=torch.bool)
-    mask[1, :4] = False
-    phi_q, phi_k = feature_map(q, True), feature_map(k, False)
-    _, state = causal_sliding_window_attention(q[:, :, :6], k[:, :, :6], v[:, :, :6], phi_q[:, :, :6], phi_k[:, :, :6], 5, mask[:, :6])
-    _, want = causal_sliding_window_attention(
-        q[:, :, 6:], k[:, :, 6:], v[:, :, 6:], phi_q[:, :, 6:], phi_k[:, :, 6:], 5, mask[:, 6:], state=state
-    )
-    keep = mask[:, None, 6:, None]
-    got = advance_sliding_window_state(
-        state, k[:, :, 6:], torch.where(keep, phi_k[:, :, 6:], 0.0), torch.where(keep, v[:, :, 6:], 0.0), mask[:, 6:]
-    )
+    state, rest, mask = state_after_prefix(15, seed=5, padded_row=1, pads=4, window=5, prefix=6)
+    _, want = causal_sliding_window_attention(*rest, 5, mask, state=state)
+    _, k, v, _, phi_k = rest
+    keep = mask[:, None, :, None]
+    got = advance_sliding_window_state(state, k, torch.where(keep, phi_k, 0.0), torch.where(keep, v, 0.0), mask)
     for g, w in zip(got, want):
         if g.dtype == torch.bool:
             assert torch.equal(g, w)
@@ -233,15 +238,9 @@ def test_bad_windows_are_refused(bad):
 def test_quadratic_form_taken_under_export_equals_the_chunked_form_with_a_state():
     from hf_linear_attn.sliding_window_attention import _causal_forward
 
-    feature_map = build_feature_map("elu", 3, 8, causal=True)
-    q, k, v = inputs(19, seed=8)
-    mask = torch.ones(2, 19, dtype=torch.bool)
-    mask[0, :3] = False
-    phi_q, phi_k = feature_map(q, True), feature_map(k, False)
-    _, state = causal_sliding_window_attention(q[:, :, :9], k[:, :, :9], v[:, :, :9], phi_q[:, :, :9], phi_k[:, :, :9], 6, mask[:, :9])
-    rest = [t[:, :, 9:] for t in (q, k, v, phi_q, phi_k)]
-    chunked = _causal_forward(*rest, 6, mask[:, 9:], None, 1e-6, 4, state, quadratic=False)
-    quadratic = _causal_forward(*rest, 6, mask[:, 9:], None, 1e-6, 4, state, quadratic=True)
+    state, rest, mask = state_after_prefix(19, seed=8, padded_row=0, pads=3, window=6, prefix=9)
+    chunked = _causal_forward(*rest, 6, mask, None, 1e-6, 4, state, quadratic=False)
+    quadratic = _causal_forward(*rest, 6, mask, None, 1e-6, 4, state, quadratic=True)
     torch.testing.assert_close(quadratic[0], chunked[0], atol=1e-5, rtol=1e-5)
     for a, b in zip(quadratic[1], chunked[1]):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

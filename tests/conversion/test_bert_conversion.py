@@ -6,14 +6,12 @@ equal where the new attention reduces to softmax (a Linformer with k = n and ide
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import convert as convert_script  # scripts/convert.py
 import pytest
 import torch
-from helpers import ENV, script_error
+from helpers import run_fresh_python, script_error
 from transformers import (
     AlbertConfig,
     BertConfig,
@@ -184,11 +182,9 @@ def test_every_converted_head_loads_in_a_fresh_process(tmp_path):
         "    print('RESULT', folder, model.config.position_offset, first.sum().item())\n"
     )
     batch = {name: value.tolist() for name, value in inputs(batch=2, seed=1).items()}
-    proc = subprocess.run([sys.executable, "-c", code, json.dumps(expected), json.dumps(batch)], capture_output=True,
-                          text=True, cwd=tmp_path, env={**ENV, "PYTHONPATH": ""}, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = [line.split()[1:] for line in proc.stdout.strip().splitlines() if line.startswith("RESULT ")]
-    assert len(lines) == len(expected), proc.stdout[-2000:]
+    stdout = run_fresh_python("-c", code, json.dumps(expected), json.dumps(batch), cwd=tmp_path, timeout=600)
+    lines = [line.split()[1:] for line in stdout.strip().splitlines() if line.startswith("RESULT ")]
+    assert len(lines) == len(expected), stdout[-2000:]
     for folder, offset, total in lines:
         assert offset == "0"
         assert float(total) == pytest.approx(expected[folder][1], rel=1e-5, abs=1e-4), folder
@@ -314,10 +310,7 @@ def test_real_minilm_converts_exactly_and_its_linformer_with_identity_projection
             "sys.argv[1], trust_remote_code=True, num_labels=2); t = transformers.AutoTokenizer.from_pretrained("
             "sys.argv[1]); b = t('a', 'b', return_tensors='pt'); print(type(m).__name__, type(t).__name__, "
             "m(**b).logits.shape[-1])")
-    proc = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True, text=True, cwd=tmp_path,
-                          env={**ENV, "PYTHONPATH": ""}, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    name, tokenizer_name, labels = proc.stdout.split()[-3:]
+    name, tokenizer_name, labels = run_fresh_python("-c", code, out, cwd=tmp_path).split()[-3:]
     assert (name, labels) == ("LinformerForSequenceClassification", "2") and tokenizer_name.startswith("BertTokenizer")
 
 

@@ -1,14 +1,12 @@
 """Conversion of RoBERTa / GPT-2 checkpoints, attention distillation and Linformer length extension."""
 
 import json
-import subprocess
-import sys
 
 import convert as convert_script  # scripts/convert.py
 import pytest
 import torch
-from helpers import (ENV, GLUE, REPO_ROOT, TINY, TINY_DECODER, needs_data, pretrain_args, random_ids, run_pretrain,
-                     script_error, tiny_preset)
+from helpers import (GLUE, REPO_ROOT, TINY, TINY_DECODER, needs_data, pretrain_args, random_ids, run_fresh_python,
+                     run_pretrain, script_error, tiny_preset)
 from safetensors.torch import load_file, save_file
 from transformers import (
     AutoModelForMaskedLM,
@@ -187,10 +185,7 @@ def test_convert_script_writes_a_checkpoint_a_fresh_process_loads(roberta_folder
             "t = AutoTokenizer.from_pretrained(sys.argv[1], trust_remote_code=True);"
             "ids = torch.arange(5, 105)[None];"
             "print(t.model_max_length, type(m).__name__, m(ids).logits.sum().item())")
-    proc = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True, text=True, cwd=tmp_path,
-                          env={**ENV, "PYTHONPATH": ""}, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    max_length, name, total = proc.stdout.strip().splitlines()[-1].split()
+    max_length, name, total = run_fresh_python("-c", code, out, cwd=tmp_path).strip().splitlines()[-1].split()
     assert max_length == "128" and name == "LinformerForMaskedLM"
     here = AutoModelForMaskedLM.from_pretrained(out).eval()
     assert float(total) == pytest.approx(here(torch.arange(5, 105)[None]).logits.sum().item(), rel=1e-5)

@@ -2,14 +2,14 @@
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
-from helpers import AUTO_HEADS, FAMILY_VARIANTS, random_ids
+from helpers import AUTO_HEADS, FAMILY_VARIANTS, random_ids, run_fresh_python
 from transformers import AutoModel, AutoModelForSequenceClassification
 
+# Every case's checkpoint opened with its saved code, and what it gives against what the package gave before saving:
+# greedy generate() for a causal LM (12 new tokens), else the first output of a forward.
 FRESH_PROCESS_LOADER = r"""
 import json, sys, torch
 import transformers
@@ -20,15 +20,39 @@ for case in cases:
     model = auto.from_pretrained(case["path"], trust_remote_code=True).eval()
     inputs = torch.load(case["inputs"])
     with torch.no_grad():
-        out = model(**inputs)
-    first = out[0]
+        if case["auto"] == "AutoModelForCausalLM":
+            got = model.generate(**inputs, max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=1)
+        else:
+            got = model(**inputs)[0]
     results[case["path"]] = {
         "class": type(model).__module__ + "." + type(model).__name__,
-        "max_diff": (first - torch.load(case["expected"])).abs().max().item(),
+        "equal": bool(torch.equal(got, torch.load(case["expected"]))),
     }
 assert "hf_linear_attn" not in sys.modules, "the fresh process imported the package"
 print(json.dumps(results))
 """
+
+
+def save_case(model, auto, path, inputs, expected) -> dict:
+    """``model`` saved to ``path`` with its inputs and its expected output: the case the fresh process checks."""
+    model.save_pretrained(path)
+    torch.save(expected, path / "expected.pt")
+    torch.save(inputs, path / "inputs.pt")
+    return {"auto": auto.__name__, "path": str(path), "inputs": str(path / "inputs.pt"),
+            "expected": str(path / "expected.pt")}
+
+
+def check_in_a_fresh_process(tmp_path, cases) -> None:
+    """Every case loaded by its saved code (not the package) in one fresh process gives its expected output exactly."""
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    (tmp_path / "loader.py").write_text(FRESH_PROCESS_LOADER)
+    stdout = run_fresh_python(tmp_path / "loader.py", tmp_path / "cases.json", cwd=tmp_path, timeout=600,
+                              HF_MODULES_CACHE=str(tmp_path / "modules"))
+    results = json.loads(stdout.strip().splitlines()[-1])
+    assert len(results) == len(cases)
+    for path, result in results.items():
+        assert result["class"].startswith("transformers_modules."), result  # the copied code, not the package
+        assert result["equal"], (path, result)
 
 
 @pytest.mark.slow
@@ -47,26 +71,14 @@ def test_every_head_of_both_families_loads_in_a_fresh_process(tmp_path):
             if auto.__name__ == "AutoModelForMultipleChoice":
                 ids = ids[None].expand(2, 2, 12)
             inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-            path = tmp_path / f"{variant}-{auto.__name__}"
-            model.save_pretrained(path)
             with torch.no_grad():
-                torch.save(model(**inputs)[0], path / "expected.pt")
-            torch.save(inputs, path / "inputs.pt")
-            cases.append({"auto": auto.__name__, "path": str(path), "inputs": str(path / "inputs.pt"),
-                          "expected": str(path / "expected.pt")})
+                expected = model(**inputs)[0]
+            path = tmp_path / f"{variant}-{auto.__name__}"
+            cases.append(save_case(model, auto, path, inputs, expected))
             saved = set(os.listdir(path))
             assert {"config.json", "model.safetensors", "modeling_roberta_style.py"} <= saved, saved
-    (tmp_path / "cases.json").write_text(json.dumps(cases))
-    (tmp_path / "loader.py").write_text(FRESH_PROCESS_LOADER)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": "", "HF_MODULES_CACHE": str(tmp_path / "modules")}
-    proc = subprocess.run([sys.executable, str(tmp_path / "loader.py"), str(tmp_path / "cases.json")],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(results) == len(cases) == len(AUTO_HEADS) * len(encoder_variants)
-    for path, result in results.items():
-        assert result["class"].startswith("transformers_modules."), result  # the copied code, not the package
-        assert result["max_diff"] == 0.0, (path, result)
+    assert len(cases) == len(AUTO_HEADS) * len(encoder_variants)
+    check_in_a_fresh_process(tmp_path, cases)
 
 
 def test_saved_config_opens_every_head_and_weights_reload_exactly(tmp_path):
@@ -100,29 +112,6 @@ def test_a_checkpoint_with_misshaped_weights_is_refused(tmp_path, caplog):
     assert "key_projection" in caplog.text and "MISMATCH" in caplog.text  # the report names the bad weight
 
 
-FRESH_PROCESS_GENERATE = r"""
-import json, sys, torch
-import transformers
-cases = json.load(open(sys.argv[1]))
-results = {}
-for case in cases:
-    auto = getattr(transformers, case["auto"])
-    model = auto.from_pretrained(case["path"], trust_remote_code=True).eval()
-    inputs = torch.load(case["inputs"])
-    with torch.no_grad():
-        if case["auto"] == "AutoModelForCausalLM":
-            got = model.generate(**inputs, max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=1)
-        else:
-            got = model(**inputs)[0]
-    results[case["path"]] = {
-        "class": type(model).__module__ + "." + type(model).__name__,
-        "equal": bool(torch.equal(got, torch.load(case["expected"]))),
-    }
-assert "hf_linear_attn" not in sys.modules, "the fresh process imported the package"
-print(json.dumps(results))
-"""
-
-
 @pytest.mark.slow
 def test_decoders_load_in_a_fresh_process_and_generate_the_same_tokens(tmp_path):
     from helpers import DECODER_VARIANTS, causal_lm, left_padded_batch
@@ -147,25 +136,12 @@ def test_decoders_load_in_a_fresh_process_and_generate_the_same_tokens(tmp_path)
                 with torch.no_grad():
                     expected = model(**inputs)[0]
             path = tmp_path / f"{variant}-{auto.__name__}"
-            model.save_pretrained(path)
-            torch.save(expected, path / "expected.pt")
-            torch.save(inputs, path / "inputs.pt")
-            cases.append({"auto": auto.__name__, "path": str(path), "inputs": str(path / "inputs.pt"),
-                          "expected": str(path / "expected.pt")})
+            cases.append(save_case(model, auto, path, inputs, expected))
             saved = set(os.listdir(path))
             assert {"modeling_gpt2_style.py", "recurrent_cache.py", "block_linformer.py", "sliding_window_attention.py"} <= saved, saved
             config = json.loads((path / "config.json").read_text())
             assert set(config["auto_map"]) == {
                 "AutoConfig", "AutoModel", "AutoModelForCausalLM", "AutoModelForSequenceClassification"
             }
-    (tmp_path / "cases.json").write_text(json.dumps(cases))
-    (tmp_path / "generate.py").write_text(FRESH_PROCESS_GENERATE)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": "", "HF_MODULES_CACHE": str(tmp_path / "modules")}
-    proc = subprocess.run([sys.executable, str(tmp_path / "generate.py"), str(tmp_path / "cases.json")],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(results) == len(cases) == 3 * len(variants)
-    for path, result in results.items():
-        assert result["class"].startswith("transformers_modules."), result
-        assert result["equal"], (path, result)
+    assert len(cases) == 3 * len(variants)
+    check_in_a_fresh_process(tmp_path, cases)

@@ -166,40 +166,44 @@ def test_multiple_choice_logits_shape_and_regression_head():
     assert mc(random_ids(2 * 4, 10).view(2, 4, 10)).logits.shape == (2, 4)
 
 
-def test_gradient_checkpointing_gives_the_same_gradients():
-    for variant in ("linformer-layerwise", "linear-favor"):
-        torch.manual_seed(0)
-        model = AutoModelForMaskedLM.from_config(FAMILY_VARIANTS[variant]()).train()
-        ids = random_ids(2, 24)
-        grads = []
-        for checkpointing in (False, True):
-            model.zero_grad()
-            if checkpointing:
-                model.activation_checkpointing_enable()
-            model(ids, labels=ids).loss.backward()
-            grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
-        assert grads[0].keys() == grads[1].keys()
-        for name in grads[0]:
-            torch.testing.assert_close(grads[0][name], grads[1][name], atol=1e-6, rtol=1e-5)
+def masked_lm_step(model, ids):
+    """One masked-LM training step from zeroed gradients: (logits, {parameter name: gradient})."""
+    model.zero_grad()
+    torch.manual_seed(1)  # the same draws in every step compared, should the model draw any
+    out = model(ids, labels=ids)
+    out.loss.backward()
+    return out.logits, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def test_chunked_feed_forward_matches_unchunked():
-    """config.chunk_size_feed_forward (RoBERTa's option) gives the same outputs and gradients, like stock RoBERTa's."""
-    for variant in ("linformer-layerwise", "linear-elu"):
-        torch.manual_seed(0)
-        model = AutoModelForMaskedLM.from_config(FAMILY_VARIANTS[variant]()).train()
-        ids = random_ids(2, 24)
-        results = []
-        for chunk in (0, 5):  # 5 does not divide 24: the last chunk is shorter
-            for layer in model.roberta.encoder.layer:
-                layer.chunk_size_feed_forward = chunk
-            model.zero_grad()
-            torch.manual_seed(1)
-            out = model(ids, labels=ids)
-            out.loss.backward()
-            results.append((out.logits, model.roberta.encoder.layer[0].intermediate.dense.weight.grad.clone()))
-        torch.testing.assert_close(results[0][0], results[1][0])
-        torch.testing.assert_close(results[0][1], results[1][1])
+def enable_checkpointing(model):
+    model.activation_checkpointing_enable()
+
+
+def chunk_feed_forward(model):
+    for layer in model.roberta.encoder.layer:
+        layer.chunk_size_feed_forward = 5  # 5 does not divide 24: the last chunk is shorter
+
+
+@pytest.mark.parametrize("variant, saving", [
+    ("linformer-layerwise", enable_checkpointing), ("linear-favor", enable_checkpointing),
+    ("linformer-layerwise", chunk_feed_forward), ("linear-elu", chunk_feed_forward),
+])
+def test_memory_savings_give_the_same_training_step(variant, saving):
+    """Gradient checkpointing and config.chunk_size_feed_forward (RoBERTa's option, as in stock RoBERTa) give the
+    same logits and gradients as the plain step."""
+    torch.manual_seed(0)
+    model = AutoModelForMaskedLM.from_config(FAMILY_VARIANTS[variant]()).train()
+    ids = random_ids(2, 24)
+    plain_logits, plain_grads = masked_lm_step(model, ids)
+    saving(model)
+    logits, grads = masked_lm_step(model, ids)
+    torch.testing.assert_close(logits, plain_logits, atol=1e-6, rtol=1e-5)
+    assert grads.keys() == plain_grads.keys()
+    for name in grads:
+        torch.testing.assert_close(grads[name], plain_grads[name], atol=1e-6, rtol=1e-5)
+
+
+def test_config_chunk_size_feed_forward_reaches_every_layer():
     config = FAMILY_VARIANTS["linear-elu"]()
     config.chunk_size_feed_forward = 6
     assert AutoModel.from_config(config).encoder.layer[-1].chunk_size_feed_forward == 6

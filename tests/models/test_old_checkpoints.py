@@ -3,13 +3,11 @@ package was restructured) still load and give the logits they gave then: with th
 (trust_remote_code, in a fresh process that never imports the package) and with the installed package."""
 
 import json
-import subprocess
-import sys
 import tarfile
 
 import pytest
 import torch
-from helpers import ENV, REPO_ROOT
+from helpers import REPO_ROOT, run_fresh_python
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
 
@@ -60,9 +58,6 @@ def test_an_old_checkpoint_gives_its_old_logits_with_the_installed_package(famil
 
 def test_old_checkpoints_give_their_old_logits_with_their_own_code_in_a_fresh_process(old_checkpoints, tmp_path):
     jobs = [(family, auto.__name__, str(old_checkpoints / family)) for family, auto in AUTO.items()]
-    proc = subprocess.run([sys.executable, "-c", FRESH_PROCESS, json.dumps(jobs)], capture_output=True, text=True,
-                          timeout=300, env=ENV, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    differences = json.loads(proc.stdout.splitlines()[-1])
+    differences = json.loads(run_fresh_python("-c", FRESH_PROCESS, json.dumps(jobs), cwd=tmp_path).splitlines()[-1])
     assert set(differences) == set(AUTO)
     assert all(value < 1e-5 for value in differences.values()), differences

@@ -19,16 +19,23 @@ from hf_linear_attn import (
 )
 
 
+def load_stock_weights(model, stock, factor_name: str) -> None:
+    """``stock``'s weights into ``model``, whose only other parameters are the two layers' window factors (named
+    ``factor_name`` with the layer index): set to 0, g = 1."""
+    missing, unexpected = model.load_state_dict(stock.state_dict(), strict=False)
+    assert not unexpected
+    assert sorted(missing) == [factor_name.format(i) for i in range(2)]
+    with torch.no_grad():
+        for name in missing:
+            model.get_parameter(name).zero_()
+
+
 def test_a_decoder_window_covering_the_context_is_stock_gpt2():
     """W = n_positions and g = 1: every key is in the window, so each token's weights are softmax's exactly."""
     torch.manual_seed(0)
     gpt2 = GPT2LMHeadModel(GPT2Config(**TINY_DECODER, attn_implementation="eager")).eval()
     model = LinearGPT2ForCausalLM(LinearGPT2Config(**TINY_DECODER, attention_window=TINY_DECODER["n_positions"])).eval()
-    missing, unexpected = model.load_state_dict(gpt2.state_dict(), strict=False)
-    assert not unexpected and sorted(missing) == [f"transformer.h.{i}.attn.window_factor.log_factor" for i in range(2)]
-    with torch.no_grad():
-        for name in missing:
-            model.get_parameter(name).zero_()
+    load_stock_weights(model, gpt2, "transformer.h.{}.attn.window_factor.log_factor")
     ids = random_ids(2, 40)
     torch.testing.assert_close(model(ids).logits, gpt2(ids).logits, atol=1e-4, rtol=1e-4)
 
@@ -37,12 +44,7 @@ def test_an_encoder_band_covering_the_input_is_stock_roberta():
     torch.manual_seed(0)
     roberta = RobertaForMaskedLM(RobertaConfig(**TINY, type_vocab_size=1, layer_norm_eps=1e-5, attn_implementation="eager")).eval()
     model = LinearRobertaForMaskedLM(LinearRobertaConfig(**TINY, attention_window=64, linear_attention_chunk_size=16)).eval()
-    missing, unexpected = model.load_state_dict(roberta.state_dict(), strict=False)
-    assert not unexpected
-    assert sorted(missing) == [f"roberta.encoder.layer.{i}.attention.self.window_factor.log_factor" for i in range(2)]
-    with torch.no_grad():
-        for name in missing:
-            model.get_parameter(name).zero_()
+    load_stock_weights(model, roberta, "roberta.encoder.layer.{}.attention.self.window_factor.log_factor")
     ids = random_ids(2, 64)
     torch.testing.assert_close(model(ids).logits, roberta(ids).logits, atol=1e-4, rtol=1e-4)
 
