@@ -27,13 +27,11 @@ config, model code, tokenizer) and a model card README.md with model-index resul
 training) uploads them in one commit.
 """
 
-import sys
-from pathlib import Path
 
 from transformers import TrainingArguments
 
 from hf_linear_attn.training.arguments import flags_given, parse_arguments
-from hf_linear_attn.training.checkpoints import disk_full_error, is_disk_full
+from hf_linear_attn.training.checkpoints import script_errors
 from hf_linear_attn.training.errors import UsageError
 from hf_linear_attn.training.finetuning import run_finetuning
 from hf_linear_attn.training.finetuning_arguments import FinetuneArguments
@@ -42,7 +40,7 @@ from hf_linear_attn.training.launch import ensure_requested_processes
 
 def main(argv=None):
     training = None
-    try:
+    with script_errors(lambda: training.output_dir if training is not None else None):
         if argv is None:  # run as a command: `accelerate launch --num_processes N` must start N processes
             ensure_requested_processes(__file__)
         args, training, config_path = parse_arguments((FinetuneArguments, TrainingArguments), argv)
@@ -50,14 +48,6 @@ def main(argv=None):
             raise UsageError("pass --output_dir")
         modes_given = bool({"do_train", "do_eval", "do_predict"} & flags_given(argv, config_path))
         metrics = run_finetuning(args, training, argv, modes_given=modes_given)
-    except UsageError as error:
-        sys.exit(f"error: {error}")
-    except Exception as error:
-        # a full disk wherever it strikes (results files, the card, predictions), whatever library raised it; the
-        # checkpoint and final-model saves name their folder themselves
-        if training is None or not is_disk_full(error):
-            raise
-        sys.exit(f"error: {disk_full_error(Path(training.output_dir), 'the run', error)}")
     print({k: v for k, v in metrics.items() if k.startswith(("eval_", "predict_"))})
     return metrics
 

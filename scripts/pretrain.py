@@ -9,12 +9,8 @@ Every argument is a --flag (see --help); --config FILE.json gives defaults that 
 from a Hub dataset (--dataset_name) or local text / json / parquet files (--train_file, --validation_file).
 """
 
-import sys
-from pathlib import Path
-
 from hf_linear_attn.training.arguments import parse_arguments
-from hf_linear_attn.training.checkpoints import disk_full_error, is_disk_full
-from hf_linear_attn.training.errors import UsageError
+from hf_linear_attn.training.checkpoints import script_errors
 from hf_linear_attn.training.launch import ensure_requested_processes
 from hf_linear_attn.training.pretraining import run_pretraining
 from hf_linear_attn.training.pretraining_arguments import PretrainArguments
@@ -22,19 +18,11 @@ from hf_linear_attn.training.pretraining_arguments import PretrainArguments
 
 def main(argv=None):
     args = None
-    try:
+    with script_errors(lambda: args.output_dir if args is not None else None):
         if argv is None:  # run as a command: `accelerate launch --num_processes N` must start N processes
             ensure_requested_processes(__file__)
         args, _ = parse_arguments((PretrainArguments,), argv)
         run_pretraining(args)
-    except UsageError as error:
-        sys.exit(f"error: {error}")
-    except Exception as error:
-        # a full disk wherever it strikes (a results file, the tokenizer, a tracker's log), whatever library raised
-        # it; the checkpoint and final-model saves name their folder themselves
-        if args is None or not is_disk_full(error):
-            raise
-        sys.exit(f"error: {disk_full_error(Path(args.output_dir), 'the run', error)}")
 
 
 if __name__ == "__main__":

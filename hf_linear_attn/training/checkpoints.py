@@ -6,16 +6,18 @@ round. A folder damaged some other way (a file deleted or truncated by hand, a c
 found by `missing_pieces` and skipped by name.
 """
 
+import contextlib
 import errno
 import json
 import os
 import re
 import shutil
 import struct
+import sys
 import zipfile
 from pathlib import Path
 
-from .errors import DiskFullError
+from .errors import DiskFullError, UsageError
 
 
 def file_problem(path: Path) -> str | None:
@@ -193,3 +195,20 @@ def disk_full_error(folder: Path, what: str, error: BaseException) -> DiskFullEr
     return DiskFullError(f"the disk is full: {what} could not be written to {folder} ({free}; {error}). Free some "
                          "space (or choose another --output_dir) and run again; a run with checkpoints continues "
                          "with --resume (pretrain.py) / --resume_from_checkpoint True (finetune.py)")
+
+
+@contextlib.contextmanager
+def script_errors(output_dir_of):
+    """How the training scripts end on a refusal: a UsageError exits with "error: ..." and no traceback, and a full
+    disk wherever it strikes (results files, the card, a tokenizer, a tracker's log; whatever library raised it)
+    exits naming the run's folder, ``output_dir_of()`` (None before the arguments are read: then it is raised as
+    is). The checkpoint and final-model saves name their own folder."""
+    try:
+        yield
+    except UsageError as error:
+        sys.exit(f"error: {error}")
+    except Exception as error:
+        folder = output_dir_of()
+        if folder is None or not is_disk_full(error):
+            raise
+        sys.exit(f"error: {disk_full_error(Path(folder), 'the run', error)}")

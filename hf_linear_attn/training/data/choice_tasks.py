@@ -12,10 +12,7 @@ import torch
 from datasets import Dataset, DatasetDict
 
 from ..errors import UsageError
-from .files import (
-    hold_out_validation, hub_splits, load_hub, load_local, require_split_sources, require_text, split_files,
-    warn_same_file,
-)
+from .files import hold_out_validation, load_hub, load_local, require_text, select_splits, split_files
 
 ENDING_COLUMN = re.compile(r"^ending(\d+)$")
 
@@ -95,19 +92,8 @@ def load_choice_data(task: ChoiceTask, raw: DatasetDict, dataset_name=None, trai
                      splits=("train", "validation")) -> tuple[DatasetDict, str]:
     """Rows of "context", "prefix", "endings" (a list) and, where the split has labels, "label" for each of `splits`,
     and the name of the evaluation split (carved from train with the seed when there is no validation data)."""
-    if dataset_name is not None:
-        chosen, eval_name = hub_splits(raw, dataset_name, task.hub_eval_split, splits)
-        parts = {s: raw[name] for s, name in chosen.items()}
-        sources = {s: f"{dataset_name} {name}" for s, name in chosen.items()}
-        eval_split = f"{dataset_name} {eval_name}"
-    else:
-        require_split_sources(splits, train_file, validation_file, test_file)
-        parts = {s: raw[s] for s in splits if s in raw}
-        given = {"train": train_file, "validation": validation_file, "test": test_file}
-        sources = {s: str(given[s]) for s in parts}
-        eval_split = Path(validation_file).name if validation_file else None
-        if "train" in splits and "validation" in splits:
-            warn_same_file(train_file, validation_file)
+    parts, sources, eval_split = select_splits(raw, dataset_name, task.hub_eval_split, splits, train_file,
+                                               validation_file, test_file)
     data = {}
     for split, part in parts.items():
         needed = [*task.text_columns, *task.ending_columns] + ([task.label_column] if split != "test" else [])

@@ -29,6 +29,23 @@ def refuse_sources_inside(output_dir, sources: dict) -> None:
                                     "--output_dir")
 
 
+def select_splits(raw, dataset_name, hub_eval_split, splits, train_file, validation_file, test_file):
+    """(parts, sources, eval_split) of the task readers: each wanted split of ``raw`` (a Hub dataset's own splits,
+    the evaluation split by ``hub_eval_split``, or the local files given), where each came from, and the name of the
+    evaluation split (None: it will be carved from train). Local files: a split asked for without its file is an
+    error, and a validation file that is the training file a warning."""
+    if dataset_name is not None:
+        chosen, eval_name = hub_splits(raw, dataset_name, hub_eval_split, splits)
+        parts = {s: raw[name] for s, name in chosen.items()}
+        return parts, {s: f"{dataset_name} {name}" for s, name in chosen.items()}, f"{dataset_name} {eval_name}"
+    require_split_sources(splits, train_file, validation_file, test_file)
+    parts = {s: raw[s] for s in splits if s in raw}
+    given = {"train": train_file, "validation": validation_file, "test": test_file}
+    if "train" in splits and "validation" in splits:
+        warn_same_file(train_file, validation_file)
+    return parts, {s: str(given[s]) for s in parts}, Path(validation_file).name if validation_file else None
+
+
 def warn_same_file(train_file, validation_file) -> None:
     """A warning when the validation file is the training file: its scores then measure memorisation, not what the
     model learnt, and used to be reported as validation results without a word. Not an error: a smoke test may

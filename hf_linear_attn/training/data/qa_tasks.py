@@ -14,8 +14,8 @@ from datasets import Dataset, DatasetDict
 
 from ..errors import UsageError
 from .files import (
-    TEXT_BUILDERS, check_utf8, describe_error, hold_out_validation, hub_splits, load_hub, load_local, require_text,
-    require_split_sources, split_files, warn_same_file,
+    TEXT_BUILDERS, check_utf8, describe_error, hold_out_validation, load_hub, load_local, require_text, select_splits,
+    split_files,
 )
 
 
@@ -158,19 +158,8 @@ def load_qa_data(task: QATask, raw: DatasetDict, dataset_name=None, train_file=N
     """Question answering rows (id, question, context and, where the split has them, answers) for each of `splits`,
     and the name of the evaluation split; without validation data (and with train among the splits) it is carved
     from train with the seed. The test split may lack answers (then only predictions are written)."""
-    if dataset_name is not None:
-        chosen, eval_name = hub_splits(raw, dataset_name, task.hub_eval_split, splits)
-        parts = {s: raw[name] for s, name in chosen.items()}
-        sources = {s: f"{dataset_name} {name}" for s, name in chosen.items()}
-        eval_split = f"{dataset_name} {eval_name}"
-    else:
-        require_split_sources(splits, train_file, validation_file, test_file)
-        parts = {s: raw[s] for s in splits if s in raw}
-        given = {"train": train_file, "validation": validation_file, "test": test_file}
-        sources = {s: str(given[s]) for s in parts}
-        eval_split = Path(validation_file).name if validation_file else None
-        if "train" in splits and "validation" in splits:
-            warn_same_file(train_file, validation_file)
+    parts, sources, eval_split = select_splits(raw, dataset_name, task.hub_eval_split, splits, train_file,
+                                               validation_file, test_file)
     data = {}
     for split, part in parts.items():
         needed = [task.question_column, task.context_column] + ([task.answers_column] if split != "test" else [])

@@ -9,9 +9,7 @@ from datasets import ClassLabel, Dataset, DatasetDict
 from tokenizers import pre_tokenizers
 
 from ..errors import UsageError
-from .files import (
-    TEXT_BUILDERS, hold_out_validation, hub_splits, load_hub, load_local, require_split_sources, split_files,
-)
+from .files import TEXT_BUILDERS, hold_out_validation, load_hub, load_local, select_splits, split_files
 
 
 @dataclass(frozen=True)
@@ -140,17 +138,8 @@ def load_token_data(task: TokenTask, raw: DatasetDict, dataset_name=None, train_
     `splits`, and the name of the evaluation split. As `load_task_data`: a Hub dataset's own splits, or local files;
     without validation data (and with train among the splits) the evaluation split is carved from train with the
     seed. The test split may lack labels (then only predictions are written)."""
-    if dataset_name is not None:
-        chosen, eval_name = hub_splits(raw, dataset_name, task.hub_eval_split, splits)
-        parts = {s: raw[name] for s, name in chosen.items()}
-        sources = {s: f"{dataset_name} {name}" for s, name in chosen.items()}
-        eval_split = f"{dataset_name} {eval_name}"
-    else:
-        require_split_sources(splits, train_file, validation_file, test_file)
-        parts = {s: raw[s] for s in splits if s in raw}
-        given = {"train": train_file, "validation": validation_file, "test": test_file}
-        sources = {s: str(given[s]) for s in parts}
-        eval_split = Path(validation_file).name if validation_file else None
+    parts, sources, eval_split = select_splits(raw, dataset_name, task.hub_eval_split, splits, train_file,
+                                               validation_file, test_file)
     for split, part in parts.items():
         needed = [task.tokens_column] + ([task.label_column] if split != "test" else [])
         missing = [c for c in needed if c not in part.column_names]
