@@ -24,6 +24,8 @@ from hf_linear_attn.sliding_window_attention import causal_sliding_window_attent
 
 H, D, WINDOW = 12, 64, 64
 METHODS = ("softmax (SDPA)", "linear", "window 64 + linear", "fixed decay", "gated (per feature)")
+# the decayed kernels' two forms side by side (the columns above call form "auto": choose_decayed_form's pick)
+FORM_METHODS = ("fixed decay, all chunks", "fixed decay, scan", "gated, all chunks", "gated, scan")
 
 
 def inputs(n: int, grad: bool, seed: int = 0):
@@ -45,9 +47,10 @@ def call(method: str, q, k, v, gate, log_rates):
     if method == "window 64 + linear":
         theta = torch.zeros(H)
         return causal_sliding_window_attention(q, k, v, phi_q, phi_k, WINDOW, None, theta, 1e-6, 64, None)[0]
-    if method == "fixed decay":
-        return causal_decayed_linear_attention(phi_q, phi_k, v, log_rates.expand(1, H, q.shape[2], 1))[0]
-    return causal_decayed_linear_attention(phi_q, phi_k, v, gate)[0]
+    form = {"all chunks": "chunks", "scan": "scan"}.get(method.rpartition(", ")[2], "auto")
+    if method.startswith("fixed decay"):
+        return causal_decayed_linear_attention(phi_q, phi_k, v, log_rates.expand(1, H, q.shape[2], 1), form=form)[0]
+    return causal_decayed_linear_attention(phi_q, phi_k, v, gate, form=form)[0]
 
 
 def measure(n: int, method: str, backward: bool, repeats: int) -> float:
@@ -73,11 +76,12 @@ def render(result: dict) -> str:
         "",
     ]
     for mode in ("forward", "forward + backward"):
+        methods = [m for m in (*METHODS, *FORM_METHODS) if any(m in row for row in result["seconds"][mode].values())]
         lines += [f"## {mode}: ms per call (microseconds per position)", "",
-                  "| n | " + " | ".join(METHODS) + " |", "|---|" + "---|" * len(METHODS)]
+                  "| n | " + " | ".join(methods) + " |", "|---|" + "---|" * len(methods)]
         for n in result["n"]:
             cells = []
-            for method in METHODS:
+            for method in methods:
                 seconds = result["seconds"][mode][str(n)].get(method)
                 cells.append("-" if seconds is None else f"{seconds * 1e3:.1f} ({seconds / n * 1e6:.2f})")
             lines.append(f"| {n:,} | " + " | ".join(cells) + " |")
@@ -91,6 +95,7 @@ def main(argv=None) -> int:
     parser.add_argument("--n", type=int, nargs="+", default=[1024, 4096, 16384])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--softmax_up_to", type=int, default=16384, help="skip SDPA above this n")
+    parser.add_argument("--forms", action="store_true", help="also time each decayed kernel's two forms explicitly")
     args = parser.parse_args(argv)
     import sys
 
@@ -101,7 +106,7 @@ def main(argv=None) -> int:
     for n in args.n:
         for mode, backward in (("forward", False), ("forward + backward", True)):
             row = result["seconds"][mode].setdefault(str(n), {})
-            for method in METHODS:
+            for method in (*METHODS, *(FORM_METHODS if args.forms else ())):
                 if method.startswith("softmax") and n > args.softmax_up_to:
                     continue
                 row[method] = measure(n, method, backward, args.repeats)

@@ -63,6 +63,7 @@ def causal_decayed_linear_attention(
     eps: float = 1e-6,
     chunk_size: int = 64,
     state: tuple[torch.Tensor, torch.Tensor] | None = None,
+    form: str = "auto",
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Decayed causal linear attention, exact, in chunks: (B, H, n, d_v) outputs and the final (S, z) state.
 
@@ -70,8 +71,13 @@ def causal_decayed_linear_attention(
     continues from an earlier call (prefill, then decoding). Gradients: autograd through the chunk loop, which
     holds one (B, H, m, d_v + 1) state per chunk. Under ``torch.export`` the pairwise form runs instead (its shapes
     are linear or quadratic in n, with no chunk count).
+
+    ``form``: "chunks" computes every chunk at once (few, large kernels), "scan" one chunk after another carrying
+    the state (cache-resident steps); "auto" takes :func:`choose_decayed_form`'s pick.
     """
     _check_log_decay(log_decay, phi_q)
+    if form not in ("auto", "chunks", "scan"):
+        raise ValueError(f"form must be 'auto', 'chunks' or 'scan', got {form!r}.")
     batch, heads, n, m = phi_q.shape
     d_v = v.shape[-1]
     out_dtype = v.dtype
@@ -81,8 +87,25 @@ def causal_decayed_linear_attention(
         if torch.compiler.is_exporting():
             out, final = _pairwise_form(q, k, v1, log_decay, s0)
         else:
-            out, final = _chunked_form(q, k, v1, log_decay, s0, max(1, min(chunk_size, max(n, 1))))
+            if form == "auto":
+                form = choose_decayed_form(q.device.type, batch * heads * n, torch.is_grad_enabled())
+            run = _scan_form if form == "scan" else _chunked_form
+            out, final = run(q, k, v1, log_decay, s0, max(1, min(chunk_size, max(n, 1))))
         return _split_output(out, final, d_v, eps, out_dtype)
+
+
+# Where the scan pays on a CPU, from this many positions (batch x heads x n), without and with gradients. Measured on
+# a 2-core Zen 5 EPYC (`python scripts/state_variants_benchmark.py --forms`, H 12, d 64, batch 1, one run): forward,
+# the two forms tie at n 1,024 (12,288 positions; fixed decay 12.3 / 12.9 ms) and the scan leads from 4,096 (1.6x /
+# 2.0x at 16,384 for the fixed decay / the gate); forward + backward, the all-chunks form leads at 1,024 (24 against
+# 33 ms), they tie at 4,096, and the scan leads at 16,384 (686 against 1,012 ms; gate 864 against 1,539). GPUs keep
+# the all-chunks form (few, large kernels), unmeasured.
+SCAN_FROM_POSITIONS = {False: 24576, True: 98304}
+
+
+def choose_decayed_form(device: str, positions: int, needs_grad: bool) -> str:
+    """"chunks" or "scan" for this device type, number of positions (batch x heads x n) and gradients or not."""
+    return "scan" if device == "cpu" and positions >= SCAN_FROM_POSITIONS[needs_grad] else "chunks"
 
 
 def _decay_matrix(b_t: torch.Tensor, b_s: torch.Tensor) -> torch.Tensor:
@@ -109,16 +132,18 @@ def _decayed_scores(q, k, b):
 SPLIT_EXPONENT = 40.0
 
 
-def _split_scores(q, k, b):
+def _split_scores(q, k, b, causal=None):
     """_decayed_scores for one decay per feature as a matmul around the chunk's middle, or None where a chunk decays
-    too strongly for it (see :data:`SPLIT_EXPONENT`; the caller then takes shorter chunks or the C x C x m form)."""
+    too strongly for it (see :data:`SPLIT_EXPONENT`; the caller then takes shorter chunks or the C x C x m form).
+    ``causal``: the C x C lower-triangular mask, where the caller has it."""
     c = b.shape[-2]
     mid = b[..., c // 2 : c // 2 + 1, :]
     # one check (a host sync) per call: the largest factor of any chunk, before or after its middle
     if torch.maximum(b[..., :1, :] - mid, mid - b[..., -1:, :]).max() > SPLIT_EXPONENT:
         return None
     scores = torch.matmul(q * torch.exp(b - mid), (k * torch.exp(mid - b)).transpose(-1, -2))
-    causal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
+    if causal is None:
+        causal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
     return torch.where(causal, scores, 0.0)  # where, not a product: an entry above the diagonal may be large
 
 
@@ -156,6 +181,28 @@ def _chunked_form(q, k, v1, log_decay, s0, c: int):
     before = torch.stack(states, dim=2)  # (B, H, N, m, d + 1): the state entering each chunk
     out = torch.matmul(scores, v_c) + torch.matmul(q_c * torch.exp(b), before)
     return out.reshape(batch, heads, n + padded, -1)[:, :, :n], s
+
+
+def _scan_form(q, k, v1, log_decay, s0, c: int):
+    """The chunked form one chunk at a time, carrying the state: the same outputs and final state as
+    :func:`_chunked_form`, but every operand of a step is one chunk's (a few hundred kB at 12 heads, C = 64), so it
+    stays in cache where the all-chunks form streams (B, H, n / C, ...) tensors through memory."""
+    batch, heads, n, m = q.shape
+    outs, s = [q.new_zeros(batch, heads, 0, v1.shape[-1])], s0
+    causal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
+    # split, not [start:end] slices: under autograd each slice's backward is a zero tensor of the whole input, O((n / C)^2)
+    # in all, where split's backward joins the chunks' gradients once
+    for q_c, k_c, v_c, a_c in zip(*(t.split(c, dim=2) for t in (q, k, v1, log_decay))):
+        b = torch.cumsum(a_c, dim=2)
+        size = b.shape[2]
+        scores = _split_scores(q_c, k_c, b, causal[:size, :size]) if b.shape[-1] > 1 else None
+        if scores is None:
+            scores = _decayed_scores(q_c, k_c, b)
+        b_end = b[:, :, -1:]
+        # a list joined once, not writes into one output (whose backward would copy the whole gradient per chunk)
+        outs.append(torch.matmul(scores, v_c) + torch.matmul(q_c * torch.exp(b), s))
+        s = torch.exp(b_end).transpose(-1, -2) * s + torch.matmul((k_c * torch.exp(b_end - b)).transpose(-1, -2), v_c)
+    return torch.cat(outs, dim=2), s
 
 
 def _pairwise_form(q, k, v1, log_decay, s0):

@@ -29,14 +29,15 @@ def inputs(b=2, h=3, n=23, m=6, d=5, per_feature=False, strength=1.0, seed=0):
     return phi_q, phi_k, v, log_decay
 
 
+@pytest.mark.parametrize("form", ["chunks", "scan"])
 @pytest.mark.parametrize("per_feature", [False, True], ids=["per-head", "per-feature"])
 @pytest.mark.parametrize("n,chunk", [(1, 4), (23, 4), (23, 64), (40, 8), (17, 1)])
-def test_chunked_form_against_the_float64_recurrence_values_state_and_gradients(per_feature, n, chunk):
+def test_chunked_forms_against_the_float64_recurrence_values_state_and_gradients(per_feature, n, chunk, form):
     phi_q, phi_k, v, log_decay = inputs(n=n, per_feature=per_feature)
     leaves = [t.clone().requires_grad_() for t in (phi_q, phi_k, v, log_decay)]
     reference, (s_ref, z_ref) = naive_decayed_linear_attention(*leaves)
     ours_leaves = [t.detach().float().requires_grad_() for t in leaves]
-    ours, (s, z) = causal_decayed_linear_attention(*ours_leaves, chunk_size=chunk)
+    ours, (s, z) = causal_decayed_linear_attention(*ours_leaves, chunk_size=chunk, form=form)
     torch.testing.assert_close(ours.double(), reference, atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(s.double(), s_ref, atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(z.double(), z_ref, atol=2e-5, rtol=1e-4)
@@ -56,15 +57,17 @@ def test_no_decay_is_plain_causal_linear_attention():
     torch.testing.assert_close(z, z_plain, atol=1e-5, rtol=1e-6)
 
 
+@pytest.mark.parametrize("form", ["chunks", "scan"])
 @pytest.mark.parametrize("per_feature", [False, True], ids=["per-head", "per-feature"])
 @pytest.mark.parametrize("strength", [1.0, 3.0, 50.0])
-def test_any_decay_strength_stays_finite_and_exact(per_feature, strength):
+def test_any_decay_strength_stays_finite_and_exact(per_feature, strength, form):
     """Chunks of 64 decaying by up to e^-64, e^-192 and e^-3,200. Rescaling q by exp(B_t) and k by exp(-B_s), as a
     plain product would, overflows float32 beyond e^-88. One decay per feature takes, by strength: the matmul around
     the chunk's middle at 64; the same at 16 (64 would need factors up to e^96); the C x C x m product at 16."""
     phi_q, phi_k, v, log_decay = inputs(n=64, per_feature=per_feature, strength=strength)
     reference, _ = naive_decayed_linear_attention(phi_q, phi_k, v, log_decay)
-    ours, (s, z) = causal_decayed_linear_attention(*(t.float() for t in (phi_q, phi_k, v, log_decay)), chunk_size=64)
+    ours, (s, z) = causal_decayed_linear_attention(*(t.float() for t in (phi_q, phi_k, v, log_decay)), chunk_size=64,
+                                                   form=form)
     assert torch.isfinite(ours).all() and torch.isfinite(s).all()
     torch.testing.assert_close(ours.double(), reference, atol=1e-4, rtol=1e-4)
 
@@ -146,7 +149,9 @@ def test_the_implicit_weights_reproduce_the_output_and_sum_to_one():
     assert torch.equal(weights.triu(1), torch.zeros_like(weights))
 
 
-def test_decays_of_the_wrong_shape_are_refused_with_the_shapes():
+def test_decays_of_the_wrong_shape_and_unknown_forms_are_refused_with_the_reason():
     phi_q, phi_k, v, _ = (t.float() for t in inputs(n=8))
     with pytest.raises(ValueError, match=r"\(batch, heads, n, 1\).*got \(2, 3, 8, 4\)"):
         causal_decayed_linear_attention(phi_q, phi_k, v, torch.zeros(2, 3, 8, 4))
+    with pytest.raises(ValueError, match="form must be 'auto', 'chunks' or 'scan'"):
+        causal_decayed_linear_attention(phi_q, phi_k, v, torch.zeros(2, 3, 8, 1), form="parallel")
