@@ -243,7 +243,8 @@ def matmul_peak(dtype: torch.dtype, device: str, size: int = 2048, repeats: int 
 
 def decoder_model(spec: dict, device: str, n_positions: int):
     """A causal LM of spec["model"] (gpt2 with SDPA, or one of ours) at spec["dims"], float32, on device; without
-    dropout where spec["dropout"] is False; the causal Linformer with spec["k"] and spec["block"]."""
+    dropout where spec["dropout"] is False; the causal Linformer with spec["k"] and spec["block"]; spec["config"]:
+    further config fields (a linear decoder's window or decay)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     import hf_linear_attn  # noqa: F401
@@ -251,7 +252,7 @@ def decoder_model(spec: dict, device: str, n_positions: int):
     extra = {"linformer_k": spec["k"], "linformer_block_size": spec["block"]} if spec["model"] == "linformer_gpt2" else {}
     dropout = {} if spec.get("dropout", True) else dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     config = AutoConfig.for_model(spec["model"], vocab_size=spec["vocab_size"], n_positions=n_positions,
-                                  **dropout, **spec["dims"], **extra)
+                                  **dropout, **spec["dims"], **extra, **spec.get("config", {}))
     kwargs = {"attn_implementation": "sdpa"} if spec["model"] == "gpt2" else {}
     return AutoModelForCausalLM.from_config(config, **kwargs).to(device)
 

@@ -25,6 +25,10 @@ from .measuring import (
 
 # "smoke" is for the test suite: the smallest shapes and one of each kind of row (every configuration costs a fresh
 # process, about 5 s of importing transformers on 2 cores, so it runs few rather than the full grid).
+# The linear decoder's variants (issue 41) timed in the generation suite beside GPT-2 and plain linear attention.
+GENERATION_VARIANTS = {"window 64": {"attention_window": 64}, "fixed decay": {"state_decay": "fixed"},
+                       "gated": {"state_decay": "gated"}}
+
 PRESETS = {
     "smoke": dict(encoder_n=[128], encoder_k=[16], decoder_n=[64], generation_context=[32, 96],
                   kernel_n=[256], encoder_dims=dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
@@ -34,13 +38,15 @@ PRESETS = {
                   kernel_form_dtypes=("float32",), kernel_forms=(("scan", 64), ("parallel", 64)),
                   kernel_train_modes=(True,), kernel_peers=("fla chunk (torch)", "fast-transformers (C++)")),
     "quick": dict(encoder_n=[512, 1024, 2048], encoder_k=[128, 256], decoder_n=[1024, 2048],
-                  generation_context=[256, 1024, 4096], kernel_n=[2048, 8192],
+                  generation_context=[256, 1024, 4096], generation_variants=GENERATION_VARIANTS,
+                  kernel_n=[2048, 8192],
                   encoder_dims=dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
                                     intermediate_size=3072),
                   decoder_dims=dict(n_embd=768, n_layer=2, n_head=12, n_inner=3072), vocab_size=50265,
                   ffn_chunk=512, new_tokens=16, repeats=3, budget=30, timeout=900),
     "full": dict(encoder_n=[512, 1024, 2048, 4096, 8192, 16384], encoder_k=[128, 256, 512],
                  decoder_n=[1024, 2048, 4096, 8192, 16384], generation_context=[256, 1024, 4096, 16384],
+                 generation_variants=GENERATION_VARIANTS,
                  kernel_n=[1024, 4096, 8192, 16384],
                  encoder_dims=dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
                                    intermediate_size=3072),
@@ -312,6 +318,10 @@ def configurations(preset_name: str, dtype: str = "float32", data_dir=None, outp
         gen = {**dec, "kind": "generation", "context": context, "new_tokens": preset["new_tokens"]}
         specs += [{**gen, "method": "gpt2 (key/value cache)", "model": "gpt2"},
                   {**gen, "method": "linear attention (state)", "model": "linear_gpt2"}]
+        # issue 41's variants of the linear decoder, each with its fixed-size state (not at smoke: they add a fresh
+        # process each per context, and the smoke test's subject is the suite, not the variants)
+        specs += [{**gen, "method": f"linear attention, {name} (state)", "model": "linear_gpt2", "config": options}
+                  for name, options in preset.get("generation_variants", {}).items()]
     heads = preset["encoder_dims"]["num_attention_heads"]
     head_dim = preset["encoder_dims"]["hidden_size"] // heads
     for n in preset["kernel_n"]:

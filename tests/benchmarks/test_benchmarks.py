@@ -217,3 +217,19 @@ def test_every_peer_names_the_package_that_brings_it():
     for peer in PEERS:
         reason = peer_missing(peer)
         assert reason is None or reason.startswith("not installed: pip install ")
+
+
+def test_the_generation_suite_times_each_linear_variant_with_its_own_config():
+    """quick / full time issue 41's variants beside GPT-2 and plain linear attention; the model each row builds
+    carries that variant's fields (smoke leaves them out: its subject is the suite)."""
+    from benchmarks.measuring import decoder_model
+    from benchmarks.suites import GENERATION_VARIANTS
+
+    for preset in ("quick", "full"):
+        rows = [c for c in configurations(preset) if c["kind"] == "generation"]
+        methods = {c["method"] for c in rows}
+        assert {f"linear attention, {name} (state)" for name in GENERATION_VARIANTS} < methods
+    assert not [c for c in configurations("smoke") if c.get("config")]
+    spec = next(c for c in configurations("quick") if c["method"] == "linear attention, gated (state)")
+    tiny = {**spec, "dims": dict(n_embd=32, n_layer=1, n_head=2, n_inner=64), "vocab_size": 50}
+    assert decoder_model(tiny, "cpu", 64).config.state_decay == "gated"
