@@ -1,7 +1,7 @@
 """Causal linear attention whose state decays: a fixed per-head decay (RetNet) or a gate computed from the input
 (GLA), layer 1: torch only, no transformers import.
 
-    S_t = a_t * S_{t-1} + phi(k_t) v_t^T,   z_t = a_t * z_{t-1} + phi(k_t),   y_t = phi(q_t) S_t / (phi(q_t) . z_t + eps)
+    S_t = a_t * S_{t-1} + phi(k_t) v_t^T,  z_t = a_t * z_{t-1} + phi(k_t),  y_t = phi(q_t) S_t / (phi(q_t) . z_t + eps)
 
 ``a_t`` in (0, 1] scales the rows of the state (B, H, m, d_v): one value per head (RetNet's gamma, (B, H, n, 1)
 after broadcasting) or one per feature of phi (GLA's gate, (B, H, n, m)). It is passed as ``log_decay`` = log a_t
@@ -22,6 +22,8 @@ Forms (float32 throughout, autocast off, output in V's dtype):
   chunk's middle where no factor exceeds e^40 (:func:`_split_scores`: a chunk of 64 whose gates average above
   e^-1.25), else in chunks of :data:`FEATURE_GATE_CHUNK`, the same way or, where even those decay too strongly, as a
   C x C x m product (GLA's "secondary chunk" level). The choice is exact either way; only the speed differs.
+  Every chunk at once (:func:`_chunked_form`) or one after another carrying the state (:func:`_scan_form`,
+  cache-resident on CPUs); ``form="auto"`` picks by :func:`choose_decayed_form`.
 * the pairwise form over the whole sequence (:func:`_pairwise_form`): what ``torch.export`` takes (no loop over a
   number of chunks read from n), O(n^2 g) memory; and the n x n weights for ``output_attentions``.
 """
@@ -190,8 +192,8 @@ def _scan_form(q, k, v1, log_decay, s0, c: int):
     batch, heads, n, m = q.shape
     outs, s = [q.new_zeros(batch, heads, 0, v1.shape[-1])], s0
     causal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
-    # split, not [start:end] slices: under autograd each slice's backward is a zero tensor of the whole input, O((n / C)^2)
-    # in all, where split's backward joins the chunks' gradients once
+    # split, not [start:end] slices: under autograd each slice's backward is a zero tensor of the whole input,
+    # O((n / C)^2) in all, where split's backward joins the chunks' gradients once
     for q_c, k_c, v_c, a_c in zip(*(t.split(c, dim=2) for t in (q, k, v1, log_decay))):
         b = torch.cumsum(a_c, dim=2)
         size = b.shape[2]

@@ -1,8 +1,9 @@
 """GPT-2-style decoder with a pluggable causal attention: blocks, base model, causal-LM and classification heads.
 
 The families (linear attention, causal block Linformer) supply their attention (``attend``) and their cache layer; the
-init of what they add is :func:`~.weight_init.init_added_weights`. Everything else has GPT-2's layout and parameter names (``transformer.wte``, ``transformer.h.N.attn.c_attn``,
-``transformer.h.N.mlp.c_fc``, ``lm_head``...), so a GPT-2 state dict maps one to one; the feed-forward is GPT-2's own.
+init of what they add is :func:`~.weight_init.init_added_weights`. Everything else has GPT-2's layout and parameter
+names (``transformer.wte``, ``transformer.h.N.attn.c_attn``, ``transformer.h.N.mlp.c_fc``, ``lm_head``...), so a
+GPT-2 state dict maps one to one; the feed-forward is GPT-2's own.
 
 Generation: the cache (:class:`~.recurrent_cache.RecurrentStateCache`) holds a state per layer, never one key / value
 row per token. The base model is the one place that reads and writes it: each attention layer takes its previous
