@@ -90,7 +90,11 @@ def causal_decayed_linear_attention(
             out, final = _pairwise_form(q, k, v1, log_decay, s0)
         else:
             if form == "auto":
-                form = choose_decayed_form(q.device.type, batch * heads * n, torch.is_grad_enabled())
+                # as the plain kernel decides it: whether autograd records this call
+                needs_grad = torch.is_grad_enabled() and any(
+                    t.requires_grad for t in (phi_q, phi_k, v, log_decay, *(state if state is not None else ()))
+                )
+                form = choose_decayed_form(q.device.type, batch * heads * n, needs_grad)
             run = _scan_form if form == "scan" else _chunked_form
             out, final = run(q, k, v1, log_decay, s0, max(1, min(chunk_size, max(n, 1))))
         return _split_output(out, final, d_v, eps, out_dtype)
@@ -200,20 +204,25 @@ def _scan_form(q, k, v1, log_decay, s0, c: int):
         scores = _split_scores(q_c, k_c, b, causal[:size, :size]) if b.shape[-1] > 1 else None
         if scores is None:
             scores = _decayed_scores(q_c, k_c, b)
-        b_end = b[:, :, -1:]
         # a list joined once, not writes into one output (whose backward would copy the whole gradient per chunk)
         outs.append(torch.matmul(scores, v_c) + torch.matmul(q_c * torch.exp(b), s))
-        s = torch.exp(b_end).transpose(-1, -2) * s + torch.matmul((k_c * torch.exp(b_end - b)).transpose(-1, -2), v_c)
+        s = _advance(s, k_c, v_c, b)
     return torch.cat(outs, dim=2), s
+
+
+def _advance(s, k, v1, b):
+    """[S, z] (B, H, m, d + 1) after the keys k (B, H, t, m) and values [V, 1] whose running log decays, counted from
+    the state's position, are b (B, H, t, g): the state decays by the whole span, each key by its decay to the end
+    (every exponent <= 0)."""
+    b_end = b[:, :, -1:]
+    return torch.exp(b_end).transpose(-1, -2) * s + torch.matmul((k * torch.exp(b_end - b)).transpose(-1, -2), v1)
 
 
 def _pairwise_form(q, k, v1, log_decay, s0):
     """The same function over the whole sequence at once: decayed scores (B, H, n, n), no chunk count (export)."""
     b = torch.cumsum(log_decay, dim=2)  # (B, H, n, g)
     out = torch.matmul(_decayed_scores(q, k, b), v1) + torch.matmul(q * torch.exp(b), s0)
-    final_decay = torch.exp(b[:, :, -1:] - b)  # (B, H, n, g): each key's decay to the last position
-    final = torch.exp(b[:, :, -1]).unsqueeze(-1) * s0 + torch.matmul((k * final_decay).transpose(-1, -2), v1)
-    return out, final
+    return out, _advance(s0, k, v1, b)
 
 
 def decayed_linear_attention_weights(
@@ -280,8 +289,5 @@ def advance_decayed_state(phi_k, v, log_decay, state):
         v1 = _with_ones(v.float())
         log_decay = log_decay.float().expand(batch, heads, n, log_decay.shape[-1])
         s0 = _state_with_normaliser(state, batch, heads, m, d_v, phi_k.float())
-        b = torch.cumsum(log_decay, dim=2)
-        final = torch.exp(b[:, :, -1]).unsqueeze(-1) * s0 + torch.matmul(
-            (phi_k.float() * torch.exp(b[:, :, -1:] - b)).transpose(-1, -2), v1
-        )
+        final = _advance(s0, phi_k.float(), v1, torch.cumsum(log_decay, dim=2))
         return final[..., :d_v].contiguous(), final[..., d_v].contiguous()
