@@ -109,6 +109,44 @@ class FavorFeatureMap(FeatureMap):
         phi_q = torch.exp(query_logits - query_logits.amax(dim=-1, keepdim=True).detach()) * scale
         return phi_q, torch.exp(key_logits - per_feature) * scale
 
+    def causal_pair(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        key_mask: torch.Tensor | None = None,
+        running_max: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Causal FAVOR+ stabilised without looking ahead: (phi(Q), phi(K), log a (B, H, n, m), running max (B, H, m)).
+
+        Key feature i at position j is scaled by exp(-c_t,i), c_t,i the largest logit i among the real keys up to t
+        (``running_max`` (B, H, m) carries it from earlier calls; -inf where no key was seen yet), and the query at t
+        gets c_t,i added to its logit i: every product phi(q_t)_i phi(k_j)_i is then the unstabilised one times a
+        constant of the query, which cancels, as in the bidirectional :meth:`pair`, and phi(q_t) . z_t >= 1 / m
+        whatever the norms (the largest product is exactly 1 / m). The catch is that the scale of key j changes as
+        the maximum grows after it: a state built under c_{t-1} is brought under c_t by the decay
+        a_t,i = exp(c_{t-1},i - c_t,i) <= 1, so the decayed kernel (decayed_linear_attention) computes the
+        stabilised attention exactly, chunked, in a state of fixed size. The maxima are constants (detached): they
+        cancel in the output, so no gradient flows through them.
+        """
+        key_logits = self._logits(k)
+        if key_mask is not None:  # pad keys: -inf, so their features are 0 and they never raise the maximum
+            key_logits = key_logits.masked_fill(~key_mask[:, None, :, None], -torch.inf)
+        running = torch.cummax(key_logits.detach(), dim=-2).values
+        if running_max is None:
+            before = torch.full_like(running[:, :, :1], -torch.inf)
+        else:
+            before = running_max.float()[:, :, None, :].expand_as(running[:, :, :1])
+            running = torch.maximum(running, before)
+        previous = torch.cat([before, running[:, :, :-1]], dim=2)
+        stabiliser = torch.where(torch.isfinite(running), running, 0.0)  # 0 until the first real key
+        # before the first key the state is empty: nothing to rescale (and c_{t-1} - c_t would be -inf - c)
+        log_decay = torch.where(torch.isfinite(previous), previous - stabiliser, 0.0)
+        scale = self.num_features**-0.5
+        phi_k = torch.exp(key_logits - stabiliser) * scale
+        query_logits = self._logits(q) + stabiliser
+        phi_q = torch.exp(query_logits - query_logits.amax(dim=-1, keepdim=True).detach()) * scale
+        return phi_q, phi_k, log_decay, running[:, :, -1]
+
     def forward(self, x: torch.Tensor, is_query: bool, key_mask: torch.Tensor | None = None) -> torch.Tensor:
         logits = self._logits(x)
         if is_query:
