@@ -32,6 +32,10 @@ from .reproduction_api import (
 
 PRESET_KEYS = {"description", "output_dir", "source", "seeds", "models", "baseline", "convert", "finetune"}
 TASK_ORDER = ("sst2", "qnli", "qqp", "imdb")
+# A model entry: "stock" (the source as it is) or "target" with convert.py's "args" ("distill": with the preset's
+# distillation settings); "tasks" limits it to some tasks and "finetune_args" overrides the tasks' fine-tuning
+# arguments for it (a model extended past 512 positions fine-tuned at n = 1,024, say).
+MODEL_KEYS = {"stock", "target", "args", "distill", "tasks", "finetune_args"}
 
 
 def source_folder(source: dict, root: Path) -> Path:
@@ -77,6 +81,14 @@ def load_preset(path: Path, root: Path) -> dict:
     for name, model in preset["models"].items():
         if "target" not in model and not model.get("stock"):
             raise ReproductionError(f"{path}: model {name!r} needs 'target' (linformer, linear_roberta) or 'stock'")
+        unknown_keys = set(model) - MODEL_KEYS
+        if unknown_keys:
+            raise ReproductionError(f"{path}: model {name!r} has unknown keys {sorted(unknown_keys)}; known: "
+                                    f"{sorted(MODEL_KEYS)}")
+        missing = [task for task in model.get("tasks", []) if task not in preset["finetune"]]
+        if missing:
+            raise ReproductionError(f"{path}: model {name!r} lists tasks {missing} that the preset does not fine-tune; "
+                                    f"use some of {', '.join(preset['finetune'])}")
     return preset
 
 
@@ -91,6 +103,8 @@ def plan(preset: dict, source: Path, output_dir: Path, root: Path, seeds=None, t
             entry = preset["finetune"][task]
             for name in names:
                 model = preset["models"][name]
+                if task not in model.get("tasks", [task]):
+                    continue
                 folder = source
                 if not model.get("stock"):
                     folder = output_dir / "convert" / slug(name)
@@ -103,7 +117,8 @@ def plan(preset: dict, source: Path, output_dir: Path, root: Path, seeds=None, t
                                                 "conversion_report.json", output_dir, root,
                                                 {"kind": "convert", "model": name})
                         stages.append(converted[name])
-                stages.append(finetune_stage(name, task, entry, folder, seed, output_dir, root))
+                tuned = {**entry, "args": {**entry.get("args", {}), **model.get("finetune_args", {})}}
+                stages.append(finetune_stage(name, task, tuned, folder, seed, output_dir, root))
     return stages
 
 
@@ -166,7 +181,8 @@ def _load_note(loads: dict) -> str:
 def render_markdown(preset_name: str, preset: dict, results: dict, meta: dict) -> str:
     tasks = [task for task in TASK_ORDER if task in preset["finetune"]]
     baseline = results[preset["baseline"]]
-    done = [task for task in tasks if all(task in entry["tasks"] for entry in results.values())]
+    done = [task for task in tasks if all(task in entry["tasks"] for name, entry in results.items()
+                                          if task in preset["models"][name].get("tasks", tasks))]
     lines = [
         f"# A real pretrained encoder and its conversions: preset `{preset_name}`", "",
         preset.get("description", ""), "",
@@ -194,19 +210,26 @@ def render_markdown(preset_name: str, preset: dict, results: dict, meta: dict) -
                 spread = f" ± {cell['std']:.1f}" if cell["std"] is not None else ""
                 cells.append(f"{cell['mean']:.1f}{spread}" + (f" ({len(cell['scores'])} seeds)"
                                                              if len(cell["scores"]) > 1 else ""))
-        average, delta, noise = _average_and_noise(entry, baseline, done)
-        if average is None:
-            versus = ""
-        elif name == preset["baseline"]:
+        average = _average_and_noise(entry, baseline, done)[0]
+        # against the baseline on every task both have finished (a partial run still reads), named where it is not
+        # the average's set
+        shared = [task for task in tasks if task in entry["tasks"] and task in baseline["tasks"]]
+        _, delta, noise = _average_and_noise(entry, baseline, shared)
+        if name == preset["baseline"]:
             versus = "baseline"
+        elif delta is None:
+            versus = ""
         else:
-            versus = f"{delta:+.2f} pt " + (f"(seed noise ± {noise:.2f}: {'beyond' if abs(delta) > noise else 'within'})"
-                                            if noise is not None else "(noise unknown: one seed)")
+            on = "" if shared == done else f"on {', '.join(TASK_TITLES[t] for t in shared)} "
+            versus = f"{delta:+.2f} pt {on}" + (
+                f"(seed noise ± {noise:.2f}: {'beyond' if abs(delta) > noise else 'within'})"
+                if noise is not None else "(noise unknown: one seed)")
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {'' if average is None else f'{average:.2f}'} | "
                      f"{versus} | {entry['seconds'] / 60:.1f} min |")
     lines += ["", "± is the standard deviation over fine-tuning seeds; seed noise is twice the standard error of the "
               "difference of averages, from those spreads: a difference inside it is not a finding. The average "
-              f"covers the tasks every model has finished ({', '.join(TASK_TITLES[t] for t in done) or 'none yet'}).",
+              f"covers the tasks every model has finished ({', '.join(TASK_TITLES[t] for t in done) or 'none yet'}); "
+              "the difference to the baseline covers the tasks both have finished (named where they are fewer).",
               "", "## Conversions", "",
               "| Model | target options | copied parameters | new parameters | distillation (distance before -> after) |",
               "|---|---|---:|---:|---|"]
