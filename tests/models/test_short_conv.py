@@ -154,15 +154,21 @@ def test_generate_equals_the_full_forward_with_a_state_of_fixed_size(variant):
 
 @pytest.mark.parametrize("variant", ["linear-conv", "linear-window-conv"])
 def test_beam_search_reorders_the_buffer_and_matches_recomputation_and_batch_one(variant):
+    """Every beam and its score, not only the best (a random model's best beam barely depends on the others)."""
     model = causal_lm(variant)
     prompts = [random_ids(1, 8)[0], random_ids(1, 5, seed=1)[0]]
     ids, mask = left_padded_batch(prompts)
-    settings = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, num_beams=3, pad_token_id=1)
+    settings = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, num_beams=3, num_return_sequences=3,
+                    pad_token_id=1, return_dict_in_generate=True, output_scores=True)
     beams = model.generate(ids, attention_mask=mask, **settings)
-    torch.testing.assert_close(beams, model.generate(ids, attention_mask=mask, use_cache=False, **settings))
+    recomputed = model.generate(ids, attention_mask=mask, use_cache=False, **settings)
+    assert beams.sequences.tolist() == recomputed.sequences.tolist()
+    torch.testing.assert_close(beams.sequences_scores, recomputed.sequences_scores, atol=1e-5, rtol=1e-5)
     for row, prompt in enumerate(prompts):
         alone = model.generate(prompt[None], **settings)
-        assert beams[row, ids.shape[1]:].tolist() == alone[0, len(prompt):].tolist()
+        assert beams.sequences[3 * row:3 * row + 3, ids.shape[1]:].tolist() == alone.sequences[:, len(prompt):].tolist()
+        torch.testing.assert_close(beams.sequences_scores[3 * row:3 * row + 3], alone.sequences_scores,
+                                   atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
