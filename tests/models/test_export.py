@@ -251,12 +251,13 @@ def test_greedy_decoding_on_onnxruntime_equals_generate(onnx_programs):
 
 
 @pytest.mark.slow
-def test_window_decoder_greedy_on_onnxruntime_equals_generate(tmp_path):
-    """Window + linear attention (W = 5): its prompt pass (the quadratic form under export) and its step (the window
-    buffer shifting by one slot) in ONNX; the documented greedy loop on a left-padded batch gives generate()'s tokens,
-    with prompts shorter and longer than the window."""
-    model, _, _, prefill_session, step_session = export_to_onnx("linear-window", tmp_path)
-    ids, mask = left_padded_batch([random_ids(1, n, seed=n)[0] for n in (3, 11, 7)])
+def test_window_and_short_conv_decoder_greedy_on_onnxruntime_equals_generate(tmp_path):
+    """Window + linear attention (W = 5) with a short convolution on q, k, v (K = 4): its prompt pass (the quadratic
+    form under export) and its step (the window and the convolution's buffer shifting by one slot) in ONNX; the
+    documented greedy loop on a left-padded batch gives generate()'s tokens, with prompts shorter than the
+    convolution, shorter and longer than the window. (One export for both: each costs ~20 s.)"""
+    model, _, _, prefill_session, step_session = export_to_onnx("linear-window-conv", tmp_path)
+    ids, mask = left_padded_batch([random_ids(1, n, seed=n)[0] for n in (2, 11, 7)])
     want = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=12)
     got = greedy_decode_onnx(
         prefill_session, step_session, ids.numpy(), mask.numpy(), 12, model.config.eos_token_id, model.config.pad_token_id
