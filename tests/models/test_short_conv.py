@@ -171,36 +171,8 @@ def test_beam_search_reorders_the_buffer_and_matches_recomputation_and_batch_one
                                    atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_cropping_replays_the_buffer_exactly(variant):
-    """Prefill (committed), then 5 tokens and 2 steps recorded; crop back into them: every state tensor, the buffer
-    (the last K-1 of the committed buffer ++ the kept tokens' inputs) included, equals a cache built on the kept
-    tokens from scratch, and so do the next logits."""
-    model = causal_lm(variant)
-    ids, mask = left_padded_batch([random_ids(1, 22)[0], random_ids(1, 15, seed=1)[0]])
-    for prefill, remove in ((9, 6), (12, 2)):
-        cache = model.transformer.new_cache()
-        cache.activate_past_recording()
-        model(ids[:, :prefill], attention_mask=mask[:, :prefill], past_key_values=cache)
-        cache.crop(0)
-        model(ids[:, prefill:prefill + 5], attention_mask=mask[:, :prefill + 5], past_key_values=cache)
-        for t in range(prefill + 5, prefill + 7):
-            model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], past_key_values=cache)
-        assert cache.rollback_bytes() > 0
-        cache.crop(-remove)
-        kept = prefill + 7 - remove
-        fresh = model(ids[:, :kept], attention_mask=mask[:, :kept], use_cache=True).past_key_values
-        for layer, reference in zip(cache.layers, fresh.layers):
-            assert len(layer.state) == len(reference.state)
-            for got, want in zip(layer.state, reference.state, strict=True):
-                torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-        step = dict(attention_mask=mask[:, :kept + 1])
-        torch.testing.assert_close(model(ids[:, kept:kept + 1], past_key_values=cache, **step).logits,
-                                   model(ids[:, kept:kept + 1], past_key_values=fresh, **step).logits,
-                                   atol=1e-5, rtol=1e-5)
-
-
 def test_recording_from_the_first_token_replays_from_a_zero_buffer():
+    """(Crops into recorded forwards and steps after a committed prefill: test_generation_strategies, conv variants.)"""
     model = causal_lm("linear-conv")
     ids = random_ids(1, 9)
     cache = model.transformer.new_cache()
