@@ -33,7 +33,8 @@ LABELS = {"gpt2_sdpa": "GPT-2 (softmax)", "reformer_lsh": "Reformer (LSH)", "lin
           "linear_gpt2_window": "linear_gpt2, sliding window + linear",
           "linear_gpt2_decay": "linear_gpt2, fixed decay (RetNet)", "linear_gpt2_gated": "linear_gpt2, gated (GLA)",
           "linear_gpt2_hybrid": "linear_gpt2, softmax layer 1 + linear",
-          "linear_gpt2_conv": "linear_gpt2 (elu+1), short conv", "linear_gpt2_gated_conv": "linear_gpt2, gated (GLA), short conv"}
+          "linear_gpt2_conv": "linear_gpt2 (elu+1), short conv",
+          "linear_gpt2_gated_conv": "linear_gpt2, gated (GLA), short conv"}
 
 
 def check_models(names) -> None:

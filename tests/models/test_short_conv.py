@@ -17,7 +17,8 @@ VARIANTS = list(CONV_VARIANTS)
 def per_position_reference(x, weight, buffer=None):
     """y_t = silu(sum_j w_j x_{t-K+1+j}), one position at a time in float64, zeros (or ``buffer``) before the start."""
     kernel = weight.shape[-1]
-    history = torch.zeros(x.shape[0], kernel - 1, x.shape[-1], dtype=torch.float64) if buffer is None else buffer.double()
+    history = torch.zeros(x.shape[0], kernel - 1, x.shape[-1], dtype=torch.float64) if buffer is None else buffer
+    history = history.double()
     padded = torch.cat([history, x.double()], dim=1)
     out = torch.zeros(x.shape, dtype=torch.float64)
     for t in range(x.shape[1]):
