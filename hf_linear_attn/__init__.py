@@ -79,6 +79,7 @@ from .decayed_linear_attention import (
     naive_decayed_linear_attention,
     recurrent_decayed_linear_attention_step,
 )
+from .short_convolution import ShortConvolution, causal_short_convolution, short_convolution_step
 from .sliding_window_attention import (
     banded_sliding_window_attention,
     causal_sliding_window_attention,
@@ -146,6 +147,9 @@ __all__ = [
     "causal_decayed_linear_attention",
     "naive_decayed_linear_attention",
     "recurrent_decayed_linear_attention_step",
+    "ShortConvolution",
+    "causal_short_convolution",
+    "short_convolution_step",
     "linear_attention_weights",
     "linformer_attention",
     "project_sequence",

@@ -89,6 +89,29 @@ def check_decay_options(config) -> None:
         raise ValueError(f"gate_logit_normalizer must be positive, got {config.gate_logit_normalizer}.")
 
 
+def check_short_conv_options(config) -> None:
+    """Raise a ValueError naming the fix for a bad short convolution: its width, a width without the convolution, a
+    convolution no layer would have."""
+    size = config.conv_size
+    if isinstance(size, bool) or not isinstance(size, int) or size < 2:
+        raise ValueError(
+            f"conv_size must be an integer of at least 2 (the convolution's width, the current token and conv_size - 1 "
+            f"before it; fla's default is 4), got {size!r}."
+        )
+    if not config.use_short_conv:
+        if size != 4:
+            raise ValueError(
+                f"conv_size={size} is set but use_short_conv is False: set use_short_conv=True to add the convolution, "
+                "or leave conv_size at its default."
+            )
+        return
+    if config.layer_types is not None and "linear_attention" not in config.layer_types:
+        raise ValueError(
+            "use_short_conv=True applies to linear_attention layers only, and every entry of layer_types is "
+            "'full_attention': make some layers linear, or set use_short_conv=False."
+        )
+
+
 @plain_value_errors
 @strict
 class LinearGPT2Config(GPT2StyleConfig):
@@ -127,6 +150,13 @@ class LinearGPT2Config(GPT2StyleConfig):
             `1 - 2^(-5 - h)`.
         gate_low_rank_dim (`int`, defaults to 16): rank of the gate's projection (GLA's `gate_low_rank_dim`).
         gate_logit_normalizer (`float`, defaults to 16): GLA's temperature tau; larger keeps the gate nearer 1.
+        use_short_conv (`bool`, defaults to `False`): a short causal convolution on q, k and v after their projection
+            (flash-linear-attention's `use_short_conv`): per channel `silu(sum_j w_j x_{t-j})` over the current and
+            `conv_size - 1` previous tokens, no bias (`attn.q_conv1d`, `attn.k_conv1d`, `attn.v_conv1d`). In the
+            linear-attention layers only (a hybrid's `full_attention` layers get none); combines with every feature
+            map, the window and both decays. Generation keeps the last `conv_size - 1` inputs per layer beside the
+            state. False: no convolution, exactly as before.
+        conv_size (`int`, defaults to 4): the convolution's width K (fla's `conv_size`), at least 2.
     """
 
     model_type = "linear_gpt2"
@@ -142,6 +172,8 @@ class LinearGPT2Config(GPT2StyleConfig):
     decay_rates: list[float] | None = None
     gate_low_rank_dim: int = 16
     gate_logit_normalizer: float | int = 16
+    use_short_conv: bool = False
+    conv_size: int = 4
 
     default_auto_map = build_auto_map("linear_gpt2", "LinearGPT2", DECODER_HEADS)
 
@@ -154,3 +186,4 @@ class LinearGPT2Config(GPT2StyleConfig):
         check_window_options(self.attention_window, self.n_positions, "n_positions", self.feature_map)
         check_layer_types(self.layer_types, self.n_layer)
         check_decay_options(self)
+        check_short_conv_options(self)

@@ -15,9 +15,10 @@ class DecoderStateStep(nn.Module):
     """A causal LM's forward on explicit state tensors, for ``torch.export``, ONNX and ``torch.compile(fullgraph=True)``.
 
     ``forward(input_ids (B, n), position_ids (B, n), *state) -> (logits (B, n, vocab), *new_state)``, the state being
-    every layer's state tensors in layer order (:meth:`initial_state` gives the state a sequence starts from). One
-    token continues from the state by the recurrent step; several run the prefill form from it (linear attention)
-    or one step per token (causal block Linformer). Every token is real: a padded batch passes each row's own
+    every layer's state tensors in layer order, a layer with a short convolution ending with its buffer
+    (:meth:`initial_state` gives the state a sequence starts from). One token continues from the state by the
+    recurrent step; several run the prefill form from it (linear attention) or one step per token (causal block
+    Linformer). Every token is real: a padded batch passes each row's own
     positions and left pads are not masked here (:class:`DecoderPrefill` masks them in a prompt).
 
     The causal block Linformer's state here has a fixed capacity of block summaries, n_positions // block_size

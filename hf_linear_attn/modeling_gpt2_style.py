@@ -47,6 +47,9 @@ class GPT2StyleAttention(nn.Module):
     """
 
     cache_layer_class = None
+    # Whether q, k, v pass ``short_conv`` before the heads split: the last tensor of this layer's state is then the
+    # convolution's buffer and the last of its rollback tail the convolution's inputs, the rest being attend()'s.
+    has_short_conv = False
     # Whether the prompt pass (no earlier state) returns a state of fixed shapes, so that DecoderPrefill can export it
     # with a dynamic length; a family whose prompt pass keeps as many slots as blocks were completed sets False.
     fixed_shape_prompt_state = True
@@ -79,6 +82,12 @@ class GPT2StyleAttention(nn.Module):
         gate of gated linear attention (``log_decay``)."""
         return {}
 
+    def short_conv(self, qkv, key_mask, buffer):
+        """Token mixing of q, k, v, fused as ``c_attn`` returns them (B, n, 3 D), before the heads split, continuing
+        from ``buffer`` (None: no earlier token); called where ``has_short_conv``. Returns (q, k, v fused (B, n, 3 D),
+        the new buffer, the per-token inputs a rollback replays (B, n, .))."""
+        raise NotImplementedError(f"{type(self).__name__} sets has_short_conv and must implement short_conv()")
+
     def attend(self, q, k, v, key_mask, state, use_cache, need_tail, output_attentions, shared_projection):
         """The family's causal attention on heads (B, H, n, d), continuing from ``state`` (None: no earlier token).
 
@@ -91,16 +100,23 @@ class GPT2StyleAttention(nn.Module):
         self, hidden_states, key_mask=None, state=None, use_cache=False, need_tail=False, output_attentions=False,
         shared_projection=None,
     ):
-        q, k, v = (self._split_heads(t) for t in self.c_attn(hidden_states).split(self.embed_dim, dim=-1))
         if state is not None and output_attentions:
             raise ValueError(
                 "output_attentions needs the whole sequence in one forward (no past_key_values): the recurrent state "
                 "keeps no past keys. Call the model without past_key_values to inspect attention."
             )
+        qkv = self.c_attn(hidden_states)
+        if self.has_short_conv:  # the state's last tensor is the convolution's buffer, the rest is attend()'s
+            buffer, state = (None, None) if state is None else (state[-1], tuple(state[:-1]))
+            qkv, buffer, conv_inputs = self.short_conv(qkv, key_mask, buffer)
+        q, k, v = (self._split_heads(t) for t in qkv.split(self.embed_dim, dim=-1))
         output, weights, state, tail = self.attend(
             q, k, v, key_mask, state, use_cache, need_tail, output_attentions, shared_projection,
             **self.per_token_inputs(hidden_states),
         )
+        if self.has_short_conv:
+            state = None if state is None else (*state, buffer)
+            tail = None if tail is None else (*tail, conv_inputs)
         output = output.transpose(1, 2).reshape(hidden_states.shape)
         return self.resid_dropout(self.c_proj(output)), weights, state, tail
 

@@ -28,11 +28,13 @@ from .modeling_gpt2_style import (
     GPT2StylePreTrainedModel,
 )
 from .recurrent_cache import (
+    SHORT_CONV_STATE_LAYERS,
     DecayedStateLayer,
     KeyValueStateLayer,
     LinearAttentionStateLayer,
     SlidingWindowStateLayer,
 )
+from .short_convolution import ShortConvolution, causal_short_convolution, mask_pad_inputs
 from .sliding_window_attention import (
     SlidingWindowFactor,
     causal_sliding_window_attention,
@@ -90,6 +92,24 @@ class LinearGPT2Attention(GPT2StyleAttention):
                 torch.nn.Linear(config.gate_low_rank_dim, self.num_heads * width, bias=True),
             )
             self.gate_logit_normalizer = config.gate_logit_normalizer
+        # use_short_conv: a depthwise causal convolution of width conv_size on each of q, k, v (SiLU after), named as
+        # fla names them. Linear-attention layers only: a hybrid's full_attention layers (returned above) stay GPT-2's
+        # softmax attention without one, as in fla's hybrids. The cache then also keeps the convolution's buffer.
+        self.has_short_conv = config.use_short_conv
+        if self.has_short_conv:
+            self.q_conv1d = ShortConvolution(self.embed_dim, config.conv_size)
+            self.k_conv1d = ShortConvolution(self.embed_dim, config.conv_size)
+            self.v_conv1d = ShortConvolution(self.embed_dim, config.conv_size)
+            self.cache_layer_class = SHORT_CONV_STATE_LAYERS[self.cache_layer_class]
+
+    def short_conv(self, qkv, key_mask, buffer):
+        """q, k, v (fused (B, n, 3 D)) through their short convolutions, pads zeroed first: one depthwise convolution
+        over the 3 D channels with the three weights stacked (the same as three). Returns (q, k, v fused, the new
+        buffer (B, K-1, 3 D): the last K-1 inputs, the inputs (B, n, 3 D), which a rollback replays)."""
+        inputs = mask_pad_inputs(qkv, key_mask)
+        weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])
+        mixed, buffer = causal_short_convolution(inputs, weight, buffer)
+        return mixed, buffer, inputs
 
     def per_token_inputs(self, hidden_states):
         """log a_t of the decayed state: (1, H, 1, 1) fixed rates, or the gate (B, H, n, m) from ``hidden_states``."""
@@ -105,7 +125,8 @@ class LinearGPT2Attention(GPT2StyleAttention):
 
     def initial_state(self, batch_size: int) -> tuple[torch.Tensor, ...]:
         """Zeros (S (B, H, m, d), z (B, H, m)) in float32, m the feature map's output width; with a window also the
-        empty window (keys, phi(keys), values (B, H, W, .) zeros, valid (B, W) False)."""
+        empty window (keys, phi(keys), values (B, H, W, .) zeros, valid (B, W) False); with a short convolution last its
+        buffer, zeros (B, K-1, 3 D)."""
         if self.full_attention:
             raise ValueError(
                 "A hybrid schedule's full_attention layer keeps a key/value cache that grows with every token, so the "
@@ -115,11 +136,16 @@ class LinearGPT2Attention(GPT2StyleAttention):
         device = self.c_attn.weight.device
         features = self.feature_map(torch.zeros(1, self.num_heads, 1, self.head_dim, device=device), is_query=False)
         if self.window:
-            return empty_sliding_window_state(
+            state = empty_sliding_window_state(
                 batch_size, self.num_heads, self.window, self.head_dim, features.shape[-1], self.head_dim, device
             )
-        shape = (batch_size, self.num_heads, features.shape[-1])
-        return torch.zeros(*shape, self.head_dim, device=device), torch.zeros(shape, device=device)
+        else:
+            shape = (batch_size, self.num_heads, features.shape[-1])
+            state = torch.zeros(*shape, self.head_dim, device=device), torch.zeros(shape, device=device)
+        if self.has_short_conv:  # the convolution's buffer: zeros, as before a sequence's first token
+            width = self.q_conv1d.kernel_size[0] - 1
+            state = (*state, self.c_attn.weight.new_zeros(batch_size, width, 3 * self.embed_dim))
+        return tuple(state)
 
     def _attend_window(self, q, k, v, phi_q, phi_k, key_mask, state, need_tail, output_attentions):
         """attend() with a sliding window: chunked form for prompts, the step for single tokens after a state."""

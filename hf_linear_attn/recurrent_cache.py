@@ -4,6 +4,8 @@
   in float32: its size does not depend on the number of tokens seen ("Transformers are RNNs").
 * :class:`DecayedStateLayer` holds the same (S, z) for linear attention whose state decays (RetNet, GLA).
 * :class:`SlidingWindowStateLayer` holds that state plus the last W keys / values of window + linear attention.
+* With a short convolution on q, k, v (``use_short_conv``) each of the three linear layers above also holds the
+  convolution's buffer, the last K-1 pre-convolution inputs (:class:`ShortConvStateMixin`).
 * :class:`KeyValueStateLayer` holds the keys and values of a full-attention layer of a hybrid schedule.
 * :class:`BlockLinformerCacheLayer` holds the causal block Linformer's k-row summaries of completed blocks and the
   raw keys / values of the current block: it grows by k rows per block, not by one row per token.
@@ -22,6 +24,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .block_linformer import BlockLinformerState, block_linformer_step, empty_block_linformer_state
 from .decayed_linear_attention import advance_decayed_state
+from .short_convolution import advance_buffer
 from .sliding_window_attention import advance_sliding_window_state, empty_sliding_window_state
 
 
@@ -288,6 +291,47 @@ class BlockLinformerCacheLayer(RecurrentStateLayer):
                 key_mask=real[:, t],
             )
         return state
+
+
+class ShortConvStateMixin:
+    """A state layer whose state and rollback tail end in a short convolution's tensors: its buffer (B, K-1, C) after
+    the layer's own state, the pre-convolution inputs (B, t, C) of the recorded tokens (pads zeroed) after its own
+    tail. One mechanism for every layer kind: the layer's own replay rebuilds its part, and the buffer after a prefix
+    of the tail is the last K-1 rows of (committed buffer ++ those tokens' inputs), exactly as the decoder carries it.
+    Beam reordering, ``state_bytes`` and ``rollback_bytes`` see the buffer as any other tensor of the state.
+    """
+
+    @property
+    def tail_token_dims(self) -> tuple[int, ...]:
+        return super().tail_token_dims + (1,)
+
+    def _replay(self, state, tail):
+        *own_tail, inputs = tail
+        if state is None:  # recording started before the first token: zeros, as the decoder starts from
+            own_state, buffer = None, inputs.new_zeros(inputs.shape[0], self.state[-1].shape[1], inputs.shape[-1])
+        else:
+            own_state, buffer = state[:-1], state[-1]
+        return (*super()._replay(own_state, tuple(own_tail)), advance_buffer(buffer, inputs))
+
+
+class ShortConvLinearAttentionStateLayer(ShortConvStateMixin, LinearAttentionStateLayer):
+    """:class:`LinearAttentionStateLayer`'s (S, z) and a short convolution's buffer."""
+
+
+class ShortConvDecayedStateLayer(ShortConvStateMixin, DecayedStateLayer):
+    """:class:`DecayedStateLayer`'s (S, z) and a short convolution's buffer."""
+
+
+class ShortConvSlidingWindowStateLayer(ShortConvStateMixin, SlidingWindowStateLayer):
+    """:class:`SlidingWindowStateLayer`'s state and a short convolution's buffer."""
+
+
+# The cache layer of each linear layer kind when its q, k, v pass a short convolution first.
+SHORT_CONV_STATE_LAYERS = {
+    LinearAttentionStateLayer: ShortConvLinearAttentionStateLayer,
+    DecayedStateLayer: ShortConvDecayedStateLayer,
+    SlidingWindowStateLayer: ShortConvSlidingWindowStateLayer,
+}
 
 
 class RecurrentStateCache(Cache):

@@ -1,4 +1,5 @@
-"""Init of the parameters this package adds to RoBERTa / GPT-2 (feature maps, Linformer projections, window factors).
+"""Init of the parameters this package adds to RoBERTa / GPT-2 (feature maps, Linformer projections, window factors,
+short convolutions).
 
 Shared by the encoders and the decoders: both style base models call :func:`init_added_weights` from their
 ``_init_weights``. The ``transformers.initialization`` functions skip weights that were loaded from a checkpoint, so
@@ -11,6 +12,7 @@ from transformers import initialization as init
 
 from .feature_maps import FavorFeatureMap, HedgehogFeatureMap, identity_weight, orthogonal_gaussian_matrix
 from .linformer_projection import LinformerProjection, pooling_matrix, xavier_bound
+from .short_convolution import ShortConvolution, short_convolution_init_bound
 from .sliding_window_attention import SlidingWindowFactor
 
 
@@ -40,13 +42,20 @@ def init_linformer_projection(module: nn.Module, linformer_init: str, initialize
 
 def init_added_weights(module: nn.Module, config) -> None:
     """Init of ``module`` if it is a part this package adds: a feature map (:func:`init_feature_map`), Linformer's E / F
-    (:func:`init_linformer_projection` by ``config.linformer_init``) or a window factor (0: g = 1, the window's exact
-    terms unweighted); any other module is left alone."""
+    (:func:`init_linformer_projection` by ``config.linformer_init``), a window factor (0: g = 1, the window's exact
+    terms unweighted) or a short convolution (PyTorch's Conv1d default); any other module is left alone."""
     init_feature_map(module)
     if isinstance(module, LinformerProjection):
         init_linformer_projection(module, config.linformer_init, config.initializer_range)
     elif isinstance(module, SlidingWindowFactor):
         init.zeros_(module.log_factor)
+    elif isinstance(module, ShortConvolution):
+        # PyTorch's own Conv1d init, U(-1/sqrt(K), 1/sqrt(K)), which mamba_ssm's convolutions keep too (its init
+        # touches only Linear and Embedding). It replaces transformers' generic N(0, initializer_range) for any
+        # nn.Conv1d (fla's models keep that one): at GPT-2's 0.02 it would shrink q, k, v some 50-fold, starting each
+        # linear layer near silent.
+        bound = short_convolution_init_bound(module.kernel_size[0])
+        init.uniform_(module.weight, -bound, bound)
 
 
 @torch.no_grad()

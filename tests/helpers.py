@@ -87,6 +87,30 @@ DECODER_VARIANTS = {
     ),
 }
 
+# linear_gpt2 with a short convolution on q, k, v (use_short_conv), combined with each kind of linear layer; chunks of
+# 4 so that the convolution's context crosses chunk boundaries. Not in DECODER_VARIANTS: the whole decoder matrix
+# costs ~25 s per variant, so the suites that want one name it (tests/models/test_short_conv.py covers them all).
+CONV_VARIANTS = {
+    "linear-conv": lambda **kw: LinearGPT2Config(
+        **{**TINY_DECODER, "use_short_conv": True, "linear_attention_chunk_size": 4, **kw}
+    ),
+    "linear-window-conv": lambda **kw: LinearGPT2Config(
+        **{**TINY_DECODER, "use_short_conv": True, "attention_window": 5, "linear_attention_chunk_size": 4, **kw}
+    ),
+    "linear-decay-conv": lambda **kw: LinearGPT2Config(
+        **{**TINY_DECODER, "use_short_conv": True, "conv_size": 3, "state_decay": "fixed",
+           "decay_rates": [0.5, 0.8, 0.95, 1.0], "linear_attention_chunk_size": 4, **kw}
+    ),
+    "linear-gated-conv": lambda **kw: LinearGPT2Config(
+        **{**TINY_DECODER, "use_short_conv": True, "state_decay": "gated", "gate_low_rank_dim": 8,
+           "linear_attention_chunk_size": 4, **kw}
+    ),
+    "linear-hybrid-conv": lambda **kw: LinearGPT2Config(
+        **{**TINY_DECODER, "use_short_conv": True, "layer_types": ["full_attention", "linear_attention"],
+           "linear_attention_chunk_size": 4, **kw}
+    ),
+}
+
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
     "Linear attention replaces the softmax by a feature map, so its cost grows linearly with the length.",
@@ -123,7 +147,8 @@ AUTO_HEADS = [getattr(transformers, name) for name in (
 def causal_lm(variant, seed=0, **overrides):
     """A tiny causal LM of ``variant``; learned maps are perturbed from their identity start so they matter."""
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(DECODER_VARIANTS[variant](**overrides)).eval()
+    make = DECODER_VARIANTS[variant] if variant in DECODER_VARIANTS else CONV_VARIANTS[variant]
+    model = transformers.AutoModelForCausalLM.from_config(make(**overrides)).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "feature_map" in name or "window_factor" in name:

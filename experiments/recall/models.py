@@ -13,7 +13,9 @@ from hf_linear_attn.training.errors import UsageError
 # linear_gpt2 with other settings than the long-range suite's elu + 1: name -> config overrides (a callable of the
 # number of layers where the setting depends on it). Feature maps; a decaying state (issue 41: RetNet's fixed
 # per-head decay, GLA's per-feature gate from the input); a hybrid schedule whose first layer is GPT-2's softmax
-# attention (its key/value cache grows with n, the linear layers' states do not).
+# attention (its key/value cache grows with n, the linear layers' states do not); a short causal convolution on q,
+# k, v (fla's use_short_conv, width 4: the previous-token shift an induction head needs, which lets 2-layer models
+# learn MQAR in Zoology / Based), on elu + 1 and on the gated state.
 LINEAR_VARIANTS = {
     "linear_gpt2_relu": {"feature_map": "relu"},
     "linear_gpt2_hedgehog": {"feature_map": "hedgehog"},
@@ -21,6 +23,8 @@ LINEAR_VARIANTS = {
     "linear_gpt2_decay": {"state_decay": "fixed"},
     "linear_gpt2_gated": {"state_decay": "gated"},
     "linear_gpt2_hybrid": lambda layers: {"layer_types": ["full_attention"] + ["linear_attention"] * (layers - 1)},
+    "linear_gpt2_conv": {"use_short_conv": True},
+    "linear_gpt2_gated_conv": {"state_decay": "gated", "use_short_conv": True},
 }
 MODELS = (*DECODERS, *LINEAR_VARIANTS)
 LABELS = {"gpt2_sdpa": "GPT-2 (softmax)", "reformer_lsh": "Reformer (LSH)", "linear_gpt2": "linear_gpt2 (elu+1)",
@@ -28,7 +32,9 @@ LABELS = {"gpt2_sdpa": "GPT-2 (softmax)", "reformer_lsh": "Reformer (LSH)", "lin
           "linear_gpt2_hedgehog": "linear_gpt2 (hedgehog)", "linear_gpt2_favor": "linear_gpt2 (FAVOR+)",
           "linear_gpt2_window": "linear_gpt2, sliding window + linear",
           "linear_gpt2_decay": "linear_gpt2, fixed decay (RetNet)", "linear_gpt2_gated": "linear_gpt2, gated (GLA)",
-          "linear_gpt2_hybrid": "linear_gpt2, softmax layer 1 + linear"}
+          "linear_gpt2_hybrid": "linear_gpt2, softmax layer 1 + linear",
+          "linear_gpt2_conv": "linear_gpt2 (elu+1), short conv",
+          "linear_gpt2_gated_conv": "linear_gpt2, gated (GLA), short conv"}
 
 
 def check_models(names) -> None:

@@ -80,7 +80,7 @@ def test_decoding_state_bytes_constant_for_recurrent_models_and_growing_for_soft
     dims = Dims(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64)
     vocab = mqar_vocab_size(16, 16)
     sizes = {}
-    for name in ("gpt2_sdpa", "linear_gpt2", "linear_gpt2_hedgehog"):
+    for name in ("gpt2_sdpa", "linear_gpt2", "linear_gpt2_hedgehog", "linear_gpt2_conv"):
         torch.manual_seed(0)
         model = build_recall_model(name, dims, 128, vocab)
         sizes[name] = [decoding_state_bytes(model, n, vocab) for n in (32, 64, 128)]
@@ -89,6 +89,11 @@ def test_decoding_state_bytes_constant_for_recurrent_models_and_growing_for_soft
     # elu + 1: per layer and head S (m x d) and z (m), m = d = 16, float32
     assert sizes["linear_gpt2"][0] == 2 * 2 * (16 * 16 + 16) * 4
     assert build_recall_model("linear_gpt2_hedgehog", dims, 64, vocab).config.feature_map == "hedgehog"
+    # short conv: elu's state plus, per layer, the last K - 1 = 3 inputs of q, k, v (3 x 32 wide), float32
+    assert len(set(sizes["linear_gpt2_conv"])) == 1
+    assert sizes["linear_gpt2_conv"][0] == sizes["linear_gpt2"][0] + 2 * 3 * 3 * 32 * 4
+    gated_conv = build_recall_model("linear_gpt2_gated_conv", dims, 64, vocab).config
+    assert gated_conv.use_short_conv and gated_conv.state_decay == "gated" and gated_conv.feature_map == "elu"
 
 
 @pytest.mark.slow

@@ -114,15 +114,15 @@ def test_a_checkpoint_with_misshaped_weights_is_refused(tmp_path, caplog):
 
 @pytest.mark.slow
 def test_decoders_load_in_a_fresh_process_and_generate_the_same_tokens(tmp_path):
-    from helpers import DECODER_VARIANTS, causal_lm, left_padded_batch
+    from helpers import CONV_VARIANTS, DECODER_VARIANTS, causal_lm, left_padded_batch
     from transformers import AutoModelForCausalLM
 
     cases = []
     prompts = [random_ids(1, 9)[0], random_ids(1, 5, seed=1)[0]]
     ids, mask = left_padded_batch(prompts)
     inputs = {"input_ids": ids, "attention_mask": mask}
-    variants = ("linear-favor", "linear-hedgehog", "linear-window", "linear-hybrid", "linear-gated", "linformer-layerwise",
-                "linformer-none")
+    variants = ("linear-favor", "linear-hedgehog", "linear-window", "linear-hybrid", "linear-gated",
+                "linear-window-conv", "linformer-layerwise", "linformer-none")
     for variant in variants:
         for auto in (AutoModelForCausalLM, AutoModel, AutoModelForSequenceClassification):
             if auto is AutoModelForCausalLM:
@@ -132,13 +132,14 @@ def test_decoders_load_in_a_fresh_process_and_generate_the_same_tokens(tmp_path)
                                               pad_token_id=1)
             else:
                 torch.manual_seed(0)
-                model = auto.from_config(DECODER_VARIANTS[variant]()).eval()
+                model = auto.from_config({**DECODER_VARIANTS, **CONV_VARIANTS}[variant]()).eval()
                 with torch.no_grad():
                     expected = model(**inputs)[0]
             path = tmp_path / f"{variant}-{auto.__name__}"
             cases.append(save_case(model, auto, path, inputs, expected))
             saved = set(os.listdir(path))
-            assert {"modeling_gpt2_style.py", "recurrent_cache.py", "block_linformer.py", "sliding_window_attention.py"} <= saved, saved
+            assert {"modeling_gpt2_style.py", "recurrent_cache.py", "block_linformer.py", "sliding_window_attention.py",
+                    "short_convolution.py"} <= saved, saved
             config = json.loads((path / "config.json").read_text())
             assert set(config["auto_map"]) == {
                 "AutoConfig", "AutoModel", "AutoModelForCausalLM", "AutoModelForSequenceClassification"

@@ -25,7 +25,8 @@ def test_the_explicit_state_step_equals_the_cached_forward():
     torch.testing.assert_close(logits[:, -1], model(ids).logits[:, -1], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("variant", ["linear-elu", "linear-favor", "linear-hedgehog", "linear-window", "linear-decay", "linear-gated"])
+@pytest.mark.parametrize("variant", ["linear-elu", "linear-favor", "linear-hedgehog", "linear-window", "linear-decay", "linear-gated",
+                                     "linear-conv"])
 def test_torch_export_of_the_step_with_a_dynamic_batch_equals_eager(variant):
     model, step, ids, positions, state = prefill_then_step(variant)
     batch = torch.export.Dim("batch", min=1, max=64)
@@ -74,7 +75,7 @@ def states_of(cache):
 
 
 @pytest.mark.parametrize("variant", [
-    "linear-elu", "linear-window", "linear-gated", pytest.param("linear-favor", marks=pytest.mark.slow),
+    "linear-elu", "linear-window", "linear-gated", "linear-conv", pytest.param("linear-favor", marks=pytest.mark.slow),
     pytest.param("linear-hedgehog", marks=pytest.mark.slow),
 ])
 def test_torch_export_of_the_prompt_pass_serves_every_length_from_one_program(variant):
@@ -113,11 +114,13 @@ def test_torch_export_of_the_model_forward_without_cache_serves_every_length():
                 exported(ids[:rows, :n], use_cache=False).logits, model(ids[:rows, :n]).logits, atol=1e-5, rtol=1e-5
             )
 
-def test_the_exported_prompt_pass_leaves_left_padding_out_of_the_state():
-    """A left-padded batch through the exported program: each row's logits and state equal the row run alone."""
-    model = causal_lm("linear-elu")
+@pytest.mark.parametrize("variant", ["linear-elu", "linear-conv"])
+def test_the_exported_prompt_pass_leaves_left_padding_out_of_the_state(variant):
+    """A left-padded batch through the exported program: each row's logits and state equal the row run alone (with a
+    short convolution, a row shorter than its buffer too)."""
+    model = causal_lm(variant)
     exported = exported_prefill(model)
-    prompts = [random_ids(1, n, seed=n)[0] for n in (5, 13, 9)]
+    prompts = [random_ids(1, n, seed=n)[0] for n in (5, 13, 2)]
     ids, mask = left_padded_batch(prompts)
     with torch.no_grad():
         logits, *state = exported(ids, mask)
@@ -128,8 +131,9 @@ def test_the_exported_prompt_pass_leaves_left_padding_out_of_the_state():
                 torch.testing.assert_close(got[row], expected[0], atol=1e-5, rtol=1e-5)
 
 
-def test_the_step_continues_from_the_prompt_pass():
-    model = causal_lm("linear-hedgehog")
+@pytest.mark.parametrize("variant", ["linear-hedgehog", "linear-conv"])
+def test_the_step_continues_from_the_prompt_pass(variant):
+    model = causal_lm(variant)
     prefill, step = DecoderPrefill(model).eval(), DecoderStateStep(model).eval()
     ids = random_ids(2, 12)
     with torch.no_grad():
@@ -247,12 +251,13 @@ def test_greedy_decoding_on_onnxruntime_equals_generate(onnx_programs):
 
 
 @pytest.mark.slow
-def test_window_decoder_greedy_on_onnxruntime_equals_generate(tmp_path):
-    """Window + linear attention (W = 5): its prompt pass (the quadratic form under export) and its step (the window
-    buffer shifting by one slot) in ONNX; the documented greedy loop on a left-padded batch gives generate()'s tokens,
-    with prompts shorter and longer than the window."""
-    model, _, _, prefill_session, step_session = export_to_onnx("linear-window", tmp_path)
-    ids, mask = left_padded_batch([random_ids(1, n, seed=n)[0] for n in (3, 11, 7)])
+def test_window_and_short_conv_decoder_greedy_on_onnxruntime_equals_generate(tmp_path):
+    """Window + linear attention (W = 5) with a short convolution on q, k, v (K = 4): its prompt pass (the quadratic
+    form under export) and its step (the window and the convolution's buffer shifting by one slot) in ONNX; the
+    documented greedy loop on a left-padded batch gives generate()'s tokens, with prompts shorter than the
+    convolution, shorter and longer than the window. (One export for both: each costs ~20 s.)"""
+    model, _, _, prefill_session, step_session = export_to_onnx("linear-window-conv", tmp_path)
+    ids, mask = left_padded_batch([random_ids(1, n, seed=n)[0] for n in (2, 11, 7)])
     want = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=12)
     got = greedy_decode_onnx(
         prefill_session, step_session, ids.numpy(), mask.numpy(), 12, model.config.eos_token_id, model.config.pad_token_id

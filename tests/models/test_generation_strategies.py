@@ -8,9 +8,10 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from hf_linear_attn import LinformerGPT2Config, LinformerGPT2ForCausalLM
 
+# with a short convolution (helpers.CONV_VARIANTS) on each kind of linear cache layer: the replay rebuilds its buffer
 DECODERS = [
-    "linear-elu", "linear-favor", "linear-window", "linear-hybrid", "linear-decay", "linear-gated", "linformer-headwise",
-    "linformer-key-value",
+    "linear-elu", "linear-favor", "linear-window", "linear-hybrid", "linear-decay", "linear-gated", "linear-conv",
+    "linear-window-conv", "linear-decay-conv", "linformer-headwise", "linformer-key-value",
 ]
 
 
@@ -103,6 +104,7 @@ def test_cropping_the_state_equals_recomputing_it_from_scratch(variant):
         fresh = model(ids[:, :kept], attention_mask=mask[:, :kept], use_cache=True).past_key_values
         for layer, reference in zip(cache.layers, fresh.layers):
             got, want = layer.state, reference.state
+            assert len(got) == len(want)
             if variant.startswith("linformer"):  # the summaries of completed blocks and the current block's tokens
                 slots = got.summary_valid.shape[1]
                 assert got.summary_valid.tolist() == want.summary_valid[:, :slots].tolist()
