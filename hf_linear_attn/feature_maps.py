@@ -37,6 +37,24 @@ class ReluFeatureMap(FeatureMap):
         return F.relu(x.float())
 
 
+# Under torch.export the running maximum is a doubling scan of this many steps (positions up to 2^20), not cummax,
+# which ONNX lacks: steps past the length change nothing, so the count needs no n.
+EXPORT_MAX_STEPS = 20
+
+
+def _cumulative_max(x: torch.Tensor) -> torch.Tensor:
+    """max over positions j <= t along dim -2: torch.cummax, or under torch.export the doubling scan (Hillis and
+    Steele: after the step of shift s every row holds the maximum of the 2s rows up to it), exact either way."""
+    if not torch.compiler.is_exporting():
+        return torch.cummax(x, dim=-2).values
+    positions = torch.arange(x.shape[-2], device=x.device)
+    for step in range(EXPORT_MAX_STEPS):
+        shift = 2**step
+        earlier = x.index_select(-2, (positions - shift).clamp(min=0))
+        x = torch.where((positions >= shift)[:, None], torch.maximum(x, earlier), x)
+    return x
+
+
 def orthogonal_gaussian_matrix(
     num_rows: int, dim: int, generator: torch.Generator | None = None, device=None
 ) -> torch.Tensor:
@@ -62,17 +80,17 @@ class FavorFeatureMap(FeatureMap):
     evaluation is deterministic; :meth:`redraw` draws a new one (the same on every distributed process).
 
     The stabiliser c is a constant that cancels in the normalised attention: for queries it is the row's own
-    maximum; for keys in bidirectional mode the maximum over the (non-pad) keys of the sequence. In causal mode
-    keys get no stabiliser, since any maximum over the sequence would look at future tokens; in float32 the
-    exponent is bounded by |w|^2 / 2, which does not overflow.
+    maximum; for keys in bidirectional mode the maximum over the (non-pad) keys of the sequence. ``forward`` in
+    causal mode gives keys no stabiliser, since any maximum over the sequence would look at future tokens (in
+    float32 the exponent is bounded by |w|^2 / 2, which does not overflow, but it underflows at large norms);
+    :meth:`causal_pair` is what causal attention calls instead.
 
     :meth:`pair` (what the attention layers call) stabilises queries and keys jointly in bidirectional mode: each
     feature i of the keys by its own maximum c_i over the sequence, with c_i added to the queries' logit i, so
     every product phi(q)_i phi(k_j)_i is unchanged up to one constant per query, which cancels. The normaliser
     phi(q) . z is then at least 1 / m whatever the scale of q and k, where separate stabilisers can leave it far
     below eps (keys and queries of norm ~1.5 per dimension at d = 64 already let eps shrink half the outputs by
-    more than 1%). Causal keys keep no stabiliser: with large key norms (|k|^2 / sqrt(d) of several tens) their
-    features underflow towards eps, and the output shrinks; prefer elu or hedgehog for such weights.
+    more than 1%). :meth:`causal_pair` does the same causally, with the running maximum over the keys so far.
     """
 
     def __init__(self, head_dim: int, num_features: int, causal: bool = False):
@@ -116,7 +134,8 @@ class FavorFeatureMap(FeatureMap):
         key_mask: torch.Tensor | None = None,
         running_max: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Causal FAVOR+ stabilised without looking ahead: (phi(Q), phi(K), log a (B, H, n, m), running max (B, H, m)).
+        """Causal FAVOR+ stabilised without looking ahead: (phi(Q), phi(K), log a (B, H, n, m), the running maximum at
+        every position (B, H, n, m); its last row is what the next call continues from).
 
         Key feature i at position j is scaled by exp(-c_t,i), c_t,i the largest logit i among the real keys up to t
         (``running_max`` (B, H, m) carries it from earlier calls; -inf where no key was seen yet), and the query at t
@@ -131,13 +150,16 @@ class FavorFeatureMap(FeatureMap):
         key_logits = self._logits(k)
         if key_mask is not None:  # pad keys: -inf, so their features are 0 and they never raise the maximum
             key_logits = key_logits.masked_fill(~key_mask[:, None, :, None], -torch.inf)
-        running = torch.cummax(key_logits.detach(), dim=-2).values
+        running = _cumulative_max(key_logits.detach())
         if running_max is None:
             before = torch.full_like(running[:, :, :1], -torch.inf)
         else:
             before = running_max.float()[:, :, None, :].expand_as(running[:, :, :1])
             running = torch.maximum(running, before)
-        previous = torch.cat([before, running[:, :, :-1]], dim=2)
+        # c_{t-1}: the maximum one position back (an index, not a slice of n - 1 rows, which would fix n under export)
+        positions = torch.arange(running.shape[2], device=running.device)
+        previous = running.index_select(2, (positions - 1).clamp(min=0))
+        previous = torch.where((positions == 0)[:, None], before, previous)
         stabiliser = torch.where(torch.isfinite(running), running, 0.0)  # 0 until the first real key
         # before the first key the state is empty: nothing to rescale (and c_{t-1} - c_t would be -inf - c)
         log_decay = torch.where(torch.isfinite(previous), previous - stabiliser, 0.0)
@@ -145,7 +167,7 @@ class FavorFeatureMap(FeatureMap):
         phi_k = torch.exp(key_logits - stabiliser) * scale
         query_logits = self._logits(q) + stabiliser
         phi_q = torch.exp(query_logits - query_logits.amax(dim=-1, keepdim=True).detach()) * scale
-        return phi_q, phi_k, log_decay, running[:, :, -1]
+        return phi_q, phi_k, log_decay, running
 
     def forward(self, x: torch.Tensor, is_query: bool, key_mask: torch.Tensor | None = None) -> torch.Tensor:
         logits = self._logits(x)

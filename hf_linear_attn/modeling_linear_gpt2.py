@@ -33,6 +33,7 @@ from .recurrent_cache import (
     KeyValueStateLayer,
     LinearAttentionStateLayer,
     SlidingWindowStateLayer,
+    StabilisedFavorStateLayer,
 )
 from .short_convolution import ShortConvolution, causal_short_convolution, mask_pad_inputs
 from .sliding_window_attention import (
@@ -82,6 +83,12 @@ class LinearGPT2Attention(GPT2StyleAttention):
         self.state_decay = config.state_decay
         if self.state_decay is not None:
             self.cache_layer_class = DecayedStateLayer  # its rollback replays the decays too
+        # Causal FAVOR+ (a window with FAVOR+ is refused): keys scaled by the running maximum of each feature's logit, never a later key's
+        # (FavorFeatureMap.causal_pair), so no feature underflows at large key norms. The maximum's growth rescales
+        # the state, a decay, so these layers run the decayed kernel and their state also carries the maximum.
+        self.favor_stabiliser = config.feature_map == "favor"
+        if self.favor_stabiliser:
+            self.cache_layer_class = StabilisedFavorStateLayer
         if self.state_decay == "fixed":
             self.decay_rates = list(config.decay_rates or retnet_decay_rates(self.num_heads))
         elif self.state_decay == "gated":
@@ -124,7 +131,8 @@ class LinearGPT2Attention(GPT2StyleAttention):
         return {"log_decay": log_decay.view(*hidden_states.shape[:2], self.num_heads, -1).transpose(1, 2)}
 
     def initial_state(self, batch_size: int) -> tuple[torch.Tensor, ...]:
-        """Zeros (S (B, H, m, d), z (B, H, m)) in float32, m the feature map's output width; with a window also the
+        """Zeros (S (B, H, m, d), z (B, H, m)) in float32, m the feature map's output width (causal FAVOR+ adds its
+        running maximum, -inf (B, H, m)); with a window also the
         empty window (keys, phi(keys), values (B, H, W, .) zeros, valid (B, W) False); with a short convolution last its
         buffer, zeros (B, K-1, 3 D)."""
         if self.full_attention:
@@ -142,6 +150,8 @@ class LinearGPT2Attention(GPT2StyleAttention):
         else:
             shape = (batch_size, self.num_heads, features.shape[-1])
             state = torch.zeros(*shape, self.head_dim, device=device), torch.zeros(shape, device=device)
+            if self.favor_stabiliser:  # the running maximum: -inf, no key seen yet
+                state = (*state, torch.full(shape, -torch.inf, device=device))
         if self.has_short_conv:  # the convolution's buffer: zeros, as before a sequence's first token
             width = self.q_conv1d.kernel_size[0] - 1
             state = (*state, self.c_attn.weight.new_zeros(batch_size, width, 3 * self.embed_dim))
@@ -214,6 +224,19 @@ class LinearGPT2Attention(GPT2StyleAttention):
             weights = decayed_linear_attention_weights(phi_q, phi_k, log_decay, key_mask, eps=self.eps)
         return output, weights, state, tail
 
+    def _attend_favor(self, q, k, v, key_mask, state, use_cache, need_tail, output_attentions, log_decay):
+        """attend() for causal FAVOR+: state (S, z, running maximum (B, H, m)); the maximum's growth is a decay of
+        (S, z), added to the layer's own decay where it has one. Rollback tail: the decayed kernel's (phi(k), v,
+        log a) and the running maximum at each token."""
+        running = None if state is None else state[2]
+        phi_q, phi_k, log_growth, running = self.feature_map.causal_pair(q, k, key_mask, running)
+        log_decay = log_growth if log_decay is None else log_decay + log_growth
+        output, weights, state, tail = self._attend_decayed(
+            phi_q, phi_k, v, log_decay, key_mask, None if state is None else state[:2], need_tail, output_attentions
+        )
+        state = (*state, running[:, :, -1])
+        return output, weights, state if use_cache else None, None if tail is None else (*tail, running)
+
     def attend(self, q, k, v, key_mask, state, use_cache, need_tail, output_attentions, shared_projection,
                log_decay=None):
         if state is not None:
@@ -221,6 +244,8 @@ class LinearGPT2Attention(GPT2StyleAttention):
         if self.full_attention:
             output, weights, state = self._attend_full(q, k, v, key_mask, state, output_attentions)
             return output, weights, state if use_cache else None, None
+        if self.favor_stabiliser:
+            return self._attend_favor(q, k, v, key_mask, state, use_cache, need_tail, output_attentions, log_decay)
         phi_q, phi_k = self.feature_map.pair(q, k, key_mask)
         if log_decay is not None:
             output, weights, state, tail = self._attend_decayed(

@@ -2,7 +2,8 @@
 
 * :class:`LinearAttentionStateLayer` holds the state of causal linear attention, S (B, H, m, d) and z (B, H, m)
   in float32: its size does not depend on the number of tokens seen ("Transformers are RNNs").
-* :class:`DecayedStateLayer` holds the same (S, z) for linear attention whose state decays (RetNet, GLA).
+* :class:`DecayedStateLayer` holds the same (S, z) for linear attention whose state decays (RetNet, GLA), and
+  :class:`StabilisedFavorStateLayer` that and the running maximum of causal FAVOR+'s key logits.
 * :class:`SlidingWindowStateLayer` holds that state plus the last W keys / values of window + linear attention.
 * With a short convolution on q, k, v (``use_short_conv``) each of the three linear layers above also holds the
   convolution's buffer, the last K-1 pre-convolution inputs (:class:`ShortConvStateMixin`).
@@ -203,6 +204,22 @@ class DecayedStateLayer(LinearAttentionStateLayer):
         return advance_decayed_state(*tail, state)
 
 
+class StabilisedFavorStateLayer(DecayedStateLayer):
+    """State (S, z, running maximum (B, H, m)) of causal FAVOR+ stabilised by the running maximum of each feature's
+    key logit (``FavorFeatureMap.causal_pair``): (S, z) as :class:`DecayedStateLayer` holds it, the maximum's growth
+    being the decay, float32, constant in size.
+
+    Rollback tail: the decayed layer's phi(k), v, log a and the running maximum at each recorded token (B, H, t, m);
+    the state after a prefix of them is the decayed replay with the maximum at the prefix's last token.
+    """
+
+    tail_token_dims = (2, 2, 2, 2)
+
+    def _replay(self, state, tail):
+        *decayed, running = tail
+        return (*advance_decayed_state(*decayed, None if state is None else state[:2]), running[:, :, -1])
+
+
 class SlidingWindowStateLayer(RecurrentStateLayer):
     """State of window + linear attention: (S, z) of the keys that left the window (float32) and the window itself,
     keys, phi(keys), values (B, H, W, .) and a valid mask (B, W), oldest first: a fixed size, W slots per layer.
@@ -322,6 +339,10 @@ class ShortConvDecayedStateLayer(ShortConvStateMixin, DecayedStateLayer):
     """:class:`DecayedStateLayer`'s (S, z) and a short convolution's buffer."""
 
 
+class ShortConvStabilisedFavorStateLayer(ShortConvStateMixin, StabilisedFavorStateLayer):
+    """:class:`StabilisedFavorStateLayer`'s (S, z, running maximum) and a short convolution's buffer."""
+
+
 class ShortConvSlidingWindowStateLayer(ShortConvStateMixin, SlidingWindowStateLayer):
     """:class:`SlidingWindowStateLayer`'s state and a short convolution's buffer."""
 
@@ -330,6 +351,7 @@ class ShortConvSlidingWindowStateLayer(ShortConvStateMixin, SlidingWindowStateLa
 SHORT_CONV_STATE_LAYERS = {
     LinearAttentionStateLayer: ShortConvLinearAttentionStateLayer,
     DecayedStateLayer: ShortConvDecayedStateLayer,
+    StabilisedFavorStateLayer: ShortConvStabilisedFavorStateLayer,
     SlidingWindowStateLayer: ShortConvSlidingWindowStateLayer,
 }
 

@@ -40,10 +40,10 @@ def inputs(batch=2, heads=2, n=96, d=64, std=3.0, seed=0):
 
 
 def stabilised(feature_map, q, k, v, key_mask=None, chunk_size=16, state=None, running_max=None):
-    phi_q, phi_k, log_decay, last = feature_map.causal_pair(q, k, key_mask, running_max)
+    phi_q, phi_k, log_decay, running = feature_map.causal_pair(q, k, key_mask, running_max)
     out, state = causal_decayed_linear_attention(phi_q, phi_k, v, log_decay, key_mask, chunk_size=chunk_size,
                                                  state=state)
-    return out, state, last
+    return out, state, running[:, :, -1]
 
 
 def test_large_key_norms_stay_exact_where_the_unstabilised_path_collapses():
@@ -72,13 +72,13 @@ def test_the_maxima_only_grow_the_decays_are_at_most_one_and_features_at_most_th
     mask = torch.ones(2, 40, dtype=torch.bool)
     mask[0, :5] = False
     mask[1, 20:23] = False
-    phi_q, phi_k, log_decay, last = feature_map.causal_pair(q, k, mask)
+    phi_q, phi_k, log_decay, running = feature_map.causal_pair(q, k, mask)
     assert (log_decay <= 0).all()
     assert (log_decay[0, :, :6] == 0).all()  # before (and at) the first real key: nothing to rescale
     assert (log_decay[1, :, 20:23] == 0).all()  # a pad changes no maximum
     assert (phi_k <= 32**-0.5 + 1e-7).all() and (phi_k[~mask[:, None, :, None].expand_as(phi_k)] == 0).all()
     assert torch.allclose(phi_q.amax(-1), torch.full_like(phi_q[..., 0], 32**-0.5))
-    assert torch.isfinite(last).all()
+    assert (running[:, :, 1:] >= running[:, :, :-1]).all() and torch.isfinite(running[:, :, -1]).all()
 
 
 @pytest.mark.parametrize("split", [1, 37, 95])
@@ -105,6 +105,7 @@ def test_token_by_token_decoding_equals_the_chunked_call():
         phi_q, phi_k, log_decay, running = feature_map.causal_pair(
             q[:, :, t : t + 1], k[:, :, t : t + 1], None, running
         )
+        running = running[:, :, -1]
         out, state = recurrent_decayed_linear_attention_step(phi_q, phi_k, v[:, :, t : t + 1], log_decay, state)
         outputs.append(out)
     assert torch.allclose(torch.cat(outputs, dim=2), whole, atol=1e-5)
@@ -125,3 +126,28 @@ def test_gradients_equal_the_float64_estimators():
         grads.append([t.grad.float() for t in leaves])
     for ours, reference in zip(*grads):  # float32 against float64: within 1e-4 of the largest gradient
         assert (ours - reference).abs().max() <= 1e-4 * (1 + reference.abs().max())
+
+
+def test_exported_running_maximum_serves_every_length_and_equals_eager():
+    """Under torch.export the running maximum is a doubling scan (ONNX has no cummax) and the maximum one position
+    back an index: one program, traced at n = 29, equals the eager pair at n = 1, 2, 5 and 100 (with a pad)."""
+    feature_map = FavorFeatureMap(8, 16, causal=True)
+
+    class Pair(torch.nn.Module):
+        def forward(self, q, k, key_mask, running_max):
+            return feature_map.causal_pair(q, k, key_mask, running_max)
+
+    q, k, _ = inputs(batch=2, heads=2, n=100, d=8, std=2.0, seed=4)
+    mask = torch.ones(2, 100, dtype=torch.bool)
+    mask[1, :3] = False
+    start = torch.randn(2, 2, 16)
+    start[0] = -torch.inf
+    length = torch.export.Dim("length", min=1, max=128)
+    program = torch.export.export(  # traced on copies: views of the 100-row tensors would tie n to their strides
+        Pair(), (q[:, :, :29].clone(), k[:, :, :29].clone(), mask[:, :29].clone(), start),
+        dynamic_shapes=({2: length}, {2: length}, {1: length}, None),
+    ).module()
+    for n in (1, 2, 5, 100):
+        args = (q[:, :, :n].clone(), k[:, :, :n].clone(), mask[:, :n].clone(), start)
+        for got, want in zip(program(*args), feature_map.causal_pair(*args), strict=True):
+            assert torch.equal(got, want)

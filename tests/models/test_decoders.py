@@ -128,8 +128,9 @@ def test_linear_attention_cache_does_not_grow_with_the_context():
     short = model(random_ids(1, 5), use_cache=True).past_key_values
     long = model(random_ids(1, 120), use_cache=True).past_key_values
     assert short.get_seq_length() == 5 and long.get_seq_length() == 120
-    # 2 layers x (S: 4 heads x 32 features x 8 + z: 4 x 32) float32 values, whatever the length
-    assert short.state_bytes() == long.state_bytes() == 2 * (4 * 32 * 8 + 4 * 32) * 4
+    # 2 layers x (S: 4 heads x 32 features x 8 + z: 4 x 32 + the keys' running maximum: 4 x 32) float32 values,
+    # whatever the length
+    assert short.state_bytes() == long.state_bytes() == 2 * (4 * 32 * 8 + 4 * 32 + 4 * 32) * 4
     assert all(layer.state[0].dtype == torch.float32 for layer in long.layers)
 
 
