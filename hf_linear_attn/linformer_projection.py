@@ -13,7 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 
 LINFORMER_SHARING = ("none", "headwise", "key-value", "layerwise")
-LINFORMER_INIT = ("xavier_uniform", "normal", "pooling")
+LINFORMER_INIT = ("xavier_uniform", "normal", "pooling", "multiscale")
+# Inits whose rows each start at a known position (row_starts): only these can leave unreached rows out.
+STRUCTURED_INITS = ("pooling", "multiscale")
 
 
 class LinformerProjection(nn.Module):
@@ -55,12 +57,18 @@ def linformer_projection_weights(
     return key_projection, value_projection
 
 
-def check_linformer_options(sharing: str, init: str) -> None:
-    """Raise a ValueError naming an unknown sharing mode or init of a Linformer config."""
+def check_linformer_options(sharing: str, init: str, drop_unreached_rows: bool = False) -> None:
+    """Raise a ValueError naming an unknown sharing mode or init of a Linformer config, or unreached rows to drop
+    without an init that says where each row starts."""
     if sharing not in LINFORMER_SHARING:
         raise ValueError(f"Unknown linformer_sharing {sharing!r}; choose one of {', '.join(LINFORMER_SHARING)}.")
     if init not in LINFORMER_INIT:
         raise ValueError(f"Unknown linformer_init {init!r}; choose one of {', '.join(LINFORMER_INIT)}.")
+    if drop_unreached_rows and init not in STRUCTURED_INITS:
+        raise ValueError(
+            f"linformer_drop_unreached_rows needs rows that start at known positions: linformer_init "
+            f"{' or '.join(map(repr, STRUCTURED_INITS))}, not {init!r} (whose rows mix every position)."
+        )
 
 
 def xavier_bound(k: int, max_length: int) -> float:
@@ -78,6 +86,35 @@ def pooling_matrix(k: int, max_length: int) -> torch.Tensor:
     window = (torch.arange(max_length) * k) // max_length
     matrix = (window[None, :] == torch.arange(k)[:, None]).float()
     return matrix / matrix.sum(-1, keepdim=True).clamp(min=1.0)
+
+
+def multiscale_matrix(k: int, max_length: int) -> torch.Tensor:
+    """(k, max_length): the first k // 2 rows single positions 0, 1, ..., the other rows the means of equal windows
+    of the positions after them.
+
+    A pooling start for converted checkpoints read at many lengths: an input of up to k // 2 tokens is projected
+    exactly (with :func:`row_starts` leaving the rows it does not reach out of the softmax, the attention is then
+    the source's softmax attention), and only longer inputs are compressed, their tail pooled.
+    """
+    exact = min(k // 2, max_length)
+    if k - exact == 0 or max_length - exact == 0:
+        return torch.eye(k, max_length)
+    rest = pooling_matrix(k - exact, max_length - exact)
+    return torch.block_diag(torch.eye(exact), rest)
+
+
+def row_starts(init: str, k: int, max_length: int) -> torch.Tensor:
+    """(k,) the first position each row of a structured init (``pooling``, ``multiscale``) covers."""
+    matrix = multiscale_matrix(k, max_length) if init == "multiscale" else pooling_matrix(k, max_length)
+    covered = matrix > 0
+    return torch.where(covered.any(-1), covered.float().argmax(-1), max_length)
+
+
+def reached_rows(starts: torch.Tensor, key_mask: torch.Tensor | None, n: int) -> torch.Tensor:
+    """(B or 1, k) whether each row starts inside each example's real tokens (right padding: the first m)."""
+    lengths = torch.full((1,), n, device=starts.device) if key_mask is None else key_mask.sum(-1)
+    starts = starts.to(lengths.device)[None, :]
+    return (starts < lengths[:, None]) | (starts == 0)  # the first row always: an all-pad row still has a softmax
 
 
 def project_sequence(
@@ -148,11 +185,16 @@ def projected_attention(
     projected_v: torch.Tensor,
     dropout: float = 0.0,
     need_weights: bool = False,
+    row_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """softmax(Q K_p^T / sqrt(d)) V_p on already projected keys / values (B, H, k, d): the second half of Linformer."""
+    """softmax(Q K_p^T / sqrt(d)) V_p on already projected keys / values (B, H, k, d): the second half of Linformer.
+    ``row_mask`` (B or 1, k): the projected rows the softmax may use (:func:`reached_rows`); None: all."""
+    mask = None if row_mask is None else row_mask[:, None, None, :]
     if not need_weights:
-        return F.scaled_dot_product_attention(q, projected_k, projected_v, dropout_p=dropout), None
+        return F.scaled_dot_product_attention(q, projected_k, projected_v, attn_mask=mask, dropout_p=dropout), None
     scores = torch.matmul(q, projected_k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    if mask is not None:
+        scores = scores.masked_fill(~mask, -torch.inf)
     weights = scores.softmax(dim=-1)
     output = torch.matmul(F.dropout(weights, p=dropout, training=dropout > 0), projected_v)
     return output, weights

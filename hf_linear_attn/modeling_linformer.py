@@ -15,6 +15,8 @@ from .linformer_projection import (
     linformer_projection_weights,
     project_sequence,
     projected_attention,
+    reached_rows,
+    row_starts,
     shared_linformer_projection,
 )
 from .modeling_roberta_style import (
@@ -46,6 +48,11 @@ class LinformerSelfAttention(RobertaStyleSelfAttention):
         self.dropout = config.attention_probs_dropout_prob
         self.sharing = config.linformer_sharing
         self.normalize_rows = config.linformer_normalize_rows
+        # where each projected row starts (a buffer, not saved: it follows from the config), to drop unreached rows
+        starts = None
+        if config.linformer_drop_unreached_rows:
+            starts = row_starts(config.linformer_init, config.k_for_layer(layer_idx), config.max_sequence_length)
+        self.register_buffer("row_starts", starts, persistent=False)
         add_linformer_projections(
             self, self.sharing, self.num_heads, config.k_for_layer(layer_idx), config.max_sequence_length
         )
@@ -64,9 +71,12 @@ class LinformerSelfAttention(RobertaStyleSelfAttention):
         rows = self.normalize_rows
         projected_k = project_sequence(self._split_heads(self.key(hidden_states)), key_projection, key_mask, rows)
         projected_v = project_sequence(self._split_heads(self.value(hidden_states)), value_projection, key_mask, rows)
+        row_mask = None
+        if self.row_starts is not None:
+            row_mask = reached_rows(self.row_starts, key_mask, hidden_states.shape[1])
         output, weights = projected_attention(
             self._split_heads(self.query(hidden_states)), projected_k, projected_v,
-            dropout=self.dropout if self.training else 0.0, need_weights=output_attentions,
+            dropout=self.dropout if self.training else 0.0, need_weights=output_attentions, row_mask=row_mask,
         )
         return output.transpose(1, 2).reshape(hidden_states.shape), weights
 

@@ -11,7 +11,7 @@ from torch import nn
 from transformers import initialization as init
 
 from .feature_maps import FavorFeatureMap, HedgehogFeatureMap, identity_weight, orthogonal_gaussian_matrix
-from .linformer_projection import LinformerProjection, pooling_matrix, xavier_bound
+from .linformer_projection import LinformerProjection, multiscale_matrix, pooling_matrix, xavier_bound
 from .short_convolution import ShortConvolution, short_convolution_init_bound
 from .sliding_window_attention import SlidingWindowFactor
 
@@ -27,12 +27,14 @@ def init_feature_map(module: nn.Module) -> None:
 
 def init_linformer_projection(module: nn.Module, linformer_init: str, initializer_range: float) -> None:
     """E / F by ``linformer_init``: "xavier_uniform" (fairseq, gain 1/sqrt 2), "normal" N(0, initializer_range) or
-    "pooling" (mean over consecutive windows of max_length / k positions)."""
+    "pooling" (mean over consecutive windows of max_length / k positions) or "multiscale" (k // 2 single positions,
+    then pooled windows)."""
     if not isinstance(module, LinformerProjection):
         return
     k, max_length = module.weight.shape[-2:]
-    if linformer_init == "pooling":
-        init.copy_(module.weight, pooling_matrix(k, max_length).expand_as(module.weight).to(module.weight.device))
+    if linformer_init in ("pooling", "multiscale"):
+        build = pooling_matrix if linformer_init == "pooling" else multiscale_matrix
+        init.copy_(module.weight, build(k, max_length).expand_as(module.weight).to(module.weight.device))
     elif linformer_init == "normal":
         init.normal_(module.weight, mean=0.0, std=initializer_range)
     else:

@@ -21,7 +21,7 @@ from .convert import (check_source, check_target, convert, extend_max_length, lo
 from .distill import distill, distillation_distance, distillation_mode, language_model_quality
 
 FAMILY_OPTIONS = ("linformer_k", "linformer_sharing", "linformer_init", "linformer_normalize_rows",
-                  "linformer_block_size", "feature_map", "num_random_features", "learned_feature_dim",
+                  "linformer_drop_unreached_rows", "linformer_block_size", "feature_map", "num_random_features", "learned_feature_dim",
                   "attention_window", "state_decay", "layer_types")
 
 
@@ -39,9 +39,13 @@ class ConvertArguments(HubArguments):
                                                         "sequence-classification, ..., base"})
     linformer_k: int | None = field(default=None, metadata={"help": "Linformer projected length k"})
     linformer_sharing: str | None = field(default=None, metadata={"help": "none | headwise | key-value | layerwise"})
-    linformer_init: str | None = field(default=None, metadata={"help": "xavier_uniform | normal | pooling"})
+    linformer_init: str | None = field(default=None, metadata={"help": "xavier_uniform | normal | pooling | "
+                                                                      "multiscale"})
     linformer_normalize_rows: bool | None = field(default=None, metadata={"help": "encoder Linformer: keep rows of "
                                                                                   "E / F summing to 1"})
+    linformer_drop_unreached_rows: bool | None = field(default=None, metadata={
+        "help": "encoder Linformer with a pooling or multiscale init: leave rows an input does not reach out of the "
+                "softmax"})
     linformer_block_size: int | None = field(default=None, metadata={"help": "causal Linformer block size"})
     feature_map: str | None = field(default=None, metadata={"help": "elu | relu | favor | hedgehog (learnable: "
                                                                     "the one distillation trains)"})

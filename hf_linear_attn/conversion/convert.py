@@ -381,6 +381,11 @@ def extend_max_length(model, new_max_length: int):
             f"extend_max_length handles this package's encoders ({_targets('encoder')}), not "
             f"{getattr(config, 'model_type', type(model).__name__)!r}."
         )
+    if getattr(config, "linformer_drop_unreached_rows", False):
+        raise UsageError(
+            "extend_max_length stretches E / F, which moves where each row starts, and linformer_drop_unreached_rows "
+            "reads those starts from the init: convert without --linformer_drop_unreached_rows to extend."
+        )
     old = config.max_sequence_length
     if new_max_length <= old:
         raise UsageError(f"new_max_length ({new_max_length}) must exceed the current maximum ({old}).")

@@ -327,3 +327,41 @@ def test_distillation_reads_text_with_a_wordpiece_tokenizer(tmp_path):
         "--output_dir", str(tmp_path / "distilled")])
     assert report["distillation"]["steps"] == 2 and report["distillation"]["mode"] == "attention"
     assert BertTokenizerFast.from_pretrained(tmp_path / "distilled").bos_token is None  # the saved one unchanged
+
+
+@pytest.mark.parametrize("head", ["base", "sequence-classification"])
+def test_multiscale_linformer_dropping_unreached_rows_is_stock_bert_on_inputs_up_to_half_k(tmp_path, head):
+    """k = 12 over 16 positions with the multiscale init: rows 0-5 single positions, rows 6-11 pooled. An input of at
+    most 6 real tokens reaches only the single rows, so with the unreached rows left out the converted Linformer is
+    stock BERT (right-padded batches included); without dropping, the pooled rows' zero keys and values (free rows)
+    take a share of every softmax."""
+    folder, bert = bert_folder(tmp_path, head)
+    options = dict(linformer_k=12, linformer_init="multiscale")
+    model = convert(folder, "linformer", linformer_drop_unreached_rows=True, **options)[0].eval()
+    kept = convert(folder, "linformer", **options)[0].eval()
+    batch = inputs(batch=3, n=6, pad_from=(None, 4, 1))  # 6, 4 and 1 real tokens
+    name = "logits" if head != "base" else "last_hidden_state"
+    real = batch["attention_mask"].bool()
+    ours, stock, without = (getattr(m(**batch), name) for m in (model, bert, kept))
+    if head == "base":
+        ours, stock, without = ours[real], stock[real], without[real]
+    torch.testing.assert_close(ours, stock, atol=2e-5, rtol=1e-5)
+    assert (without - stock).abs().max() > 100 * (ours - stock).abs().max()
+    # a longer input reaches the pooled rows: no longer softmax over the tokens, but every row it reaches is used
+    long = inputs(batch=1, n=N, pad_from=(None,))
+    hidden = [m.base_model(**long).last_hidden_state for m in (model, bert)]
+    assert (hidden[0] - hidden[1]).abs().max() > 1e-3
+    starts = model.base_model.encoder.layer[0].attention.self.row_starts.tolist()
+    # 6 single positions, then positions 6-15 in 6 windows: j belongs to window floor((j - 6) * 6 / 10)
+    pooled = [min(j for j in range(6, N) if (j - 6) * 6 // 10 == window) for window in range(6)]
+    assert starts == list(range(6)) + pooled
+
+
+def test_dropping_unreached_rows_needs_a_structured_init_and_refuses_extension(tmp_path):
+    folder, _ = bert_folder(tmp_path)
+    with pytest.raises((ValueError, UsageError), match="needs rows that start at known positions"):
+        convert(folder, "linformer", linformer_k=8, linformer_init="xavier_uniform", linformer_drop_unreached_rows=True)
+    from hf_linear_attn.conversion.convert import extend_max_length
+    model = convert(folder, "linformer", linformer_k=8, linformer_init="pooling", linformer_drop_unreached_rows=True)[0]
+    with pytest.raises(UsageError, match="convert without --linformer_drop_unreached_rows to extend"):
+        extend_max_length(model, 2 * N)
