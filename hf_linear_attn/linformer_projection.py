@@ -103,11 +103,13 @@ def multiscale_matrix(k: int, max_length: int) -> torch.Tensor:
     return torch.block_diag(torch.eye(exact), rest)
 
 
-def row_starts(init: str, k: int, max_length: int) -> torch.Tensor:
-    """(k,) the first position each row of a structured init (``pooling``, ``multiscale``) covers."""
-    matrix = multiscale_matrix(k, max_length) if init == "multiscale" else pooling_matrix(k, max_length)
-    covered = matrix > 0
-    return torch.where(covered.any(-1), covered.float().argmax(-1), max_length)
+def row_starts(init: str, k: int, max_length: int) -> list[int]:
+    """The first position each of the k rows of a structured init (``pooling``, ``multiscale``) covers: plain ints,
+    computed without torch (a model being loaded builds its modules on the meta device, where tensors hold no data).
+    Row i of the pooling matrix covers the j with floor(j k / n) = i, so it starts at ceil(i n / k)."""
+    exact = min(k // 2, max_length) if init == "multiscale" else 0
+    pooled_rows, pooled_positions = k - exact, max_length - exact
+    return list(range(exact)) + [exact + -(-i * pooled_positions // pooled_rows) for i in range(pooled_rows)]
 
 
 def reached_rows(starts: torch.Tensor, key_mask: torch.Tensor | None, n: int) -> torch.Tensor:

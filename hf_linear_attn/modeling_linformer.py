@@ -48,11 +48,12 @@ class LinformerSelfAttention(RobertaStyleSelfAttention):
         self.dropout = config.attention_probs_dropout_prob
         self.sharing = config.linformer_sharing
         self.normalize_rows = config.linformer_normalize_rows
-        # where each projected row starts (a buffer, not saved: it follows from the config), to drop unreached rows
-        starts = None
+        # where each projected row starts, to drop unreached rows: plain ints that follow from the config, not a
+        # buffer (transformers allocates a loaded model's unsaved buffers empty and would leave them so)
+        self.row_starts = None
         if config.linformer_drop_unreached_rows:
-            starts = row_starts(config.linformer_init, config.k_for_layer(layer_idx), config.max_sequence_length)
-        self.register_buffer("row_starts", starts, persistent=False)
+            k, max_length = config.k_for_layer(layer_idx), config.max_sequence_length
+            self.row_starts = row_starts(config.linformer_init, k, max_length)
         add_linformer_projections(
             self, self.sharing, self.num_heads, config.k_for_layer(layer_idx), config.max_sequence_length
         )
@@ -73,7 +74,8 @@ class LinformerSelfAttention(RobertaStyleSelfAttention):
         projected_v = project_sequence(self._split_heads(self.value(hidden_states)), value_projection, key_mask, rows)
         row_mask = None
         if self.row_starts is not None:
-            row_mask = reached_rows(self.row_starts, key_mask, hidden_states.shape[1])
+            starts = torch.tensor(self.row_starts, device=hidden_states.device)
+            row_mask = reached_rows(starts, key_mask, hidden_states.shape[1])
         output, weights = projected_attention(
             self._split_heads(self.query(hidden_states)), projected_k, projected_v,
             dropout=self.dropout if self.training else 0.0, need_weights=output_attentions, row_mask=row_mask,

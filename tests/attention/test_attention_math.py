@@ -194,3 +194,20 @@ def test_favor_redraw_is_identical_on_every_distributed_process(tmp_path):
     local = FavorFeatureMap(8, 16)
     local.redraw()
     torch.testing.assert_close(p0, local.projection, rtol=0, atol=0)  # rank 0's own draw was broadcast
+
+
+@pytest.mark.parametrize("init", ["pooling", "multiscale"])
+def test_row_starts_are_the_first_column_each_structured_row_covers(init):
+    """row_starts (plain ints, for models built on the meta device) against the matrices themselves; an input reaches
+    a row once its length passes the row's start."""
+    from hf_linear_attn.linformer_projection import multiscale_matrix, pooling_matrix, reached_rows, row_starts
+
+    build = multiscale_matrix if init == "multiscale" else pooling_matrix
+    for k, n in ((64, 512), (12, 16), (7, 100), (16, 16), (1, 9)):
+        covered = build(k, n) > 0
+        assert row_starts(init, k, n) == [int(row.nonzero()[0]) for row in covered]
+    starts = torch.tensor(row_starts(init, 12, 16))
+    mask = torch.arange(16)[None, :] < torch.tensor([16, 7, 0])[:, None]  # full, 7 real tokens, all pads
+    reached = reached_rows(starts, mask, 16)
+    assert reached[0].all() and reached[2].tolist() == [True] + [False] * 11  # an all-pad row keeps row 0
+    assert reached[1].tolist() == (starts < 7).tolist()

@@ -351,10 +351,15 @@ def test_multiscale_linformer_dropping_unreached_rows_is_stock_bert_on_inputs_up
     long = inputs(batch=1, n=N, pad_from=(None,))
     hidden = [m.base_model(**long).last_hidden_state for m in (model, bert)]
     assert (hidden[0] - hidden[1]).abs().max() > 1e-3
-    starts = model.base_model.encoder.layer[0].attention.self.row_starts.tolist()
+    starts = model.base_model.encoder.layer[0].attention.self.row_starts
     # 6 single positions, then positions 6-15 in 6 windows: j belongs to window floor((j - 6) * 6 / 10)
     pooled = [min(j for j in range(6, N) if (j - 6) * 6 // 10 == window) for window in range(6)]
     assert starts == list(range(6)) + pooled
+    # saved and loaded as a user would (from_pretrained allocates what a checkpoint does not hold): still BERT
+    model.save_pretrained(tmp_path / "converted")
+    loaded = type(model).from_pretrained(tmp_path / "converted").eval()
+    ours = getattr(loaded(**batch), name)
+    torch.testing.assert_close(ours[real] if head == "base" else ours, stock, atol=2e-5, rtol=1e-5)
 
 
 def test_dropping_unreached_rows_needs_a_structured_init_and_refuses_extension(tmp_path):
