@@ -83,9 +83,10 @@ class LinearGPT2Attention(GPT2StyleAttention):
         self.state_decay = config.state_decay
         if self.state_decay is not None:
             self.cache_layer_class = DecayedStateLayer  # its rollback replays the decays too
-        # Causal FAVOR+ (a window with FAVOR+ is refused): keys scaled by the running maximum of each feature's logit, never a later key's
-        # (FavorFeatureMap.causal_pair), so no feature underflows at large key norms. The maximum's growth rescales
-        # the state, a decay, so these layers run the decayed kernel and their state also carries the maximum.
+        # Causal FAVOR+ (a window with FAVOR+ is refused): keys scaled by the running maximum of each feature's
+        # logit, never a later key's (FavorFeatureMap.causal_pair), so no feature underflows at large key norms. The
+        # maximum's growth rescales the state, a decay, so these layers run the decayed kernel and their state also
+        # carries the maximum.
         self.favor_stabiliser = config.feature_map == "favor"
         if self.favor_stabiliser:
             self.cache_layer_class = StabilisedFavorStateLayer
@@ -132,9 +133,8 @@ class LinearGPT2Attention(GPT2StyleAttention):
 
     def initial_state(self, batch_size: int) -> tuple[torch.Tensor, ...]:
         """Zeros (S (B, H, m, d), z (B, H, m)) in float32, m the feature map's output width (causal FAVOR+ adds its
-        running maximum, -inf (B, H, m)); with a window also the
-        empty window (keys, phi(keys), values (B, H, W, .) zeros, valid (B, W) False); with a short convolution last its
-        buffer, zeros (B, K-1, 3 D)."""
+        running maximum, -inf (B, H, m)); with a window also the empty window (keys, phi(keys), values (B, H, W, .)
+        zeros, valid (B, W) False); with a short convolution last its buffer, zeros (B, K-1, 3 D)."""
         if self.full_attention:
             raise ValueError(
                 "A hybrid schedule's full_attention layer keeps a key/value cache that grows with every token, so the "
