@@ -3,7 +3,7 @@
 #   1. the Linformer paper's Table 2 protocol at toy scale (scripts/reproduce.py, demo preset, about 6 minutes on 2
 #      CPU cores): a softmax RoBERTa and a Linformer pretrained here on WikiText-2, fine-tuned on SST-2;
 #   2. a real pretrained encoder (all-MiniLM-L6-v2) against two of its Linformer conversions, fine-tuned on SST-2 with
-#      three seeds (scripts/pretrained.py, slice preset, about 10 minutes on 2 CPU cores).
+#      three seeds (scripts/pretrained.py, slice preset; results/pretrained/slice/results.md gives its time).
 # With arguments, only scripts/reproduce.py runs, with them:
 #   bash scripts/reproduce.sh                    # both -> outputs/reproduce/demo/ and outputs/pretrained/slice/
 #   bash scripts/reproduce.sh --preset cpu       # every variant and task (93 stages, ~12 h on 2 cores:
