@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import hf_linear_attn  # noqa: F401  (registers the Auto classes)
-from helpers import CORPUS, REPO_ROOT, TINY, WIKITEXT
+from helpers import CORPUS, NEGATIVE, POSITIVE, REPO_ROOT, TINY, WIKITEXT, write_rows
 
 sys.path.insert(0, str(REPO_ROOT / "scripts"))  # the scripts' helpers are tested as users run them
 
@@ -40,6 +40,30 @@ def tokenizer():
     return tok
 
 
+@pytest.fixture
+def base_model(tmp_path, tokenizer):
+    """A tiny Linformer masked LM with the test tokenizer, saved in a folder: what a fine-tuning test starts from."""
+    from transformers import AutoModelForMaskedLM
+
+    from hf_linear_attn import LinformerConfig
+
+    folder = tmp_path / "base"
+    config = LinformerConfig(**{**TINY, "linformer_k": 8, "pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2})
+    AutoModelForMaskedLM.from_config(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture
+def review_files(tmp_path):
+    """(train.tsv, dev.csv, test.csv) of short reviews: 12 training rows of alternating labels ("review",
+    "verdict": good / bad), 3 validation rows, 2 test rows without labels."""
+    train = [("review", "verdict")] + [(t, "good") for t in POSITIVE] + [(t, "bad") for t in NEGATIVE]
+    train = [train[0]] + [row for pair in zip(train[1:7], train[7:]) for row in pair]  # alternate labels
+    dev = [("review", "verdict"), ("great acting", "good"), ("boring film", "bad"), ("loved it", "good")]
+    test = [("review",), ("superb and warm",), ("a waste of time",)]  # no labels: predictions only
+    return (write_rows(tmp_path / "train.tsv", [r for r in train], "\t"), write_rows(tmp_path / "dev.csv", dev),
+            write_rows(tmp_path / "test.csv", test))
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,11 @@
 """What several test files share: tiny configs of every family and variant, small inputs, the real data paths
 and the training scripts' command lines. Fixtures live in conftest.py."""
 
+import csv
 import json
 import os
+import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -169,6 +172,21 @@ def left_padded_batch(prompts, pad_id=TINY_DECODER["pad_token_id"]):
 
 # ------------------------------------------------------------------------------------- the training scripts
 
+# Reviews for tiny fine-tuning runs (the base_model and review_files fixtures)
+POSITIVE = ["a wonderful film, great acting", "I loved the story, moving and warm", "great, great fun",
+            "the best movie this year", "beautifully acted and well written", "a gripping tale, superb"]
+NEGATIVE = ["a terrible film, boring", "too long and badly written", "I hated every minute", "dull and slow",
+            "the worst script ever", "awful acting, a waste of time"]
+
+
+def write_rows(path, rows, delimiter=","):
+    """Rows (the first one the header) into a CSV / TSV file without quoting; returns the path."""
+    with open(path, "w", newline="") as handle:
+        writer = csv.writer(handle, delimiter=delimiter, quoting=csv.QUOTE_NONE, escapechar="\\")
+        writer.writerows(rows)
+    return path
+
+
 WIKITEXT = SHARED_DATA / "wikitext-2"
 GLUE = SHARED_DATA / "glue"
 needs_data = pytest.mark.skipif(not (WIKITEXT / "wiki.train.tokens").is_file() or not (GLUE / "sst2").is_dir(),
@@ -231,3 +249,64 @@ def script_error(main, argv) -> str:
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
     return str(exit_info.value.code)
+
+
+# ------------------------------------------------------------------------- several processes, FSDP (accelerate)
+
+ACCELERATE = shutil.which("accelerate", path=str(Path(sys.executable).parent))
+SHARDED_FILES = [".metadata", "__0_0.distcp", "__1_0.distcp"]  # FSDP's sharded checkpoint folders: one per process
+
+
+def launch_command(launch_flags: list[str], script: str, args: list[str]) -> list[str]:
+    """`accelerate launch FLAGS scripts/SCRIPT ARGS` as documented (run from the repository root), on a free port:
+    other runs on this machine may hold accelerate's default 29500."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    return [ACCELERATE, "launch", *launch_flags, "--main_process_port", str(port), f"scripts/{script}", *map(str, args)]
+
+
+def fsdp_command(config_name: str, args: list[str], script: str = "pretrain.py") -> list[str]:
+    """The documented FSDP command: `accelerate launch --config_file configs/accelerate/CONFIG scripts/SCRIPT ...`."""
+    return launch_command(["--config_file", f"configs/accelerate/{config_name}"], script, args)
+
+
+def run_launch(command: list[str], check: bool = True) -> subprocess.CompletedProcess:
+    """A launcher command (`launch_command`, `fsdp_command`) run from the repository root, offline."""
+    proc = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600, env=ENV, check=False)
+    if check:
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
+def run_fsdp(config_name: str, args: list[str], script: str = "pretrain.py") -> str:
+    """scripts/SCRIPT under FSDP with 2 processes (the configs' num_processes); returns what it printed."""
+    proc = run_launch(fsdp_command(config_name, args, script))
+    return proc.stdout + proc.stderr
+
+
+def load_in_fresh_process(folder, auto_class: str, out_file, texts: list[str] | None = None) -> dict:
+    """from_pretrained in a new Python process that never imports this package (the model's code comes from the
+    folder, as on the Hub); its weights are written to `out_file`, what it saw is returned. `texts`: also their
+    logits (the folder's tokenizer, padded to the longest), as lists of floats under "logits"."""
+    code = f"""
+import json, sys, torch, transformers
+from safetensors.torch import save_file
+model, info = transformers.{auto_class}.from_pretrained(sys.argv[1], trust_remote_code=True, output_loading_info=True)
+save_file({{k: v.clone() for k, v in model.state_dict().items()}}, sys.argv[2])
+texts = json.loads(sys.argv[3])
+logits = None
+if texts:
+    tokenizer = transformers.AutoTokenizer.from_pretrained(sys.argv[1], trust_remote_code=True)
+    batch = tokenizer(texts, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        logits = model.eval()(**batch).logits.tolist()
+print(json.dumps({{"class": type(model).__name__, "module": type(model).__module__,
+                   "package_imported": "hf_linear_attn" in sys.modules, "logits": logits,
+                   "missing": sorted(info["missing_keys"]), "unexpected": sorted(info["unexpected_keys"])}}))
+"""
+    env = {**ENV, "PYTHONPATH": ""}  # the package is not importable there: the folder must hold the model's code
+    proc = subprocess.run([sys.executable, "-c", code, str(folder), str(out_file), json.dumps(texts or [])],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=folder, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -4,46 +4,10 @@ the results files of Transformers' examples; --push_to_hub checked before any tr
 
 A tiny encoder saved in the test (no pretraining run) keeps these fast."""
 
-import csv
 import json
 
 import pytest
-from helpers import TINY, script_error
-from transformers import AutoModelForMaskedLM
-
-from hf_linear_attn import LinformerConfig
-
-POSITIVE = ["a wonderful film, great acting", "I loved the story, moving and warm", "great, great fun",
-            "the best movie this year", "beautifully acted and well written", "a gripping tale, superb"]
-NEGATIVE = ["a terrible film, boring", "too long and badly written", "I hated every minute", "dull and slow",
-            "the worst script ever", "awful acting, a waste of time"]
-
-
-@pytest.fixture
-def base_model(tmp_path, tokenizer):
-    folder = tmp_path / "base"
-    config = LinformerConfig(**{**TINY, "linformer_k": 8, "pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2})
-    AutoModelForMaskedLM.from_config(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
-
-
-def write_rows(path, rows, delimiter=","):
-    with open(path, "w", newline="") as handle:
-        writer = csv.writer(handle, delimiter=delimiter, quoting=csv.QUOTE_NONE, escapechar="\\")
-        writer.writerows(rows)
-    return path
-
-
-@pytest.fixture
-def review_files(tmp_path):
-    train = [("review", "verdict")] + [(t, "good") for t in POSITIVE] + [(t, "bad") for t in NEGATIVE]
-    train = [train[0]] + [row for pair in zip(train[1:7], train[7:]) for row in pair]  # alternate labels
-    dev = [("review", "verdict"), ("great acting", "good"), ("boring film", "bad"), ("loved it", "good")]
-    test = [("review",), ("superb and warm",), ("a waste of time",)]  # no labels: predictions only
-    return (write_rows(tmp_path / "train.tsv", [r for r in train], "\t"), write_rows(tmp_path / "dev.csv", dev),
-            write_rows(tmp_path / "test.csv", test))
-
+from helpers import NEGATIVE, POSITIVE, script_error, write_rows
 
 def common(model, out):
     return ["--model_name_or_path", str(model), "--output_dir", str(out), "--max_seq_length", "32",

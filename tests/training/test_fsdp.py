@@ -9,59 +9,21 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
-import sys
 import time
 
 import pytest
 import torch
-from helpers import ENV, REPO_ROOT, needs_data, pretrain_args, replaced, run_pretrain, tiny_preset, weights
+from helpers import (
+    ENV, REPO_ROOT, SHARDED_FILES, fsdp_command, load_in_fresh_process, needs_data, pretrain_args, replaced,
+    run_fsdp, run_pretrain, tiny_preset, weights,
+)
 from safetensors.torch import load_file
 
 from hf_linear_attn.training.checkpoints import sharded_folder_problem
 from hf_linear_attn.training.run_state import RUN_ARGS
 
 CONFIGS = REPO_ROOT / "configs" / "accelerate"
-ACCELERATE = shutil.which("accelerate", path=str(__import__("pathlib").Path(sys.executable).parent))
-SHARDED_FILES = [".metadata", "__0_0.distcp", "__1_0.distcp"]  # one shard per process
-
-
-def fsdp_command(config_name: str, args: list[str]) -> list[str]:
-    """The documented command (run from the repository root), on a free port: other runs on this machine may hold
-    accelerate's default 29500."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    return [ACCELERATE, "launch", "--config_file", f"configs/accelerate/{config_name}", "--main_process_port",
-            str(port), "scripts/pretrain.py", *args]
-
-
-def run_fsdp(config_name: str, args: list[str]) -> str:
-    """scripts/pretrain.py under FSDP with 2 processes (the configs' num_processes); returns what it printed."""
-    proc = subprocess.run(fsdp_command(config_name, args), cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
-                          env=ENV, check=False)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return proc.stdout + proc.stderr
-
-
-def load_in_fresh_process(folder, auto_class: str, out_file) -> dict:
-    """from_pretrained in a new Python process that never imports this package (the model's code comes from the
-    folder, as on the Hub); its weights are written to `out_file`, what it saw is returned."""
-    code = f"""
-import json, sys, transformers
-from safetensors.torch import save_file
-model, info = transformers.{auto_class}.from_pretrained(sys.argv[1], trust_remote_code=True, output_loading_info=True)
-save_file({{k: v.clone() for k, v in model.state_dict().items()}}, sys.argv[2])
-print(json.dumps({{"class": type(model).__name__, "module": type(model).__module__,
-                   "package_imported": "hf_linear_attn" in sys.modules,
-                   "missing": sorted(info["missing_keys"]), "unexpected": sorted(info["unexpected_keys"])}}))
-"""
-    env = {**ENV, "PYTHONPATH": ""}  # the package is not importable there: the folder must hold the model's code
-    proc = subprocess.run([sys.executable, "-c", code, str(folder), str(out_file)], capture_output=True, text=True,
-                          timeout=300, env=env, cwd=folder, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 # ----------------------------------------------------------------------------------------------------- configs
