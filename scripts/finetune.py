@@ -35,7 +35,7 @@ from hf_linear_attn.training.checkpoints import script_errors
 from hf_linear_attn.training.errors import UsageError
 from hf_linear_attn.training.finetuning import run_finetuning
 from hf_linear_attn.training.finetuning_arguments import FinetuneArguments
-from hf_linear_attn.training.launch import ensure_requested_processes
+from hf_linear_attn.training.launch import ensure_requested_processes, use_cpu_for_several_processes
 
 
 def main(argv=None):
@@ -43,6 +43,7 @@ def main(argv=None):
     with script_errors(lambda: training.output_dir if training is not None else None):
         if argv is None:  # run as a command: `accelerate launch --num_processes N` must start N processes
             ensure_requested_processes(__file__)
+        use_cpu_for_several_processes()  # before TrainingArguments sets up the processes
         args, training, config_path = parse_arguments((FinetuneArguments, TrainingArguments), argv)
         if training.output_dir is None:
             raise UsageError("pass --output_dir")

@@ -5,6 +5,8 @@ dropped (its multi-process launcher is chosen only by `--multi_gpu`, a config fi
 CPU `--multi_gpu` runs N processes on gloo). The child cannot see N in its environment, so the scripts read the
 launcher's own command line (its parent process) and, on a CPU-only machine, start the same command again with
 `--multi_gpu` (every other launcher flag kept); with GPUs present they refuse, naming the command that works.
+
+Trainer then needs telling that the processes run on CPUs (`use_cpu_for_several_processes`).
 """
 
 import os
@@ -69,3 +71,20 @@ def ensure_requested_processes(script: str) -> None:
           f"{count} processes (gloo) with: {shlex.join(working)}", file=sys.stderr, flush=True)
     os.environ[RELAUNCHED] = "1"
     os.execvp(working[0], working)
+
+
+def use_cpu_for_several_processes(environ=None) -> bool:
+    """Under a multi-process launch (torchrun, `accelerate launch --multi_gpu` or an FSDP config) on a machine
+    without GPUs, set ACCELERATE_USE_CPU, which TrainingArguments reads as --use_cpu. Without it Trainer finds no
+    device to run several processes on and sets up each process alone (DistributedType.NO): N independent runs,
+    each on all the data and writing the same output folder, with only a logged warning ("torch.distributed
+    process group is initialized, but parallel_mode != ParallelMode.DISTRIBUTED"). Returns whether it set it."""
+    environ = os.environ if environ is None else environ
+    if int(environ.get("WORLD_SIZE", "1")) < 2 or environ.get("ACCELERATE_USE_CPU", "").lower() in ("true", "1"):
+        return False
+    import torch
+
+    if torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available()):
+        return False
+    environ["ACCELERATE_USE_CPU"] = "true"
+    return True
