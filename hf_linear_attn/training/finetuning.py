@@ -33,6 +33,7 @@ from transformers import (
     TrainingArguments,
     set_seed,
 )
+from transformers.training_args import ParallelMode
 
 import hf_linear_attn  # noqa: F401  (registers the package's models with the Auto classes)
 
@@ -50,6 +51,7 @@ from .finetuning_setup import (  # noqa: F401  (subset, require_token_head: thei
     load_tokenizer_and_config, require_fine_tuned_head, require_head, require_token_head, resolve_choice,
     resolve_qa_task, resolve_task, resolve_token_task, subset,
 )
+from .fsdp import refuse_fsdp1_without_gpus, trainer_checkpoint_layout
 from .hub import check_push_target, push_folder
 from .metrics import load_task_metric
 from .metrics.entities import has_entity_scheme
@@ -136,6 +138,26 @@ def _write_predictions(path: Path, predictions: np.ndarray, task) -> None:
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
+def fsdp_layout(training: TrainingArguments, do_train: bool) -> str | None:
+    """The fsdp_state_dict_type of this launch's checkpoints (None without FSDP), once what cannot run is refused:
+    FSDP1 without GPUs, Trainer's --fsdp in a single process, evaluation or prediction alone under FSDP."""
+    refuse_fsdp1_without_gpus(training.fsdp_plugin_args)  # in one process too: accelerate's plugin fails there
+    if training.fsdp_plugin_args and training.parallel_mode != ParallelMode.DISTRIBUTED:
+        raise UsageError("--fsdp shards the model over several processes, and this is one (Trainer: 'Using fsdp only "
+                         "works in distributed training'): start N of them with accelerate launch --num_processes N "
+                         "scripts/finetune.py ... (or torchrun --nproc_per_node N)")
+    layout = trainer_checkpoint_layout(training)
+    if layout is not None and not do_train:
+        # Trainer (transformers 5.23) prepares a model for evaluation alone with `accelerator.prepare(model)`, which
+        # accelerate refuses under FSDP2 whatever the device. After training the model is prepared, so evaluation and
+        # prediction then work.
+        raise UsageError("--do_eval / --do_predict without --do_train under FSDP: Trainer cannot set up an FSDP2 "
+                         "model without training it (accelerate: 'When using FSDP2, a model and optimizer must be "
+                         "passed together to `Accelerator.prepare()`'); evaluate or predict without FSDP (python "
+                         "scripts/finetune.py ..., or accelerate launch --num_processes N ...) or add --do_train")
+    return layout
+
+
 @dataclass
 class Plan:
     """What a fine-tuning run does, settled before any data is read: its modes and splits, the Hub repo, whether it
@@ -165,6 +187,7 @@ def plan_run(args: FinetuneArguments, training: TrainingArguments, modes_given: 
     if args.task_name is not None:
         get_task(args.task_name)
     check_arguments(args, training)
+    layout = fsdp_layout(training, do_train)
     if args.task_type != "sequence_classification":
         require_head(args)
     if not do_train and args.task_type in ("question_answering", "multiple_choice"):
@@ -178,7 +201,7 @@ def plan_run(args: FinetuneArguments, training: TrainingArguments, modes_given: 
         repo_id = check_push_target(repo_id, training.hub_token)  # token, reachability, name: before any work
     replace = occupied(output_dir, args, training) if do_train else False
     resume_from = (resolve_resume(training.resume_from_checkpoint, output_dir, training.world_size,
-                                  args.allow_inexact_resume) if do_train else None)
+                                  args.allow_inexact_resume, layout) if do_train else None)
     splits = [s for s, on in (("train", do_train), ("validation", do_eval), ("test", do_predict)) if on]
     return Plan(do_train, do_eval, do_predict, token_level, args.task_type, splits, repo_id, replace, resume_from)
 

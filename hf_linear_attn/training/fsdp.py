@@ -6,6 +6,11 @@ are dropped without a word, and accelerate's FSDP1 plugin refuses outright ("no 
 (`fully_shard`) does run on gloo (FSDP1 does not: "FSDP needs a non-CPU accelerator device"), and accelerate's FSDP2
 code (prepare, sharded `save_state` / `load_state`, `get_state_dict`) has nothing GPU-specific, so `use_fsdp_on_cpu`
 switches such a run to FSDP2 with the launcher's settings. The configs are configs/accelerate/fsdp-*.yaml.
+
+Fine-tuning (Trainer) asks for FSDP either the same way or with Trainer's own `--fsdp --fsdp_config ...`; Trainer
+builds its Accelerator, and reads whether FSDP is on from it, inside `create_accelerator_and_postprocess`.
+`TrainerFSDPMixin` switches that Accelerator the same way, so Trainer's own FSDP paths run (sharded checkpoints,
+their resume), and saves the final model whole with the model's own class.
 """
 
 import os
@@ -13,8 +18,10 @@ from contextlib import contextmanager
 
 from accelerate import Accelerator, PartialState
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+from transformers import TrainerCallback
 
 from .errors import UsageError
 
@@ -32,13 +39,36 @@ def fsdp_requested() -> bool:
     return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
 
 
-def use_fsdp_on_cpu(accelerator: Accelerator) -> None:
-    """Turn a CPU run that the launcher meant for FSDP (and accelerate set up as plain data parallel) into FSDP2."""
-    if os.environ.get("FSDP_VERSION", "1") != "2":
+def without_gpus() -> bool:
+    """Whether this machine has no accelerator device that accelerate would run FSDP on (CUDA, XPU)."""
+    return not (torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available()))
+
+
+def refuse_fsdp1_without_gpus(trainer_plugin_args: dict | None = None) -> None:
+    """Refuse FSDP1 on a machine without GPUs, naming the fix: torch's FSDP1 stops there ("FSDP needs a non-CPU
+    accelerator device") and accelerate's FSDP1 plugin before it ("There are currently no available devices
+    found"). `trainer_plugin_args`: Trainer's `TrainingArguments.fsdp_plugin_args` (from --fsdp / --fsdp_config),
+    which take the place of the launcher's config, as in Trainer."""
+    if not without_gpus():
+        return
+    if trainer_plugin_args:
+        if int(trainer_plugin_args.get("fsdp_version", 2)) == 1:
+            raise UsageError("--fsdp_config asks for FSDP1 (version 1), which needs GPUs (torch: 'FSDP needs a "
+                             "non-CPU accelerator device'); on a machine without GPUs use version 2, the default")
+    elif fsdp_requested() and os.environ.get("FSDP_VERSION", "1") != "2":
         raise UsageError("the accelerate config asks for FSDP1 (fsdp_version 1), which needs GPUs (torch: 'FSDP "
                          "needs a non-CPU accelerator device'); on a machine without GPUs use fsdp_version: 2, as "
                          "configs/accelerate/fsdp-encoder.yaml and fsdp-decoder.yaml do")
-    plugin = FullyShardedDataParallelPlugin()  # reads the launcher's FSDP_* settings, as accelerate does on GPUs
+
+
+def use_fsdp_on_cpu(accelerator: Accelerator, plugin: FullyShardedDataParallelPlugin | None = None) -> None:
+    """Turn a CPU run that the launcher (or Trainer's --fsdp flags: their `plugin`) meant for FSDP, and accelerate
+    set up as plain data parallel, into FSDP2."""
+    if plugin is None:
+        refuse_fsdp1_without_gpus()
+        plugin = FullyShardedDataParallelPlugin()  # reads the launcher's FSDP_* settings, as accelerate does on GPUs
+    elif plugin.fsdp_version != 2:
+        refuse_fsdp1_without_gpus({"fsdp_version": plugin.fsdp_version})
     if accelerator.mixed_precision != "no":
         plugin.set_mixed_precision(accelerator.mixed_precision)
     # accelerate keeps the distributed type in two places: PartialState's is copied into AcceleratorState whenever
@@ -63,20 +93,59 @@ def layer_classes(model: nn.Module) -> list[str]:
                    if isinstance(module, nn.ModuleList) and len(module) == depth for layer in module})
 
 
-def check_wrap_classes(accelerator: Accelerator, model: nn.Module) -> None:
-    """Refuse, before any training, an FSDP config naming layer classes this model does not have (accelerate stops
-    with 'Could not find the transformer layer class' and no word on which config fits)."""
+def embedding_holders(model: nn.Module) -> set[str]:
+    """Names of the classes of the modules that hold the model's input embeddings below them (the root excepted)."""
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if embeddings is None:
+        return set()
+    return {type(module).__name__ for module in model.modules()
+            if module is not model and module is not embeddings and any(m is embeddings for m in module.modules())}
+
+
+def check_wrap_classes(accelerator: Accelerator, model: nn.Module, trainer_flags: bool = False) -> None:
+    """Refuse, before any training, FSDP wrap classes that accelerate (1.15) would stop on, naming the fix; with none
+    named (Trainer's bare --fsdp), wrap the model's layers. `trainer_flags`: the classes came from Trainer's
+    --fsdp_config, not from the launcher's config.
+
+    - a class the model does not have: accelerate stops with 'Could not find the transformer layer class' and no
+      word on which config fits;
+    - a class holding the word embeddings (RobertaEmbeddings and this package's RobertaStyleEmbeddings):
+      accelerate's FSDP2 shards the embeddings once more as a unit of their own, and torch's `fully_shard` stops on
+      the already sharded weight ("Invariant encountered: value was None when it should not be"; nothing in that is
+      CPU-specific). Without named classes accelerate wraps the model's `_no_split_modules`, which for RoBERTa-style
+      encoders (stock ones too) list the embeddings: so a bare --fsdp failed so on every encoder; it wraps the
+      layers instead.
+    """
     if accelerator.distributed_type != DistributedType.FSDP:
         return
-    named = accelerator.state.fsdp_plugin.transformer_cls_names_to_wrap
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+    plugin = accelerator.state.fsdp_plugin
+    named = plugin.transformer_cls_names_to_wrap
+    policy = getattr(plugin.auto_wrap_policy, "func", plugin.auto_wrap_policy)  # a partial once prepared
+    found = ",".join(layer_classes(model)) or "none found"
+    if named is None:
+        holders = embedding_holders(model) & set(getattr(model, "_no_split_modules", None) or [])
+        if policy is transformer_auto_wrap_policy and holders and layer_classes(model):
+            plugin.transformer_cls_names_to_wrap = layer_classes(model)
+            if accelerator.is_main_process:
+                print(f"FSDP: wrapping {found} (the model's layers), not accelerate's default, the model's "
+                      f"_no_split_modules: with {', '.join(sorted(holders))} among them accelerate stops")
+        return
+    fix = (f"name {found} in --fsdp_config's transformer_layer_cls_to_wrap" if trainer_flags else
+           "use configs/accelerate/fsdp-encoder.yaml for encoders, fsdp-decoder.yaml for decoders, or add "
+           f"--fsdp_transformer_layer_cls_to_wrap {found} to accelerate launch")
+    where = "--fsdp_config" if trainer_flags else "the accelerate FSDP config"
     present = {type(module).__name__ for module in model.modules()}
-    missing = [name for name in named or [] if name not in present]
+    missing = [name for name in named if name not in present]
     if missing:
-        found = ",".join(layer_classes(model)) or "none found"
-        raise UsageError(f"the accelerate FSDP config wraps {', '.join(missing)}, which this {model.config.model_type} "
-                         f"model does not have (its layers: {found}): use configs/accelerate/fsdp-encoder.yaml for "
-                         "encoders, fsdp-decoder.yaml for decoders, or add --fsdp_transformer_layer_cls_to_wrap "
-                         f"{found} to accelerate launch")
+        raise UsageError(f"{where} wraps {', '.join(missing)}, which this {model.config.model_type} model does not "
+                         f"have (its layers: {found}): {fix}")
+    holding = [name for name in named if name in embedding_holders(model)]
+    if holding:
+        raise UsageError(f"{where} wraps {', '.join(holding)}, which holds the word embeddings: accelerate then "
+                         "shards them once more on their own and torch stops ('Invariant encountered: value was "
+                         f"None when it should not be'); wrap the layers only: {fix}")
 
 
 def gathered_state_dict(accelerator: Accelerator, trained: nn.Module, model: nn.Module) -> dict | None:
@@ -113,3 +182,78 @@ def original_class(model: nn.Module):
         yield model
     finally:
         model.__class__ = sharded
+
+
+def trainer_checkpoint_layout(training) -> str | None:
+    """The fsdp_state_dict_type of the checkpoints a Trainer run with these TrainingArguments will write, known
+    before Trainer exists (to check the checkpoint it resumes from); None without FSDP, which a single process
+    never runs (accelerate sets it up without FSDP)."""
+    from transformers.training_args import ParallelMode
+
+    if training.parallel_mode != ParallelMode.DISTRIBUTED or not (training.fsdp_plugin_args or fsdp_requested()):
+        return None
+    refuse_fsdp1_without_gpus(training.fsdp_plugin_args)  # the plugin below would fail obscurely
+    # The plugin settles the type as Trainer's Accelerator will: Trainer's flags, else the launcher's settings
+    plugin_args = training.fsdp_plugin_args or {}
+    return FullyShardedDataParallelPlugin(**plugin_args).state_dict_type.name
+
+
+def sharding_report(model: nn.Module, num_processes: int) -> str:
+    """One line saying how a prepared model is sharded: its FSDP units and the share of its parameter values this
+    process holds (under FSDP2 every parameter is a DTensor whose local part is this process's shard)."""
+    from torch.distributed.tensor import DTensor
+
+    params = list(model.parameters())
+    total = sum(p.numel() for p in params)
+    local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in params)
+    units = sum(isinstance(module, FSDPModule) for module in model.modules())
+    whole = sum(not isinstance(p, DTensor) for p in params)
+    return (f"FSDP: {type(model).__name__} sharded over {num_processes} processes in {units} units: this process "
+            f"holds {local:,} of {total:,} parameter values ({whole} parameters unsharded)")
+
+
+class ShardingReport(TrainerCallback):
+    """Prints `sharding_report` from the main process when training starts (the model is prepared by then): the
+    log shows that the run is sharded, not silently data parallel."""
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if state.is_world_process_zero and model is not None:
+            print(sharding_report(model, args.world_size), flush=True)
+
+
+class TrainerFSDPMixin:
+    """For a transformers Trainer subclass: FSDP where the launcher or Trainer's --fsdp flags ask for it, also on a
+    machine without GPUs (where accelerate would run plain data parallel), its layer classes checked before any
+    training; and the final model (`save_model` outside checkpoints) saved whole, with the model's own class,
+    whatever fsdp_state_dict_type the checkpoints use (Trainer saves no model at all under SHARDED_STATE_DICT)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.is_fsdp_enabled:
+            self.add_callback(ShardingReport())
+
+    def create_accelerator_and_postprocess(self) -> None:
+        refuse_fsdp1_without_gpus(self.args.fsdp_plugin_args)  # else accelerate's "no available devices found"
+        super().create_accelerator_and_postprocess()
+        plugin_args = self.args.fsdp_plugin_args
+        # Trainer's --fsdp flags also set ACCELERATE_USE_FSDP (its Accelerator does, given their plugin)
+        if self.accelerator.distributed_type == DistributedType.MULTI_CPU and fsdp_requested():
+            use_fsdp_on_cpu(self.accelerator, FullyShardedDataParallelPlugin(**plugin_args) if plugin_args else None)
+            # Trainer reads whether FSDP is on (is_fsdp_enabled) and checks its FSDP settings right after making its
+            # Accelerator: it makes one again, which now finds the shared accelerator state saying FSDP (and keeps
+            # its plugin), so Trainer sets up exactly as under FSDP on GPUs
+            super().create_accelerator_and_postprocess()
+        check_wrap_classes(self.accelerator, self.model, trainer_flags=bool(plugin_args))
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        if not self.is_fsdp_enabled:
+            return super().save_model(output_dir, _internal_call)
+        if _internal_call:  # a checkpoint: Trainer's FSDP files; under FULL_STATE_DICT also a model folder
+            with original_class(self.model):
+                return super().save_model(output_dir, _internal_call)
+        # The final model: every process sends its shards, the main process writes one ordinary model folder
+        state = gathered_state_dict(self.accelerator, self.model, self.model)
+        with original_class(self.model):
+            self._save(output_dir if output_dir is not None else self.args.output_dir, state_dict=state)
+        if self.args.push_to_hub:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)

@@ -1,6 +1,8 @@
 """Trainer checkpoints that are whole or absent: `AtomicCheckpointTrainer` writes each checkpoint-N into a temporary
 folder and renames it into place, rotates by step, and names a full disk; `resolve_resume` finds the checkpoint an
-exact resume starts from (each file read as Trainer reads it), skipping incomplete ones by name."""
+exact resume starts from (each file read as Trainer reads it), skipping incomplete ones by name. Under FSDP
+(`fsdp.TrainerFSDPMixin`) the model and optimizer are FSDP's files (`fsdp.FSDP_STATE_PIECES`), and a checkpoint is
+resumed only under the layout that wrote it."""
 
 import re
 import shutil
@@ -11,6 +13,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .checkpoints import disk_full_error, fsync_tree, is_disk_full, missing_pieces, remove_folder, replace_folder
 from .errors import UsageError
+from .fsdp import FSDP_STATE_PIECES, TrainerFSDPMixin, checkpoint_layout
 
 CHECKPOINT_NAME = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 
@@ -18,10 +21,11 @@ CHECKPOINT_NAME = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 INTERRUPTED_SAVE = (".partial-", ".stale-", ".deleting-")  # temporary folders a killed save can leave
 
 
-class AtomicCheckpointTrainer(Trainer):
+class AtomicCheckpointTrainer(TrainerFSDPMixin, Trainer):
     """A Trainer whose checkpoint-N folders are whole or absent: each is written into a temporary folder
     (.partial-checkpoint-N/checkpoint-N, which Trainer's own `get_last_checkpoint` does not match) and renamed into
-    place when complete; a full disk is reported as such, the older checkpoints untouched."""
+    place when complete; a full disk is reported as such, the older checkpoints untouched. FSDP also without GPUs
+    (`TrainerFSDPMixin`): every process writes its shards into the same temporary folder."""
 
     def _save_checkpoint(self, model, trial):
         run_dir = Path(self._get_output_dir(trial=trial))
@@ -63,7 +67,9 @@ class AtomicCheckpointTrainer(Trainer):
         limit = self.args.save_total_limit
         if limit is None or limit <= 0:
             return
-        whole = [p for p in checkpoint_folders(run_dir) if not trainer_checkpoint_problems(p, self.args.world_size)]
+        layout = checkpoint_layout(self.accelerator)
+        whole = [p for p in checkpoint_folders(run_dir)
+                 if not trainer_checkpoint_problems(p, self.args.world_size, layout=layout)]
         protected = {saved}
         if self.state.best_model_checkpoint:
             protected.add(Path(self.state.best_model_checkpoint))
@@ -76,12 +82,15 @@ class AtomicCheckpointTrainer(Trainer):
                 excess -= 1
 
 
-def trainer_checkpoint_problems(folder: Path, world_size: int, read_content: bool = False) -> dict[str, str]:
+def trainer_checkpoint_problems(folder: Path, world_size: int, read_content: bool = False,
+                                layout: str | None = None) -> dict[str, str]:
     """{piece of state: what is wrong} for a Trainer checkpoint; empty when an exact resume can start from it.
-    `read_content`: also load the torch files as Trainer will (a resume; the rotation checks headers only)."""
+    `read_content`: also load the torch files as Trainer will (a resume; the rotation checks headers only).
+    `layout`: the run's fsdp_state_dict_type (model and optimizer in FSDP's files), None without FSDP."""
     pieces = {"step and trainer state": ["trainer_state.json"],
               "model weights": ["model.safetensors", "pytorch_model.bin"],
-              "optimizer state": ["optimizer.pt", "optimizer.bin"], "learning-rate scheduler": ["scheduler.pt"]}
+              "optimizer state": ["optimizer.pt", "optimizer.bin"], "learning-rate scheduler": ["scheduler.pt"],
+              **FSDP_STATE_PIECES.get(layout, {})}
     if world_size == 1:
         pieces["RNG state"] = ["rng_state.pth"]
     else:
@@ -96,10 +105,40 @@ def checkpoint_folders(output_dir: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(CHECKPOINT_NAME.match(p.name).group(1)))
 
 
-def resolve_resume(value: str | None, output_dir: Path, world_size: int, allow_inexact: bool) -> str | None:
+def written_layout(folder: Path) -> str | None:
+    """How a Trainer checkpoint holds model and optimizer: "SHARDED_STATE_DICT" or "FULL_STATE_DICT" (FSDP's files),
+    "none" (without FSDP: optimizer.pt), None when none of these files is there to tell."""
+    if (folder / "pytorch_model_fsdp_0").exists() or (folder / "optimizer_0").exists():
+        return "SHARDED_STATE_DICT"
+    if (folder / "pytorch_model_fsdp.bin").exists():
+        return "FULL_STATE_DICT"
+    return "none" if (folder / "optimizer.pt").exists() else None
+
+
+def refuse_other_layout(folder: Path, layout: str | None) -> None:
+    """Refuse a checkpoint written under another layout than this launch's: sharded, whole-file FSDP and ordinary
+    checkpoints cannot stand in for each other (Trainer stops only after the data are read, or reads none of the
+    FSDP files: "Checkpoint found at ... is only supported when using PyTorch FSDP")."""
+    written = written_layout(folder)
+    if written is None or written == (layout or "none"):
+        return
+
+    def launch(kind):
+        return f"under FSDP ({kind})" if kind not in (None, "none") else "without FSDP"
+
+    raise UsageError(f"{folder} was written {launch(written)} and this launch is {launch(layout)}: a checkpoint is "
+                     "read only by a launch like the one that wrote it (FSDP: accelerate launch --config_file "
+                     "configs/accelerate/fsdp-encoder.yaml or fsdp-decoder.yaml, or Trainer's --fsdp flags, with the "
+                     "same fsdp_state_dict_type)")
+
+
+def resolve_resume(value: str | None, output_dir: Path, world_size: int, allow_inexact: bool,
+                   layout: str | None = None) -> str | None:
     """The checkpoint --resume_from_checkpoint means: a folder (checked whole), or with True / latest the newest
     whole checkpoint-N of output_dir, each incomplete one skipped by name (and kept). An error names what a
-    checkpoint lacks and --allow_inexact_resume, which accepts one lacking only RNG states."""
+    checkpoint lacks and --allow_inexact_resume, which accepts one lacking only RNG states. `layout`: this
+    launch's fsdp_state_dict_type (`fsdp.trainer_checkpoint_layout`), None without FSDP; a checkpoint written under
+    another is refused."""
     if value is None or str(value).lower() in ("", "false", "none"):
         return None
     if str(value).lower() in ("true", "latest"):
@@ -124,7 +163,8 @@ def resolve_resume(value: str | None, output_dir: Path, world_size: int, allow_i
             raise UsageError(f"--resume_from_checkpoint {value}: no such checkpoint folder")
     damaged = []
     for folder in candidates:
-        problems = trainer_checkpoint_problems(folder, world_size, read_content=True)
+        refuse_other_layout(folder, layout)
+        problems = trainer_checkpoint_problems(folder, world_size, read_content=True, layout=layout)
         if not problems or (allow_inexact and all(p.startswith("RNG state") for p in problems)):
             for skipped, why in damaged:
                 print(f"warning: skipping the incomplete checkpoint {skipped} ({why}); it is left in place")
