@@ -53,6 +53,17 @@ class BlockLinformerState(NamedTuple):
         return self.summary_keys.shape[2] * self.summary_keys.shape[3] + self.block_keys.shape[2]
 
 
+def state_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the decoding state's block summaries for a model computing in ``dtype``: at least float32.
+
+    A summary row mixes b keys; rounded to bf16 (8 bits of mantissa) its score error grows with the scores, and in
+    a decoder every later token reads it (scripts/decode_precision.py measures the decoding error against float64
+    both ways). The cost is the summaries' memory, doubled against bf16: k float32 rows per b tokens are 2 k / b of a
+    bf16 key/value cache (half of it at the default k = 64, b = 256; a quarter with bf16 summaries).
+    """
+    return torch.promote_types(dtype, torch.float32)
+
+
 def project_blocks(blocks: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:
     """E @ each block: blocks (B, H, N, b, d), projection (P, k, b) with P in {1, H} -> (B, H, N, k, d)."""
     num_matrices, k, b = projection.shape
@@ -287,10 +298,12 @@ def causal_block_linformer_attention(
         block_keys = torch.where(in_current[:, None, None, None], k_b.gather(2, pick).squeeze(2), 0.0)
         block_values = torch.where(in_current[:, None, None, None], v_b.gather(2, pick).squeeze(2), 0.0)
         slots = int(completed.max())  # keep only slots some row has completed: k rows per completed block
-        state = BlockLinformerState(
-            summary_keys[:, :, :slots], summary_values[:, :, :slots], valid[:, :slots], block_keys, block_values,
-            lengths % b,
-        )
+        state_keys, state_values = summary_keys[:, :, :slots], summary_values[:, :, :slots]
+        if summary_keys.dtype != state_dtype(summary_keys.dtype):  # bf16 / fp16: the state keeps float32 summaries
+            state_keys, state_values = (
+                project_blocks(t[:, :, :slots].to(state_dtype(t.dtype)), projection)
+                for t, projection in ((k_b, key_projection), (v_b, value_projection)))
+        state = BlockLinformerState(state_keys, state_values, valid[:, :slots], block_keys, block_values, lengths % b)
 
     if shifted:
         output = _roll_rows(output, -shift)
@@ -329,8 +342,11 @@ def block_linformer_step(
     block_values = torch.where(slot, v.to(state.block_values.dtype), state.block_values)
     fill = state.block_fill + real.long()
 
-    keys = torch.cat([state.summary_keys.flatten(2, 3), block_keys], dim=2).to(q.dtype)
-    values = torch.cat([state.summary_values.flatten(2, 3), block_values], dim=2).to(v.dtype)
+    # Scores and the weighted sum in at least float32, as the whole-sequence (flash) form computes them: in bf16
+    # every product q_i k_i and w_j v_j would be rounded before the sum (flash accumulates exact products).
+    compute = torch.promote_types(q.dtype, torch.float32)
+    keys = torch.cat([state.summary_keys.flatten(2, 3).to(compute), block_keys.to(compute)], dim=2)
+    values = torch.cat([state.summary_values.flatten(2, 3).to(compute), block_values.to(compute)], dim=2)
     visible = torch.cat(
         [
             state.summary_valid.repeat_interleave(proj_k, dim=-1),
@@ -339,9 +355,9 @@ def block_linformer_step(
         dim=-1,
     )[:, None, None, :]
     # Broadcast products instead of matmuls: batched matmuls with a single query row hit slow paths on CPU.
-    scores = (q * keys).sum(-1).unsqueeze(-2) * head_dim**-0.5  # (B, H, 1, rows)
+    scores = (q.to(compute) * keys).sum(-1).unsqueeze(-2) * head_dim**-0.5  # (B, H, 1, rows)
     weights = _masked_softmax(scores, visible)
-    output = (weights.to(values.dtype).transpose(-1, -2) * values).sum(-2, keepdim=True)  # (B, H, 1, d)
+    output = (weights.to(compute).transpose(-1, -2) * values).sum(-2, keepdim=True).to(v.dtype)  # (B, H, 1, d)
 
     summary_keys, summary_values, valid = state.summary_keys, state.summary_values, state.summary_valid
     complete = fill == b
@@ -349,8 +365,9 @@ def block_linformer_step(
     # torch.compile (a graph break there): without them a completed block could overwrite the last summary.
     traced = not grow and torch.compiler.is_compiling()
     if traced or bool(complete.any()):
-        new_keys = project_blocks(block_keys.unsqueeze(2), key_projection).squeeze(2)  # (B, H, k, d)
-        new_values = project_blocks(block_values.unsqueeze(2), value_projection).squeeze(2)
+        # In the summaries' precision (float32 for a bf16 model, see state_dtype): k rows that stand for b tokens
+        new_keys = project_blocks(block_keys.unsqueeze(2).to(summary_keys.dtype), key_projection).squeeze(2)
+        new_values = project_blocks(block_values.unsqueeze(2).to(summary_values.dtype), value_projection).squeeze(2)
         slot_index = valid.sum(-1)  # completed blocks so far = the next free slot of each row
         if not traced and int(torch.where(complete, slot_index, 0).max()) >= valid.shape[1]:
             if not grow:
@@ -380,10 +397,11 @@ def empty_block_linformer_state(
 
     ``capacity``: summary slots allocated ahead (all empty); 0 for a state that grows as blocks complete, at least
     ``max tokens // block_size`` for the fixed-shape steps of ``block_linformer_step(..., grow=False)``.
+    Summaries are held in :func:`state_dtype` of ``dtype``, the current block in ``dtype`` (its raw keys / values).
     """
     return BlockLinformerState(
-        torch.zeros(batch, heads, capacity, proj_k, head_dim, dtype=dtype, device=device),
-        torch.zeros(batch, heads, capacity, proj_k, head_dim, dtype=dtype, device=device),
+        torch.zeros(batch, heads, capacity, proj_k, head_dim, dtype=state_dtype(dtype), device=device),
+        torch.zeros(batch, heads, capacity, proj_k, head_dim, dtype=state_dtype(dtype), device=device),
         torch.zeros(batch, capacity, dtype=torch.bool, device=device),
         torch.zeros(batch, heads, block_size, head_dim, dtype=dtype, device=device),
         torch.zeros(batch, heads, block_size, head_dim, dtype=dtype, device=device),

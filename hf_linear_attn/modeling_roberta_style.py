@@ -238,6 +238,20 @@ class RobertaStyleModel(RobertaStylePreTrainedModel):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
         input_shape = input_ids.shape if input_ids is not None else inputs_embeds.shape[:-1]
+        given = "input_ids" if input_ids is not None else "inputs_embeds"
+        if len(input_shape) != 2:  # else a reshape or an index error deep inside, naming neither the input nor the fix
+            raise ValueError(
+                f"{given} has shape {tuple((input_ids if input_ids is not None else inputs_embeds).shape)}; these "
+                f"encoders take {given} of shape (batch, sequence length{', hidden' if given == 'inputs_embeds' else ''}"
+                f"): add the batch dimension ({given}[None] for one sequence; tokenizer(..., return_tensors='pt') "
+                "returns it)."
+            )
+        if input_shape[-1] == 0:
+            raise ValueError(
+                f"{given} has shape {tuple(input_shape)}: a sequence of 0 tokens, which leaves the pooler and every "
+                "head nothing to read. Tokenize with the special tokens (tokenizer(text) adds <s> ... </s> / "
+                "[CLS] ... [SEP]) or drop empty inputs."
+            )
         if input_shape[-1] > self.config.max_sequence_length:
             raise ValueError(
                 f"The input has {input_shape[-1]} tokens but this model takes at most {self.config.max_sequence_length} "

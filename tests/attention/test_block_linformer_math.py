@@ -235,3 +235,41 @@ def test_training_memory_with_dropout_grows_linearly_in_n(monkeypatch):
     monkeypatch.setattr(block_linformer, "_GROUP_SCORE_BYTES", 1 << 16)
     small, large = _saved_bytes(2048, dropout=0.1), _saved_bytes(4096, dropout=0.1)
     assert large <= 2.1 * small, (small, large)
+
+
+def test_bf16_decoding_keeps_float32_summaries_and_is_no_further_from_float64_than_the_whole_form(monkeypatch):
+    """A bf16 decoder's block summaries stand for b tokens each and every later token reads them: the state keeps
+    them in float32 (prompt pass and steps), and the step scores in float32, so decoding is no further from the
+    float64 result of the same bf16 values than the whole-sequence bf16 form; the ablation with bf16 summaries (what
+    the package did before) is measurably further (scripts/decode_precision.py measures it at scale)."""
+    if torch.get_default_device().type != "cpu":
+        pytest.skip("the measured margins are the CPU's bf16 kernels'")
+    from hf_linear_attn import block_linformer
+
+    g = torch.Generator().manual_seed(0)
+    n, b, proj_k, prompt = 160, 16, 8, 40
+    q, k, v = (draw(g, 1, 2, n, 32).mul(3).bfloat16() for _ in range(3))  # std 3: sharp attention
+    e, f = (draw(g, 2, proj_k, b).div(b**0.5).bfloat16() for _ in range(2))
+    reference = per_token_reference(q, k, v, e, f, b)
+    whole, _, _ = causal_block_linformer_attention(q, k, v, e, f, b)
+
+    def decoded():
+        out, _, state = causal_block_linformer_attention(q[:, :, :prompt], k[:, :, :prompt], v[:, :, :prompt], e, f,
+                                                         b, return_state=True)
+        outputs = [out]
+        for t in range(prompt, n):
+            y, state = block_linformer_step(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], state, e, f)
+            outputs.append(y)
+        return torch.cat(outputs, dim=2), state
+
+    def rms(x):
+        return (x.double() - reference)[:, :, prompt:].pow(2).mean().sqrt().item()
+
+    steps, state = decoded()
+    assert steps.dtype == torch.bfloat16 and state.summary_keys.dtype == state.summary_values.dtype == torch.float32
+    assert state.block_keys.dtype == torch.bfloat16  # raw keys of the current block: exact in the model's dtype
+    monkeypatch.setattr(block_linformer, "state_dtype", lambda dtype: dtype)
+    ablated, ablated_state = decoded()
+    assert ablated_state.summary_keys.dtype == torch.bfloat16
+    assert rms(steps) <= rms(whole), (rms(steps), rms(whole))
+    assert rms(ablated) > 1.5 * rms(steps), (rms(ablated), rms(steps))

@@ -93,7 +93,7 @@ def test_the_causal_linformer_attention_maps_receive_gradients_from_the_output(v
 
 # ------------------------------------------------------------------------- shapes stock GPT-2 / RoBERTa crash on
 # Stock GPT-2 and RoBERTa fail on these with an IndexError or a reshape error from deep inside (checked by hand with
-# transformers 5.23); the decoders of this package and the Linformer name the input and the fix instead.
+# transformers 5.23); this package's decoders and encoders name the input and the fix instead.
 
 DECODER_NAMES = ["linear-elu", "linformer-headwise"]
 
@@ -109,6 +109,18 @@ def test_decoders_name_a_1d_input_an_empty_sequence_and_an_empty_prompt(variant)
         model.generate(torch.zeros(1, 0, dtype=torch.long), max_new_tokens=2)
     with pytest.raises(ValueError, match=r"inputs_embeds has shape \(2, 32\)"):
         model(inputs_embeds=torch.zeros(2, 32))
+
+
+@pytest.mark.parametrize("variant", ["linformer-headwise", "linear-elu"])
+def test_encoders_name_a_1d_input_and_an_empty_sequence(variant):
+    model = AutoModel.from_config(FAMILY_VARIANTS[variant]()).eval()
+    with pytest.raises(ValueError, match=r"input_ids has shape \(5,\).*add the batch dimension"):
+        model(random_ids(1, 5)[0])
+    with pytest.raises(ValueError, match=r"shape \(2, 0\): a sequence of 0 tokens.*special tokens"):
+        model(torch.zeros(2, 0, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"inputs_embeds has shape \(2, 32\).*inputs_embeds\[None\]"):
+        model(inputs_embeds=torch.zeros(2, 32))
+    assert model(random_ids(1, 5)).last_hidden_state.shape[:2] == (1, 5)
 
 
 @pytest.mark.parametrize("variant", DECODER_NAMES)
