@@ -2,10 +2,12 @@
 
 Stock all-MiniLM-L6-v2 (transformers' own BERT classes, softmax attention) against the same weights converted with
 scripts/convert.py into Linformers and linear attention (hedgehog distilled before fine-tuning), each fine-tuned
-with the same recipe and seeds on SST-2, QNLI, QQP (subset) and IMDB, and scored beside each task's majority class
+with the same recipe and seeds on SST-2, QNLI, QQP (subset) and IMDB, or on cloze QA and next-sentence multiple
+choice built from WikiText-2 (built_tasks.py), and scored beside each task's majority class (or trivial baseline)
 and the spread over seeds. The run is a list of stages, each an ordinary subprocess writing its own folder:
 
-    convert/<model>/                   scripts/convert.py: the converted checkpoint (+ distillation figures)
+    wikitext_tasks/                    the built tasks' data (built_tasks.py), where the preset has them
+    convert/<model>[-multiple-choice]/ scripts/convert.py: the converted checkpoint (+ distillation figures)
     finetune/<model>/<task>-seed<S>/   scripts/finetune.py on the stock folder or the converted one
     logs/<stage>.log                   each stage's full output
     results.json, results.md           written from the finished stages after every stage
