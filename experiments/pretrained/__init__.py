@@ -2,10 +2,12 @@
 
 Stock all-MiniLM-L6-v2 (transformers' own BERT classes, softmax attention) against the same weights converted with
 scripts/convert.py into Linformers and linear attention (hedgehog distilled before fine-tuning), each fine-tuned
-with the same recipe and seeds on SST-2, QNLI, QQP (subset) and IMDB, and scored beside each task's majority class
+with the same recipe and seeds on SST-2, QNLI, QQP (subset) and IMDB, or on cloze QA and next-sentence multiple
+choice built from WikiText-2 (built_tasks.py), and scored beside each task's majority class (or trivial baseline)
 and the spread over seeds. The run is a list of stages, each an ordinary subprocess writing its own folder:
 
-    convert/<model>/                   scripts/convert.py: the converted checkpoint (+ distillation figures)
+    wikitext_tasks/                    the built tasks' data (built_tasks.py), where the preset has them
+    convert/<model>[-multiple-choice]/ scripts/convert.py: the converted checkpoint (+ distillation figures)
     finetune/<model>/<task>-seed<S>/   scripts/finetune.py on the stock folder or the converted one
     logs/<stage>.log                   each stage's full output
     results.json, results.md           written from the finished stages after every stage
@@ -25,13 +27,21 @@ import sys
 import time
 from pathlib import Path
 
+from . import built_tasks
 from .reproduction_api import (
     TASK_TITLES, ReproductionError, Stage, describe_machine, finetune_stage, flags, majority_share, merged_config,
     resolve, run_stage, slug,
 )
 
-PRESET_KEYS = {"description", "output_dir", "source", "seeds", "models", "baseline", "convert", "finetune"}
-TASK_ORDER = ("sst2", "qnli", "qqp", "imdb")
+PRESET_KEYS = {"description", "output_dir", "source", "seeds", "models", "baseline", "convert", "finetune",
+               "wikitext_tasks"}
+TASK_ORDER = ("sst2", "qnli", "qqp", "imdb", *built_tasks.BUILT_TASKS)
+# The head a conversion is written with, by task type: BERT's pooler becomes the sequence classifier's dense layer
+# (RoBERTa's head reads it there), while multiple choice scores the encoder's own pooler output, so it needs the
+# pooler kept as the pooler. Question answering reads neither (its span head is drawn new at fine-tuning), so it
+# shares the multiple-choice conversion: one conversion (one distillation) serves both tasks.
+CONVERT_HEADS = {"sequence_classification": "sequence-classification", "question_answering": "multiple-choice",
+                 "multiple_choice": "multiple-choice"}
 # A model entry: "stock" (the source as it is) or "target" with convert.py's "args" ("distill": with the preset's
 # distillation settings); "tasks" limits it to some tasks and "finetune_args" overrides the tasks' fine-tuning
 # arguments for it (a model extended past 512 positions fine-tuned at n = 1,024, say).
@@ -69,11 +79,14 @@ def load_preset(path: Path, root: Path) -> dict:
             raise ReproductionError(f"{path}: unknown task {task!r}; use {', '.join(TASK_ORDER)}")
         if not resolve(entry["config"], root).is_file():
             raise ReproductionError(f"{path}: the {task} config {entry['config']} does not exist")
+        if task in built_tasks.BUILT_TASKS:
+            continue  # its data is built into the output folder (checked below)
         for key in ("train_file", "validation_file"):  # before hours of stages, not at the first fine-tune
             data = merged_config(entry, root).get(key)
             if data is not None and not Path(data).is_file():
                 raise ReproductionError(f"{path}: the {task} {key} {data} does not exist; see ../shared/data/README.md "
                                         "or point the config at your copy")
+    built_tasks.check_settings(preset, path, root)
     for key in ("train_file", "validation_file"):
         data = preset.get("convert", {}).get(key)
         if data is not None and not resolve(data, root).is_file():
@@ -93,41 +106,51 @@ def load_preset(path: Path, root: Path) -> dict:
 
 
 def plan(preset: dict, source: Path, output_dir: Path, root: Path, seeds=None, tasks=None, models=None) -> list:
-    """Every stage in running order: for each seed, for each task, for each model (its conversion first)."""
+    """Every stage in running order: for each seed, for each task, for each model (its conversion first, one per model
+    and conversion head: see CONVERT_HEADS)."""
     seeds = list(seeds or preset["seeds"])
     tasks = [task for task in TASK_ORDER if task in preset["finetune"] and (not tasks or task in tasks)]
     names = [name for name in preset["models"] if not models or name in models or name == preset["baseline"]]
     stages, converted = [], {}
     for seed in seeds:
         for task in tasks:
-            entry = preset["finetune"][task]
+            entry = built_tasks.with_data(task, preset["finetune"][task], output_dir)
+            head = CONVERT_HEADS[built_tasks.task_type(task)]
             for name in names:
                 model = preset["models"][name]
                 if task not in model.get("tasks", [task]):
                     continue
                 folder = source
                 if not model.get("stock"):
-                    folder = output_dir / "convert" / slug(name)
-                    if name not in converted:
+                    # the sequence-classification conversion keeps its first name and folder (the committed runs')
+                    default = head == CONVERT_HEADS["sequence_classification"]
+                    folder = output_dir / "convert" / (slug(name) if default else f"{slug(name)}-{head}")
+                    if (name, head) not in converted:
                         argv = ["--model_name_or_path", str(source), "--target", model["target"],
-                                "--head", "sequence-classification", "--output_dir", str(folder),
+                                "--head", head, "--output_dir", str(folder),
                                 *flags({**(preset.get("convert", {}) if model.get("distill") else {}),
                                         **model.get("args", {})})]
-                        converted[name] = Stage(f"convert {name}", "scripts/convert.py", folder, argv,
-                                                "conversion_report.json", output_dir, root,
-                                                {"kind": "convert", "model": name})
-                        stages.append(converted[name])
+                        converted[name, head] = Stage(f"convert {name}" + ("" if default else f" ({head} head)"),
+                                                      "scripts/convert.py", folder, argv, "conversion_report.json",
+                                                      output_dir, root, {"kind": "convert", "model": name})
+                        stages.append(converted[name, head])
                 tuned = {**entry, "args": {**entry.get("args", {}), **model.get("finetune_args", {})}}
                 stages.append(finetune_stage(name, task, tuned, folder, seed, output_dir, root))
     return stages
 
 
-def _accuracy(result: dict) -> float:
-    return 100 * float(result.get("eval_accuracy", result.get("accuracy")))
+def _scores(result: dict) -> dict:
+    """A fine-tune's scores in percent, the table's figure first: {"accuracy"}, or for question answering SQuAD's
+    {"f1", "exact_match"} (finetune.py writes those in percent already)."""
+    if "eval_f1" in result:
+        return {"f1": float(result["eval_f1"]), "exact_match": float(result["eval_exact_match"])}
+    return {"accuracy": 100 * float(result.get("eval_accuracy", result.get("accuracy")))}
 
 
 def collect(preset: dict, stages: list, records: dict) -> dict:
-    """{model: {"tasks": {task: {"scores", "seeds", "mean", "std"}}, "conversion": ..., "seconds"}} from records."""
+    """{model: {"tasks": {task: {"scores", "seeds", "mean", "std"}}, "conversion": ..., "seconds"}} from records.
+    Scores are accuracies, or F1 for question answering, whose cells also hold "metric": "f1" and the exact match
+    ("exact_match": a score per seed, "exact_match_mean")."""
     results = {name: {"tasks": {}, "conversion": None, "seconds": 0.0} for name in preset["models"]}
     for stage in stages:
         record = records.get(stage.name)
@@ -142,12 +165,17 @@ def collect(preset: dict, stages: list, records: dict) -> dict:
                                    "distillation": report.get("distillation")}
             continue
         task = entry["tasks"].setdefault(stage.info["task"], {"scores": [], "seeds": []})
-        task["scores"].append(_accuracy(record["result"]))
+        scores = _scores(record["result"])
+        task["scores"].append(next(iter(scores.values())))
         task["seeds"].append(stage.info["seed"])
+        if "exact_match" in scores:
+            task.update(metric="f1", exact_match=[*task.get("exact_match", []), scores["exact_match"]])
     for entry in results.values():
         for task in entry["tasks"].values():
             task["mean"] = statistics.fmean(task["scores"])
             task["std"] = statistics.stdev(task["scores"]) if len(task["scores"]) > 1 else None
+            if "exact_match" in task:
+                task["exact_match_mean"] = statistics.fmean(task["exact_match"])
     return results
 
 
@@ -178,8 +206,29 @@ def _load_note(loads: dict) -> str:
     return f"{shared} (5-minute load average {low:.1f}-{high:.1f} at the stages' ends, {cores} cores)"
 
 
+def _cell(cell: dict, exact_match=None) -> str:
+    """A score (mean over seeds, ± their spread, how many); question answering's F1 with its exact match."""
+    spread = f" ± {cell['std']:.1f}" if cell.get("std") is not None else ""
+    seeds = len(cell.get("scores", []))
+    if exact_match is None:
+        return f"{cell['mean']:.1f}{spread}" + (f" ({seeds} seeds)" if seeds > 1 else "")
+    return f"{cell['mean']:.1f}{spread} (EM {exact_match:.1f}" + (f"; {seeds} seeds)" if seeds > 1 else ")")
+
+
+def _floor(task: str, majority: dict) -> str:
+    """The trivial baseline's cell: the majority class or chance (%), question answering's F1 with exact match."""
+    if task not in majority:
+        return ""
+    figure = majority[task]
+    return _cell({"mean": 100 * figure["share"]},
+                 100 * figure["exact_match"] if "exact_match" in figure else None)
+
+
 def render_markdown(preset_name: str, preset: dict, results: dict, meta: dict) -> str:
     tasks = [task for task in TASK_ORDER if task in preset["finetune"]]
+    # a preset of classification tasks only keeps its table as it was: accuracy, and the majority class as the floor
+    classes_only = all(built_tasks.task_type(task) == "sequence_classification" for task in tasks)
+    answers = any(built_tasks.task_type(task) == "question_answering" for task in tasks)
     baseline = results[preset["baseline"]]
     done = [task for task in tasks if all(task in entry["tasks"] for name, entry in results.items()
                                           if task in preset["models"][name].get("tasks", tasks))]
@@ -193,23 +242,19 @@ def render_markdown(preset_name: str, preset: dict, results: dict, meta: dict) -
         f"Seeds (fine-tuning): {', '.join(map(str, meta['seeds']))}  ",
         f"Wall time of the stages: {meta['seconds'] / 60:.1f} min ({meta['stages_done']}/{meta['stages']} stages "
         "finished)", "",
-        "## Accuracy (%) after fine-tuning", "",
+        "## Accuracy (%) after fine-tuning" if not answers else
+        "## Scores (%) after fine-tuning: accuracy; question answering: F1 (exact match)", "",
         "| Model | " + " | ".join(TASK_TITLES[t] for t in tasks) + " | Average (tasks every model has) | vs baseline "
         "| wall time |",
         "|---|" + "---:|" * (len(tasks) + 3),
-        "| majority class | " + " | ".join(f"{100 * meta['majority'][t]['share']:.1f}" if t in meta["majority"]
-                                          else "" for t in tasks) + " | | | |",
+        f"| {'majority class' if classes_only else 'trivial baseline'} | "
+        + " | ".join(_floor(t, meta["majority"]) for t in tasks) + " | | | |",
     ]
     for name, entry in results.items():
         cells = []
         for task in tasks:
             cell = entry["tasks"].get(task)
-            if cell is None:
-                cells.append("")
-            else:
-                spread = f" ± {cell['std']:.1f}" if cell["std"] is not None else ""
-                cells.append(f"{cell['mean']:.1f}{spread}" + (f" ({len(cell['scores'])} seeds)"
-                                                             if len(cell["scores"]) > 1 else ""))
+            cells.append("" if cell is None else _cell(cell, cell.get("exact_match_mean")))
         average = _average_and_noise(entry, baseline, done)[0]
         # against the baseline on every task both have finished (a partial run still reads), named where it is not
         # the average's set
@@ -230,6 +275,11 @@ def render_markdown(preset_name: str, preset: dict, results: dict, meta: dict) -
               "difference of averages, from those spreads: a difference inside it is not a finding. The average "
               f"covers the tasks every model has finished ({', '.join(TASK_TITLES[t] for t in done) or 'none yet'}); "
               "the difference to the baseline covers the tasks both have finished (named where they are fewer).",
+              *(["", "The trivial baseline, on the same validation rows: " + "; ".join(
+                  f"{TASK_TITLES[t]}: {meta['majority'][t].get('baseline', 'the majority class')}"
+                  for t in tasks if t in meta["majority"]) + "."
+                  + (" Question answering's figure is SQuAD's F1 (its exact match beside it); the average and the "
+                     "difference to the baseline take that F1." if answers else "")] if not classes_only else []),
               "", "## Conversions", "",
               "| Model | target options | copied parameters | new parameters | distillation (distance before -> after) |",
               "|---|---|---:|---:|---|"]
@@ -254,7 +304,9 @@ def render_markdown(preset_name: str, preset: dict, results: dict, meta: dict) -
     lines += ["", "Evaluation rows:", ""]
     for task in tasks:
         rows = meta["majority"].get(task, {}).get("rows")
-        lines.append(f"- {TASK_TITLES[task]}: {rows} rows ({preset['finetune'][task].get('note', '')})")
+        commonest = meta["majority"].get(task, {}).get("commonest_position")
+        where = f"; the commonest right position holds {100 * commonest:.1f}% of them" if commonest else ""
+        lines.append(f"- {TASK_TITLES[task]}: {rows} rows ({preset['finetune'][task].get('note', '')}{where})")
     return "\n".join(lines)
 
 
@@ -268,17 +320,24 @@ def cpu_features() -> str:
     return ", ".join(flag for flag in wanted if flag in flags) or "none of " + ", ".join(wanted)
 
 
-def _majority(preset: dict, seeds: list[int], root: Path, cache: Path) -> dict:
+def _majority(preset: dict, seeds: list[int], root: Path, cache: Path, output_dir: Path) -> dict:
     """{task: {"share", "rows"}}: the commonest label's share of the evaluation rows, averaged over the seeds (IMDB's
-    held-out rows follow the seed). Reading the data takes minutes on busy cores, so it is kept in `cache`, keyed by
-    the task entries and seeds it was computed for."""
-    key = json.dumps({"finetune": preset["finetune"], "seeds": seeds}, sort_keys=True)
+    held-out rows follow the seed); for the tasks built from WikiText-2 their trivial baseline instead
+    (built_tasks.baseline, on the data built into `output_dir`). Reading the data takes minutes on busy cores, so it
+    is kept in `cache`, keyed by the task entries and seeds it was computed for (and the built data's settings)."""
+    keyed = {"finetune": preset["finetune"], "seeds": seeds}
+    if any(task in built_tasks.BUILT_TASKS for task in preset["finetune"]):
+        keyed["wikitext_tasks"] = built_tasks.settings(preset)
+    key = json.dumps(keyed, sort_keys=True)
     if cache.is_file():
         stored = json.loads(cache.read_text())
         if stored.get("key") == key:
             return stored["majority"]
     majority = {}
     for task, entry in preset["finetune"].items():
+        if task in built_tasks.BUILT_TASKS:  # one validation set whatever the seed
+            majority[task] = built_tasks.baseline(task, built_tasks.with_data(task, entry, output_dir), root)
+            continue
         shares = [majority_share(entry, seed, root) for seed in seeds]
         majority[task] = {"share": statistics.fmean(share for share, _ in shares), "rows": shares[0][1]}
     cache.write_text(json.dumps({"key": key, "majority": majority}, indent=2))
@@ -304,7 +363,8 @@ def run(preset_path: Path, root: Path, output_dir=None, seeds=None, tasks=None, 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit("stopped (SIGTERM); rerun the same command to continue"))
     command = "python scripts/pretrained.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     seeds_used = list(seeds or preset["seeds"])
-    majority = _majority(preset, seeds_used, root, output_dir / "majority.json")
+    built_tasks.build(preset, output_dir, root)  # the WikiText-2 tasks' data, before their baseline and fine-tunes
+    majority = _majority(preset, seeds_used, root, output_dir / "majority.json", output_dir)
     records, ran = {}, 0
     loads_file = output_dir / "loads.json"  # stage -> 5-minute load average when it ended: were the cores shared?
     loads = json.loads(loads_file.read_text()) if loads_file.is_file() else {}
@@ -325,11 +385,12 @@ def run(preset_path: Path, root: Path, output_dir=None, seeds=None, tasks=None, 
         return {"meta": meta, "models": results, "markdown": markdown}
 
     failed = {}  # stage name -> why; its fine-tunes are skipped, the rest go on (a rerun retries them)
+    conversions = {str(stage.folder): stage.name for stage in stages if stage.info["kind"] == "convert"}
     for number, stage in enumerate(stages, 1):
         record = stage.finished()
         if record is None and (report_only or (max_stages is not None and ran >= max_stages)):
             continue
-        upstream = f"convert {stage.info['model']}"
+        upstream = conversions.get(stage.argv[stage.argv.index("--model_name_or_path") + 1])
         if record is None and upstream in failed:
             continue
         if record is None:

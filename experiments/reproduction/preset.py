@@ -11,7 +11,10 @@ from pathlib import Path
 from hf_linear_attn.training.errors import UsageError
 
 TASKS = ("sst2", "imdb", "qnli", "qqp")  # Table 2's column order
-TASK_TITLES = {"sst2": "SST-2", "imdb": "IMDB", "qnli": "QNLI", "qqp": "QQP"}
+TASK_TITLES = {"sst2": "SST-2", "imdb": "IMDB", "qnli": "QNLI", "qqp": "QQP",
+               # not tasks of these presets (TASKS): experiments/pretrained's tasks built from WikiText-2, titled
+               # here because its fine-tune stages are this module's (stages.finetune_stage names them)
+               "cloze_qa": "Cloze QA (WikiText-2)", "next_sentence": "Next sentence (WikiText-2)"}
 PRESET_KEYS = {"description", "output_dir", "launcher", "seeds", "pretrain", "encoders",
                "baseline", "finetune", "decoder_pretrain", "decoders", "decoder_baseline", "mask_lstrip"}
 

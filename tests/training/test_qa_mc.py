@@ -354,6 +354,13 @@ def test_question_answering_trains_and_writes_run_qa_files(tmp_path, encoders, f
                  str(files["qa_dev"]), "--doc_stride", "32"])
     assert only["eval_f1"] == pytest.approx(results["eval_f1"])
     assert only["eval_exact_match"] == results["eval_exact_match"]
+    # and with batches grouped by length (Transformers 5 groups evaluation batches too when training does): the
+    # windows' logits still come back in row order, so each question gets its own answer
+    grouped = main([*common(tuned, tmp_path / "grouped", "question_answering"), "--do_eval", "--validation_file",
+                    str(files["qa_dev"]), "--doc_stride", "32", "--train_sampling_strategy", "group_by_length",
+                    "--per_device_eval_batch_size", "4"])
+    assert json.loads((tmp_path / "grouped" / "eval_predictions.json").read_text()) == answers
+    assert grouped["eval_f1"] == pytest.approx(results["eval_f1"])
 
 
 @needs_wikitext
