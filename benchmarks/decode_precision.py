@@ -17,7 +17,7 @@ Two measurements, one run, the machine recorded:
 """
 
 import argparse
-import json
+import os
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -146,7 +146,9 @@ def tables(record: dict) -> str:
     eighths = lambda values, fmt: " / ".join(format(v, fmt) for v in (values[0], values[3], values[7]))  # noqa: E731
     out = ["# bf16 decoding against float32: the causal block Linformer, linear attention, GPT-2", "",
            f"Command: `{record['command']}`  ", f"Machine: {record['machine']}; {hardware_text(record['hardware'])}  ",
-           f"Wall time: {record['seconds'] / 60:.1f} min", "",
+           f"Wall time: {record['seconds'] / 60:.1f} min"
+           + (f" (5-minute load average {record['load_average']:.1f} at the end, {os.cpu_count()} cores: errors do not "
+              "depend on it, times do)" if "load_average" in record else ""), "",
            f"## Kernel: causal block-Linformer attention, bf16 inputs (H {HEADS}, d {HEAD_DIM}, k {PROJ_K}, "
            f"b {BLOCK}, n {record['n']})", "",
            "Error of the attention output against float64 from the same bf16 values (per position: the largest over "
@@ -161,11 +163,11 @@ def tables(record: dict) -> str:
             "fraction of positions whose arg-max token equals the float32 model's; error: the largest |logit "
             "difference| over the float32 logits' standard deviation at that position.", "",
             "| model | bf16 form | top-1 = float32 | top-1 = bf16 whole forward | max error | mean error: 1st / 4th / "
-            "8th eighth | seconds |", "|---|---|---:|---:|---:|---|---:|"]
+            "8th eighth |", "|---|---|---:|---:|---:|---|"]
     for row in record["models"]:
         out.append(f"| {row['family']} | {row['form']} | {row['top1_agreement']:.2%} | "
                    f"{row['top1_agreement_with_bf16_whole']:.2%} | {row['max_error_over_spread']:.3f} | "
-                   f"{eighths(row['mean_error_over_spread_by_eighth'], '.4f')} | {row['seconds']:.1f} |")
+                   f"{eighths(row['mean_error_over_spread_by_eighth'], '.4f')} |")
     return "\n".join(out) + "\n"
 
 
@@ -181,7 +183,7 @@ def main(argv=None):
                          + (f" --n {args.n}" if args.n != 2048 else ""),
               "machine": describe_machine(), "hardware": describe_hardware("cpu"), "n": args.n,
               "kernel": kernel_rows(args.n), "models": model_rows(args.n)}
-    record["seconds"] = time.perf_counter() - began
+    record["seconds"], record["load_average"] = time.perf_counter() - began, os.getloadavg()[1]
     folder = Path(args.output_dir)
     folder.mkdir(parents=True, exist_ok=True)
     write_json(folder / "results.json", record)
