@@ -230,14 +230,26 @@ def test_seeds_must_be_distinct_and_data_paths_resolve_from_any_directory(tmp_pa
     assert Path(merged["train_file"]).resolve() == (REPO / "../shared/data/glue/sst2/train.tsv").resolve()
 
 
+def _wikitext_slice(tmp_path) -> dict:
+    """The first 2,000 lines of WikiText-2 train and 300 of validation as the pretraining files: the stages train 2
+    steps, and tokenizing all of WikiText-2 (two shared tokenizers, four pretraining stages) was most of their time."""
+    files = {}
+    for key, source, lines in (("train_file", "wiki.train.tokens", 2000), ("validation_file", "wiki.valid.tokens", 300)):
+        with open(DATA / "wikitext-2" / source) as handle:
+            files[key] = tmp_path / source
+            files[key].write_text("".join(next(handle) for _ in range(lines)))
+    return {key: str(path) for key, path in files.items()}
+
+
 def _smoke_preset(tmp_path) -> Path:
     linformer_config = tmp_path / "linformer-k32.json"  # a copy, edited in place by the test below
     linformer_config.write_text((REPO / "configs" / "models" / "cpu" / "linformer-k32.json").read_text())
+    text = _wikitext_slice(tmp_path)
     preset = {
         "description": "test", "seeds": [3],
         "pretrain": {"config": "configs/pretrain/cpu-mlm.json",
                      "args": {"max_steps": 2, "max_seq_length": 32, "eval_steps": 2, "save_steps": 100,
-                              "max_eval_samples": 8, "per_device_train_batch_size": 4}},
+                              "max_eval_samples": 8, "per_device_train_batch_size": 4, **text}},
         "encoders": {"RoBERTa (softmax)": "configs/models/cpu/roberta-softmax.json",
                      "Linformer k = 32": str(linformer_config)},
         "baseline": "RoBERTa (softmax)",
@@ -249,7 +261,7 @@ def _smoke_preset(tmp_path) -> Path:
                                       "max_seq_length": 48}}},
         "decoder_pretrain": {"config": "configs/pretrain/cpu-clm.json",
                              "args": {"max_steps": 2, "max_seq_length": 32, "eval_steps": 2, "max_eval_samples": 8,
-                                      "per_device_train_batch_size": 4}},
+                                      "per_device_train_batch_size": 4, **text}},
         "decoders": {"GPT-2 (softmax)": "configs/models/cpu/gpt2-softmax.json",
                      "Linear attention (elu + 1)": "configs/models/cpu/linear-gpt2-elu.json"},
         "decoder_baseline": "GPT-2 (softmax)",
