@@ -131,7 +131,8 @@ def model_rows(n: int, seed: int = 0) -> list[dict]:
             error = ((logits - reference).abs().amax(-1) / spread)[0]
             rows.append({"family": family, "form": name, "seconds": seconds,
                          "top1_agreement": (logits.argmax(-1) == reference.argmax(-1)).float().mean().item(),
-                         "top1_agreement_with_bf16_whole": (logits.argmax(-1) == whole.argmax(-1)).float().mean().item(),
+                         "top1_agreement_with_bf16_whole":
+                             (logits.argmax(-1) == whole.argmax(-1)).float().mean().item(),
                          "max_error_over_spread": error.max().item(),
                          "mean_error_over_spread_by_eighth": _by_eighth(error)})
     return rows

@@ -240,10 +240,10 @@ class RobertaStyleModel(RobertaStylePreTrainedModel):
         input_shape = input_ids.shape if input_ids is not None else inputs_embeds.shape[:-1]
         given = "input_ids" if input_ids is not None else "inputs_embeds"
         if len(input_shape) != 2:  # else a reshape or an index error deep inside, naming neither the input nor the fix
+            dims = "batch, sequence length" + (", hidden" if given == "inputs_embeds" else "")
             raise ValueError(
                 f"{given} has shape {tuple((input_ids if input_ids is not None else inputs_embeds).shape)}; these "
-                f"encoders take {given} of shape (batch, sequence length{', hidden' if given == 'inputs_embeds' else ''}"
-                f"): add the batch dimension ({given}[None] for one sequence; tokenizer(..., return_tensors='pt') "
+                f"encoders take {given} of shape ({dims}): add the batch dimension ({given}[None] for one sequence; tokenizer(..., return_tensors='pt') "
                 "returns it)."
             )
         if input_shape[-1] == 0:

@@ -234,7 +234,8 @@ def _wikitext_slice(tmp_path) -> dict:
     """The first 2,000 lines of WikiText-2 train and 300 of validation as the pretraining files: the stages train 2
     steps, and tokenizing all of WikiText-2 (two shared tokenizers, four pretraining stages) was most of their time."""
     files = {}
-    for key, source, lines in (("train_file", "wiki.train.tokens", 2000), ("validation_file", "wiki.valid.tokens", 300)):
+    for key, source, lines in (("train_file", "wiki.train.tokens", 2000),
+                               ("validation_file", "wiki.valid.tokens", 300)):
         with open(DATA / "wikitext-2" / source) as handle:
             files[key] = tmp_path / source
             files[key].write_text("".join(next(handle) for _ in range(lines)))
