@@ -19,7 +19,7 @@ Two measurements, one run, the machine recorded:
 import argparse
 import os
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -124,7 +124,7 @@ def model_rows(n: int, seed: int = 0) -> list[dict]:
         whole = None
         for name, run in variants:
             began = time.perf_counter()
-            with torch.no_grad(), (bf16_summaries() if "ablation" in name else _nothing()):
+            with torch.no_grad(), (bf16_summaries() if "ablation" in name else nullcontext()):
                 logits = run().double()
             seconds = time.perf_counter() - began
             whole = logits if whole is None else whole
@@ -136,11 +136,6 @@ def model_rows(n: int, seed: int = 0) -> list[dict]:
                          "max_error_over_spread": error.max().item(),
                          "mean_error_over_spread_by_eighth": _by_eighth(error)})
     return rows
-
-
-@contextmanager
-def _nothing():
-    yield
 
 
 def tables(record: dict) -> str:

@@ -11,7 +11,9 @@ from torch import nn
 from transformers import initialization as init
 
 from .feature_maps import FavorFeatureMap, HedgehogFeatureMap, identity_weight, orthogonal_gaussian_matrix
-from .linformer_projection import LinformerProjection, multiscale_matrix, pooling_matrix, xavier_bound
+from .linformer_projection import (
+    STRUCTURED_INITS, LinformerProjection, multiscale_matrix, pooling_matrix, xavier_bound,
+)
 from .short_convolution import ShortConvolution, short_convolution_init_bound
 from .sliding_window_attention import SlidingWindowFactor
 
@@ -32,7 +34,7 @@ def init_linformer_projection(module: nn.Module, linformer_init: str, initialize
     if not isinstance(module, LinformerProjection):
         return
     k, max_length = module.weight.shape[-2:]
-    if linformer_init in ("pooling", "multiscale"):
+    if linformer_init in STRUCTURED_INITS:
         build = pooling_matrix if linformer_init == "pooling" else multiscale_matrix
         init.copy_(module.weight, build(k, max_length).expand_as(module.weight).to(module.weight.device))
     elif linformer_init == "normal":

@@ -21,8 +21,8 @@ from .convert import (check_source, check_target, convert, extend_max_length, lo
 from .distill import distill, distillation_distance, distillation_mode, language_model_quality
 
 FAMILY_OPTIONS = ("linformer_k", "linformer_sharing", "linformer_init", "linformer_normalize_rows",
-                  "linformer_drop_unreached_rows", "linformer_block_size", "feature_map", "num_random_features", "learned_feature_dim",
-                  "attention_window", "state_decay", "layer_types")
+                  "linformer_drop_unreached_rows", "linformer_block_size", "feature_map", "num_random_features",
+                  "learned_feature_dim", "attention_window", "state_decay", "layer_types")
 
 
 @dataclass

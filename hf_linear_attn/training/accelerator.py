@@ -10,6 +10,7 @@ from accelerate.utils import DistributedType, LoggerType
 
 from .errors import UsageError
 from .fsdp import fsdp_requested, use_fsdp_on_cpu
+from .launch import without_gpus
 from .pretraining_arguments import PretrainArguments
 
 CPUINFO = Path("/proc/cpuinfo")  # where "auto" precision reads the CPU's instruction-set flags
@@ -72,7 +73,7 @@ def make_accelerator(args: PretrainArguments) -> Accelerator:
     """The run's Accelerator: mixed precision and trackers as `args` say; FSDP when the launcher asks for it, on
     GPUs by accelerate itself, without GPUs by `use_fsdp_on_cpu` (accelerate would run plain data parallel)."""
     # Without cpu=True accelerate treats several launched processes on a CPU-only machine as independent runs.
-    on_cpu = not (torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available()))
+    on_cpu = without_gpus()
     check_accelerator_arguments(args, on_cpu)
     mixed_precision = resolve_mixed_precision(args.mixed_precision)
     release_stale_accelerator_state(mixed_precision)

@@ -18,12 +18,12 @@ from contextlib import contextmanager
 
 from accelerate import Accelerator, PartialState
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
-import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from transformers import TrainerCallback
 
 from .errors import UsageError
+from .launch import without_gpus
 
 # What accelerate's save_state writes for the model and the optimizer under FSDP, by fsdp_state_dict_type:
 # SHARDED_STATE_DICT: torch.distributed.checkpoint folders (.metadata and one __R_0.distcp per process), checked
@@ -37,11 +37,6 @@ FSDP_STATE_PIECES = {
 def fsdp_requested() -> bool:
     """Whether the launcher asked for FSDP (`accelerate launch` with an FSDP config, or --use_fsdp)."""
     return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
-
-
-def without_gpus() -> bool:
-    """Whether this machine has no accelerator device that accelerate would run FSDP on (CUDA, XPU)."""
-    return not (torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available()))
 
 
 def refuse_fsdp1_without_gpus(trainer_plugin_args: dict | None = None) -> None:

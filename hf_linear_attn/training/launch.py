@@ -73,6 +73,13 @@ def ensure_requested_processes(script: str) -> None:
     os.execvp(working[0], working)
 
 
+def without_gpus() -> bool:
+    """Whether this machine has no device that accelerate runs on instead of the CPU (CUDA, XPU)."""
+    import torch  # here, not at the top: the scripts import this module before they parse their arguments
+
+    return not (torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available()))
+
+
 def use_cpu_for_several_processes(environ=None) -> bool:
     """Under a multi-process launch (torchrun, `accelerate launch --multi_gpu` or an FSDP config) on a machine
     without GPUs, set ACCELERATE_USE_CPU, which TrainingArguments reads as --use_cpu. Without it Trainer finds no
@@ -82,9 +89,7 @@ def use_cpu_for_several_processes(environ=None) -> bool:
     environ = os.environ if environ is None else environ
     if int(environ.get("WORLD_SIZE", "1")) < 2 or environ.get("ACCELERATE_USE_CPU", "").lower() in ("true", "1"):
         return False
-    import torch
-
-    if torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available()):
+    if not without_gpus():
         return False
     environ["ACCELERATE_USE_CPU"] = "true"
     return True
