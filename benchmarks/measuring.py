@@ -277,10 +277,84 @@ def mb(value) -> str:
 # ---------------------------------------------------------------------------------------- processes, files
 
 
-def run_isolated(module: str, spec: dict, timeout: float, reason_chars: int = 200) -> dict:
-    """`python -m module --one SPEC` in a fresh process, its last stdout line read as JSON; an out-of-memory kill, an
-    error or a timeout becomes {"failed": reason} (the reason cut to `reason_chars`). The process finds this
-    checkout's benchmarks/ and experiments/ whatever its working folder: the checkout leads its PYTHONPATH."""
+# The modules every measuring process imports (about 6 s on 2 cores). A server process imports them once, then forks
+# one child per configuration: each child is as fresh as a new process for what it measures (its own memory peak,
+# its own kill), without the imports. `python -m benchmarks.measuring --serve` is that server.
+PRELOAD = ("torch", "transformers", "hf_linear_attn", "benchmarks.measuring")
+_server = None  # the running server (subprocess.Popen), started by the first run_isolated
+
+
+def _run_as_main(module: str, spec_json: str, stdout: str, stderr: str, environ: dict, cwd: str) -> None:
+    """In a forked child: `python -m module --one SPEC` in the caller's folder and environment, its output in files."""
+    import runpy
+
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(environ)
+    # the caller's PYTHONPATH now (the server's sys.path is from its start), ahead as `python -m` would put it
+    paths = environ.get("PYTHONPATH", "").split(os.pathsep)
+    sys.path[:0] = [entry for entry in paths if entry and entry not in sys.path]
+    for fd, path in ((1, stdout), (2, stderr)):
+        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+    sys.argv = [module, "--one", spec_json]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+def serve() -> None:
+    """The server: import PRELOAD, then for each job line on stdin fork a child that runs it; answer the child's pid
+    at once (so the caller can kill it at its timeout) and its exit code when it ends (negative: killed by signal)."""
+    import importlib
+    import traceback
+
+    for name in PRELOAD:
+        importlib.import_module(name)
+    for line in sys.stdin:
+        job = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                _run_as_main(**job)
+                code = 0
+            except SystemExit as stop:  # argparse's errors and sys.exit, as `python -m` would exit
+                code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+                if not isinstance(stop.code, int) and stop.code is not None:
+                    print(stop.code, file=sys.stderr)
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        print(json.dumps({"pid": pid}), flush=True)
+        print(json.dumps({"exitcode": os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])}), flush=True)
+
+
+def _running_server():
+    """The server, started on first use (and again if it died). Its imports see this checkout from any folder."""
+    global _server
+    if _server is None or _server.poll() is not None:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(CHECKOUT), os.environ.get("PYTHONPATH")]))}
+        # unbuffered pipes: select() below must see every byte the server wrote, none held in a reader's buffer
+        _server = subprocess.Popen([sys.executable, "-m", "benchmarks.measuring", "--serve"], stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, bufsize=0)
+    return _server
+
+
+def _answer(server) -> dict:
+    line = server.stdout.readline()
+    if not line:
+        raise RuntimeError("the measuring server ended")
+    return json.loads(line)
+
+
+def _failure_reason(returncode: int, stderr: str, reason_chars: int) -> dict:
+    killed = returncode in (-9, 137)
+    reason = "out of memory (killed)" if killed else (stderr.strip().splitlines() or ["error"])[-1]
+    return {"failed": reason[:reason_chars]}
+
+
+def _run_in_new_interpreter(module: str, spec: dict, timeout: float, reason_chars: int) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(CHECKOUT), os.environ.get("PYTHONPATH")]))}
     try:
         proc = subprocess.run([sys.executable, "-m", module, "--one", json.dumps(spec)], capture_output=True,
@@ -288,10 +362,40 @@ def run_isolated(module: str, spec: dict, timeout: float, reason_chars: int = 20
     except subprocess.TimeoutExpired:
         return {"failed": f"over {timeout:.0f} s"}
     if proc.returncode != 0:
-        killed = proc.returncode in (-9, 137)
-        reason = "out of memory (killed)" if killed else (proc.stderr.strip().splitlines() or ["error"])[-1]
-        return {"failed": reason[:reason_chars]}
+        return _failure_reason(proc.returncode, proc.stderr, reason_chars)
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run_isolated(module: str, spec: dict, timeout: float, reason_chars: int = 200) -> dict:
+    """`python -m module --one SPEC` in a fresh process, its last stdout line read as JSON; an out-of-memory kill, an
+    error or a timeout becomes {"failed": reason} (the reason cut to `reason_chars`). On CPU the process is a child
+    forked from a server that has imported PRELOAD (see `serve`), in this process's folder and environment; where
+    CUDA is available, a new interpreter (what the server holds would not survive the fork there)."""
+    import select
+    import signal
+    import tempfile
+
+    if torch.cuda.is_available():  # a CUDA context does not survive a fork: a new interpreter per configuration
+        return _run_in_new_interpreter(module, spec, timeout, reason_chars)
+    with tempfile.TemporaryDirectory(prefix="measure-") as folder:
+        out, err = Path(folder, "stdout"), Path(folder, "stderr")
+        server = _running_server()
+        job = dict(module=module, spec_json=json.dumps(spec), stdout=str(out), stderr=str(err),
+                   environ=dict(os.environ), cwd=os.getcwd())
+        try:
+            server.stdin.write((json.dumps(job) + "\n").encode())
+            pid = _answer(server)["pid"]
+            timed_out = not select.select([server.stdout], [], [], timeout)[0]
+            if timed_out:
+                os.kill(pid, signal.SIGKILL)
+            exitcode = _answer(server)["exitcode"]
+        except (OSError, RuntimeError) as error:  # the server itself was killed (out of memory, say)
+            return {"failed": f"measuring server: {error}"[:reason_chars]}
+        if timed_out:
+            return {"failed": f"over {timeout:.0f} s"}
+        if exitcode != 0:
+            return _failure_reason(exitcode, err.read_text(errors="replace") if err.is_file() else "", reason_chars)
+        return json.loads(out.read_text().strip().splitlines()[-1])
 
 
 def write_json(path: Path, value) -> None:
@@ -299,3 +403,7 @@ def write_json(path: Path, value) -> None:
     partial = path.with_name(path.name + ".partial")
     partial.write_text(json.dumps(value, indent=2))
     os.replace(partial, path)
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--serve"]:
+    serve()

@@ -3,9 +3,10 @@ training, generation, kernel efficiency) measured here, the decoding suites of d
 throughput, assisted decoding, compiled steps) and the crossover suite of kernel_crossover.py (where each causal form
 overtakes softmax; the form table's measurements), and the runner that plans, measures and reports them all.
 
-Each configuration runs in a fresh Python process (`python -m benchmarks.suites --one SPEC`, through
-`measuring.run_isolated`), so one configuration's memory never inflates another's and an out-of-memory kill costs
-only that configuration. How time and memory are measured: measuring.py.
+Each configuration runs in a fresh process (`python -m benchmarks.suites --one SPEC`, through
+`measuring.run_isolated`, forked from a server that has imported torch and transformers once), so one
+configuration's memory never inflates another's and an out-of-memory kill costs only that configuration. How time
+and memory are measured: measuring.py.
 """
 
 import argparse

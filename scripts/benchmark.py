@@ -8,7 +8,8 @@ prompt-lookup decoding (`assisted`), and the compiled against the eager decoding
     python scripts/benchmark.py --only encoder generation       # some suites only
     python scripts/benchmark.py --only images assisted compiled_step   # the decoding suites (docs/benchmarks.md)
 
-Each configuration runs in a fresh process; writes results.json, results.md (tables) and PNG plots.
+Each configuration runs in a fresh process (forked from one that has done the imports); writes results.json,
+results.md (tables) and PNG plots.
 """
 
 import _checkout  # noqa: F401  (benchmarks/ is beside scripts/, outside the package)

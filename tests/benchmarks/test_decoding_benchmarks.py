@@ -118,11 +118,9 @@ def test_image_ratios_are_each_models_images_per_second_over_gpt2s_at_the_same_l
 
 @pytest.mark.slow
 @needs_data
-def test_smoke_run_of_the_three_suites_writes_complete_sane_tables_json_and_plots(tmp_path, monkeypatch):
-    """suites.run_suite at the smoke preset, every configuration measured in this process: importing the package
-    again in a fresh process per configuration would triple the test's time, and test_benchmarks.py's smoke run takes
-    that path (through scripts/benchmark.py) for these suites too."""
-    monkeypatch.setattr(suites, "run_isolated", lambda module, spec, timeout: suites.run_one(spec))
+def test_smoke_run_of_the_three_suites_writes_complete_sane_tables_json_and_plots(tmp_path):
+    """suites.run_suite at the smoke preset, each configuration in its own process as a real run measures it
+    (forked from the measuring server, which has done the imports once)."""
     suites.run_suite("smoke", tmp_path, only=list(SUITES), dtype="float32", data_dir=str(SHARED_DATA))
     check_smoke_outputs(tmp_path)
 

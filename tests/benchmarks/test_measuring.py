@@ -1,7 +1,9 @@
 """The shared measuring module's machine record: instruction sets read from cpuinfo's flags lines, and reports that
-say them where they were recorded and render exactly as before where they were not."""
+say them where they were recorded and render exactly as before where they were not; configurations measured in
+fresh processes (forked from a server that has done the imports)."""
 
 import json
+import os
 import shutil
 
 import pytest
@@ -88,3 +90,46 @@ def test_a_measuring_process_finds_the_checkout_from_any_working_folder(tmp_path
     assert "failed" not in result and result["seconds"] > 0, result
     broken = measuring.run_isolated("benchmarks.suites", {**spec, "kind": "no such suite"}, timeout=300)
     assert broken["failed"].startswith("KeyError") and len(broken["failed"]) <= 200
+
+
+PROBE = """
+import json, os, signal, sys, time
+import benchmarks.measuring as measuring
+spec = json.loads(sys.argv[2])
+seen = getattr(measuring, "touched_by", None)
+measuring.touched_by = os.getpid()  # a process that is not fresh would show this to the next configuration
+if spec["do"] == "sleep":
+    time.sleep(60)
+elif spec["do"] == "kill":
+    os.kill(os.getpid(), signal.SIGKILL)
+elif spec["do"] == "raise":
+    raise ValueError("probe refused: " + "x" * 400)
+elif spec["do"] == "exit":
+    sys.exit(3)
+print("noise before the result")
+print(json.dumps({"pid": os.getpid(), "seen": seen, "cwd": os.getcwd(), "marker": os.environ.get("PROBE_MARKER"),
+                  "preloaded": "transformers" in sys.modules and "hf_linear_attn" in sys.modules}))
+"""
+
+
+def test_each_configuration_runs_in_a_fresh_process_and_failures_become_reasons(tmp_path, monkeypatch):
+    (tmp_path / "probe_module.py").write_text(PROBE)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    monkeypatch.setenv("PROBE_MARKER", "first")
+    first = measuring.run_isolated("probe_module", {"do": "report"}, timeout=300)
+    monkeypatch.setenv("PROBE_MARKER", "second")  # the environment and folder at each call, not at the server's start
+    second = measuring.run_isolated("probe_module", {"do": "report"}, timeout=300)
+    assert first["pid"] != second["pid"] and first["seen"] is None and second["seen"] is None
+    assert first["preloaded"] and first["cwd"] == str(work)
+    assert (first["marker"], second["marker"]) == ("first", "second")
+
+    assert measuring.run_isolated("probe_module", {"do": "sleep"}, timeout=1) == {"failed": "over 1 s"}
+    assert measuring.run_isolated("probe_module", {"do": "kill"}, timeout=300) == {"failed": "out of memory (killed)"}
+    refused = measuring.run_isolated("probe_module", {"do": "raise"}, timeout=300, reason_chars=50)
+    assert refused["failed"].startswith("ValueError: probe refused") and len(refused["failed"]) == 50
+    assert measuring.run_isolated("probe_module", {"do": "exit"}, timeout=300) == {"failed": "error"}
+    # the server outlives every child it lost: the next configuration runs
+    assert measuring.run_isolated("probe_module", {"do": "report"}, timeout=300)["marker"] == "second"
