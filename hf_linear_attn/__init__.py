@@ -37,6 +37,7 @@ from .linformer_projection import (
 )
 from .explicit_state import DecoderPrefill, DecoderStateStep
 from .modeling_linear_gpt2 import (
+    KeyValueSlots,
     LinearGPT2ForCausalLM,
     LinearGPT2ForSequenceClassification,
     LinearGPT2Model,
@@ -131,6 +132,7 @@ __all__ = [
     "LinformerGPT2Config",
     "RecurrentStateCache",
     "SlidingWindowStateLayer",
+    "KeyValueSlots",
     "KeyValueStateLayer",
     "banded_sliding_window_attention",
     "causal_sliding_window_attention",

@@ -24,13 +24,17 @@ class DecoderStateStep(nn.Module):
     The causal block Linformer's state here has a fixed capacity of block summaries, n_positions // block_size
     slots (the most blocks a sequence within the position table completes), where its generation cache adds one
     slot per completed block: fixed shapes are what export and fullgraph compilation need. Each step then attends
-    over every slot (empty ones masked), so a step costs what a step at the end of the position table costs.
+    over every slot (empty ones masked), so a step costs what a step at the end of the position table costs. A
+    hybrid schedule's full-attention layers (``layer_types``) likewise keep keys and values in n_positions slots
+    (:class:`~.modeling_linear_gpt2.KeyValueSlots`), as Transformers' static cache does.
     """
 
     def __init__(self, model: GPT2StyleForCausalLM):
         super().__init__()
         self.model = model
-        self.num_layers = len(model.transformer.h)
+        # tensors per layer: a hybrid's full-attention layers carry three (KeyValueSlots), its linear layers theirs
+        self.state_sizes = [len(block.attn.initial_state(1)) for block in model.transformer.h]
+        self.num_layers = len(self.state_sizes)
 
     @torch.no_grad()
     def initial_state(self, batch_size: int) -> tuple[torch.Tensor, ...]:
@@ -39,8 +43,14 @@ class DecoderStateStep(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, *state: torch.Tensor):
         transformer = self.model.transformer
-        per_layer = len(state) // self.num_layers
-        states = [tuple(state[i * per_layer : (i + 1) * per_layer]) for i in range(self.num_layers)]
+        if len(state) != sum(self.state_sizes):
+            raise ValueError(
+                f"DecoderStateStep takes {sum(self.state_sizes)} state tensors for this model ({self.state_sizes} per "
+                f"layer), got {len(state)}: pass initial_state() or the state the previous step returned, unchanged."
+            )
+        starts = [sum(self.state_sizes[:i]) for i in range(len(self.state_sizes))]
+        states = [block.attn.explicit_state(tuple(state[start : start + size]))
+                  for block, start, size in zip(transformer.h, starts, self.state_sizes)]
         hidden_states = transformer.embed(input_ids, None, position_ids)
         hidden_states, new_states, _, _, _ = transformer.run_blocks(hidden_states, None, states, use_cache=True)
         return (self.model.lm_head(hidden_states), *(t for layer_state in new_states for t in layer_state))
@@ -79,4 +89,5 @@ class DecoderPrefill(nn.Module):
         hidden_states, new_states, _, _, _ = transformer.run_blocks(
             hidden_states, attention_mask.bool(), [None] * len(transformer.h), use_cache=True
         )
+        new_states = [block.attn.exported_prompt_state(layer) for block, layer in zip(transformer.h, new_states)]
         return (self.model.lm_head(hidden_states), *(t for layer_state in new_states for t in layer_state))

@@ -74,6 +74,16 @@ class GPT2StyleAttention(nn.Module):
         """This layer's state before any token, as tensors of fixed shapes (what :class:`DecoderStateStep` carries)."""
         raise NotImplementedError(f"{type(self).__name__} has no fixed-shape state to export or compile.")
 
+    def explicit_state(self, tensors: tuple[torch.Tensor, ...]):
+        """This layer's entry of :class:`DecoderStateStep`'s flat state, as ``attend`` takes it (as given, by default;
+        a layer whose exported state differs from its generation cache's marks it here)."""
+        return tensors
+
+    def exported_prompt_state(self, state):
+        """The state of a prompt pass (no earlier state) in the form ``initial_state`` has, for
+        :class:`DecoderPrefill`: the same by default."""
+        return state
+
     def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
         return x.reshape(*x.shape[:2], self.num_heads, self.head_dim).transpose(1, 2)
 

@@ -5,6 +5,8 @@ in n); each generated token then updates a fixed-size state per layer, S (B, H, 
 so the cost of a token does not grow with the context.
 """
 
+from typing import NamedTuple
+
 import torch
 
 from .configuration_linear_gpt2 import LinearGPT2Config, feature_width, retnet_decay_rates
@@ -46,6 +48,19 @@ from .sliding_window_attention import (
 from .weight_init import RandomFeaturesMixin
 
 
+class KeyValueSlots(NamedTuple):
+    """A full-attention layer's state of fixed shapes (for :class:`~.explicit_state.DecoderStateStep`, export and
+    fullgraph compilation), as Transformers' static cache keeps one: keys and values (B, H, P, d) in P = n_positions
+    slots, a token's slot being its position in its row, and the tokens so far per row (B,). A step writes its keys
+    and values at slots ``length ...`` and attends over the slots up to its own (later slots are empty), so every
+    step costs what a step at the end of the position table costs. The generation cache grows instead (it keeps
+    (keys, values, real-token mask) of the tokens so far)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    length: torch.Tensor
+
+
 class LinearGPT2Attention(GPT2StyleAttention):
     """Multi-head causal linear attention; it continues from a (S, z) state and returns the new one.
 
@@ -68,6 +83,7 @@ class LinearGPT2Attention(GPT2StyleAttention):
             self.attn_pdrop = config.attn_pdrop
             self.feature_map = None
             self.cache_layer_class = KeyValueStateLayer
+            self.slot_capacity = config.n_positions  # KeyValueSlots: every position the table can embed
             return
         self.feature_map = build_feature_map(
             config.feature_map, self.num_heads, self.head_dim, num_random_features=config.num_random_features,
@@ -135,12 +151,11 @@ class LinearGPT2Attention(GPT2StyleAttention):
         """Zeros (S (B, H, m, d), z (B, H, m)) in float32, m the feature map's output width (causal FAVOR+ adds its
         running maximum, -inf (B, H, m)); with a window also the empty window (keys, phi(keys), values (B, H, W, .)
         zeros, valid (B, W) False); with a short convolution last its buffer, zeros (B, K-1, 3 D)."""
-        if self.full_attention:
-            raise ValueError(
-                "A hybrid schedule's full_attention layer keeps a key/value cache that grows with every token, so the "
-                "decoder has no fixed-shape state to export or compile (DecoderStateStep / DecoderPrefill). Export a "
-                "model whose layer_types are all 'linear_attention', or use generate()."
-            )
+        if self.full_attention:  # KeyValueSlots, empty: zero keys and values, no token yet
+            weight = self.c_attn.weight
+            shape = (batch_size, self.num_heads, self.slot_capacity, self.head_dim)
+            return KeyValueSlots(weight.new_zeros(shape), weight.new_zeros(shape),
+                                 torch.zeros(batch_size, dtype=torch.long, device=weight.device))
         device = self.c_attn.weight.device
         features = self.feature_map(torch.zeros(1, self.num_heads, 1, self.head_dim, device=device), is_query=False)
         if self.window:
@@ -200,6 +215,43 @@ class LinearGPT2Attention(GPT2StyleAttention):
             output = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], dropout_p=dropout)
         return output, weights, (k, v, real)
 
+    def _attend_slots(self, q, k, v, key_mask, slots: KeyValueSlots):
+        """_attend_full on the fixed-shape state (:class:`KeyValueSlots`): the n new tokens (all real, as
+        DecoderStateStep feeds them) go to slots length .. length + n - 1, and each attends over the slots up to its
+        own. Returns the output and the new slots."""
+        if key_mask is not None:
+            raise ValueError("KeyValueSlots take real tokens only (DecoderStateStep passes no mask): drop the pads.")
+        batch, heads, n, head_dim = q.shape
+        keys, values, length = slots
+        slot = length[:, None] + torch.arange(n, device=q.device)  # (B, n): each new token's position in its row
+        index = slot[:, None, :, None].expand(batch, heads, n, head_dim)
+        keys, values = keys.scatter(2, index, k.to(keys.dtype)), values.scatter(2, index, v.to(values.dtype))
+        # slots before and at a query's own are filled (earlier tokens and this call's); later ones are empty
+        allowed = torch.arange(keys.shape[2], device=q.device)[None, None, :] <= slot[:, :, None]
+        output = torch.nn.functional.scaled_dot_product_attention(
+            q, keys.to(q.dtype), values.to(q.dtype), attn_mask=allowed[:, None]
+        )
+        return output, KeyValueSlots(keys, values, length + n)
+
+    def explicit_state(self, tensors):
+        return KeyValueSlots(*tensors) if self.full_attention else tensors
+
+    def exported_prompt_state(self, state):
+        """A full-attention layer's prompt state (keys, values (B, H, n, d), real-token mask (B, n)) as
+        :class:`KeyValueSlots`: each real token at its slot (its position among its row's real tokens, as
+        DecoderPrefill numbers positions), pads left out (sent to a spare slot that is dropped)."""
+        if not self.full_attention:
+            return state
+        keys, values, real = state
+        batch, heads, _, head_dim = keys.shape
+        capacity = self.slot_capacity
+        slot = torch.where(real, real.long().cumsum(-1) - 1, capacity)
+        index = slot[:, None, :, None].expand_as(keys)
+        shape = (batch, heads, capacity + 1, head_dim)
+        keys = keys.new_zeros(shape).scatter(2, index, keys)[:, :, :capacity]
+        values = values.new_zeros(shape).scatter(2, index, values)[:, :, :capacity]
+        return KeyValueSlots(keys, values, real.long().sum(-1))
+
     def _attend_decayed(self, phi_q, phi_k, v, log_decay, key_mask, state, need_tail, output_attentions):
         """attend() with a decaying state: the chunked form for prompts, the recurrent step for single tokens."""
         n = phi_q.shape[2]
@@ -239,6 +291,9 @@ class LinearGPT2Attention(GPT2StyleAttention):
 
     def attend(self, q, k, v, key_mask, state, use_cache, need_tail, output_attentions, shared_projection,
                log_decay=None):
+        if isinstance(state, KeyValueSlots):  # DecoderStateStep's fixed-shape state of a full-attention layer
+            output, state = self._attend_slots(q, k, v, key_mask, KeyValueSlots(*(t.to(q.device) for t in state)))
+            return output, None, state if use_cache else None, None
         if state is not None:
             state = tuple(t.to(q.device) for t in state)
         if self.full_attention:

@@ -26,7 +26,7 @@ def test_the_explicit_state_step_equals_the_cached_forward():
 
 
 @pytest.mark.parametrize("variant", ["linear-elu", "linear-favor", "linear-hedgehog", "linear-window", "linear-decay", "linear-gated",
-                                     "linear-conv"])
+                                     "linear-conv", "linear-hybrid-conv"])
 def test_torch_export_of_the_step_with_a_dynamic_batch_equals_eager(variant):
     model, step, ids, positions, state = prefill_then_step(variant)
     batch = torch.export.Dim("batch", min=1, max=64)
@@ -142,6 +142,55 @@ def test_the_step_continues_from_the_prompt_pass(variant):
         torch.testing.assert_close(logits[:, -1], model(ids).logits[:, -1], atol=1e-5, rtol=1e-5)
 
 
+# ------------------------------------------------------------ hybrid schedules: full-attention layers in slots
+
+@pytest.mark.parametrize("variant", ["linear-hybrid", "linear-hybrid-conv"])
+def test_the_hybrid_step_keeps_fixed_shapes_and_equals_the_model(variant):
+    """A full-attention layer then a linear one: 20 tokens one step at a time from the empty state, then 5 at once,
+    give the whole-sequence forward's logits at every position (its full layer is GPT-2's attention over the growing
+    sequence: an independent path), and no state shape changes on the way."""
+    model = causal_lm(variant)
+    step = DecoderStateStep(model).eval()
+    ids = random_ids(2, 25, seed=3)
+    state = step.initial_state(2)
+    assert step.state_sizes[0] == 3 and state[0].shape[2] == model.config.n_positions
+    with torch.no_grad():
+        logits, after = step_through(step, ids[:, :20], state)
+        more, *final = step(ids[:, 20:], torch.arange(20, 25).expand(2, 5), *after)
+        want = model(ids).logits
+    torch.testing.assert_close(torch.cat([logits, more], dim=1), want, atol=1e-5, rtol=1e-5)
+    assert [t.shape for t in final] == [t.shape for t in state] and final[2].tolist() == [25, 25]
+
+
+def test_the_hybrid_prompt_pass_exports_leaves_pads_out_and_the_exported_step_continues_it():
+    """One exported prompt pass (dynamic batch and length) on a left-padded batch: each row's logits are the row's
+    alone; the exported step then continues every row as the model continues the unpadded row."""
+    model = causal_lm("linear-hybrid")
+    prefill, step = exported_prefill(model), DecoderStateStep(model).eval()
+    batch = torch.export.Dim("batch", min=1, max=64)
+    example = step.initial_state(2)
+    step_program = torch.export.export(
+        step, (random_ids(2, 1), torch.zeros(2, 1, dtype=torch.long), *example),
+        dynamic_shapes=({0: batch}, {0: batch}, tuple({0: batch} for _ in example)),
+    ).module()
+    prompts = [random_ids(1, n, seed=n)[0] for n in (5, 13, 2)]
+    ids, mask = left_padded_batch(prompts)
+    following = random_ids(3, 3, seed=9)
+    with torch.no_grad():
+        logits, *state = prefill(ids, mask)
+        position = mask.sum(-1, keepdim=True)
+        steps = []
+        for t in range(3):
+            out, *state = step_program(following[:, t : t + 1], position + t, *state)
+            steps.append(out)
+        for row, prompt in enumerate(prompts):
+            whole = torch.cat([prompt, following[row]])[None]
+            alone = model(whole).logits[0]
+            torch.testing.assert_close(logits[row, -len(prompt):], alone[: len(prompt)], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(torch.cat(steps, dim=1)[row], alone[len(prompt):], atol=1e-5, rtol=1e-5)
+    assert state[2].tolist() == [len(p) + 3 for p in prompts]
+
+
 # ------------------------------------------------------------------------------ ONNX, run by onnxruntime
 
 def greedy_decode_onnx(prefill_session, step_session, input_ids, attention_mask, max_new_tokens, eos_token_id,
@@ -168,8 +217,7 @@ def greedy_decode_onnx(prefill_session, step_session, input_ids, attention_mask,
 
 
 def state_names(step, prefix):
-    per_layer = len(step.initial_state(1)) // step.num_layers
-    return [f"{prefix}.{layer}.{i}" for layer in range(step.num_layers) for i in range(per_layer)]
+    return [f"{prefix}.{layer}.{i}" for layer, size in enumerate(step.state_sizes) for i in range(size)]
 
 
 @pytest.fixture(scope="module")
@@ -247,6 +295,20 @@ def test_greedy_decoding_on_onnxruntime_equals_generate(onnx_programs):
         prefill_session, step_session, ids.numpy(), mask.numpy(), 12, model.config.eos_token_id, model.config.pad_token_id
     )
     assert got.shape[1] > ids.shape[1] + 3  # several tokens generated, not an early stop
+    assert got.tolist() == want.tolist()
+
+
+@pytest.mark.slow
+def test_hybrid_decoder_greedy_on_onnxruntime_equals_generate(tmp_path):
+    """A full-attention layer (its keys and values in slots) before a linear one with a short convolution: the
+    documented greedy loop on the two ONNX programs, on a left-padded batch, gives generate()'s tokens."""
+    model, _, _, prefill_session, step_session = export_to_onnx("linear-hybrid-conv", tmp_path)
+    ids, mask = left_padded_batch([random_ids(1, n, seed=n)[0] for n in (2, 11, 7)])
+    want = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=12)
+    got = greedy_decode_onnx(
+        prefill_session, step_session, ids.numpy(), mask.numpy(), 12, model.config.eos_token_id, model.config.pad_token_id
+    )
+    assert got.shape[1] > ids.shape[1] + 3
     assert got.tolist() == want.tolist()
 
 

@@ -8,7 +8,6 @@ from helpers import DECODER_VARIANTS, TINY, TINY_DECODER, causal_lm, random_ids
 from transformers import GPT2Config, GPT2LMHeadModel, RobertaConfig, RobertaForMaskedLM
 
 from hf_linear_attn import (
-    DecoderStateStep,
     KeyValueStateLayer,
     LinearAttentionStateLayer,
     LinearGPT2Config,
@@ -170,8 +169,3 @@ def test_bad_schedules_are_refused_at_construction(layer_types, message):
     with pytest.raises(ValueError, match=message):
         LinearGPT2Config(**TINY_DECODER, layer_types=layer_types)
 
-
-def test_exporting_a_hybrid_is_refused_with_the_reason():
-    step = DecoderStateStep(causal_lm("linear-hybrid"))
-    with pytest.raises(ValueError, match="no fixed-shape state to export"):
-        step.initial_state(1)
