@@ -1,11 +1,15 @@
 """Recall (issue 42): multi-query associative recall (MQAR, Zoology's definition) for softmax GPT-2, linear_gpt2
-with each feature map, the causal block Linformer and Reformer, against the bytes of each model's decoding state.
+with each feature map, the causal block Linformer and Reformer, against the bytes of each model's decoding state;
+and passkey retrieval in WikiText-2 text (Landmark Attention's test) after pretraining and a short fine-tune.
 
     python scripts/recall.py --preset smoke --output_dir /tmp/recall-smoke        # every model, about a minute
     nohup nice -n 10 python scripts/recall.py --preset cpu --output_dir results/recall/cpu &   # hours, resumable
     python scripts/recall.py --preset cpu --output_dir results/recall/cpu --report_only          # tables so far
+    python scripts/recall.py --preset passkey-smoke --output_dir /tmp/passkey-smoke    # passkey, every code path
+    python scripts/recall.py --preset passkey-cpu --estimate      # a probe of a few steps: the preset's hours here
 
-Presets are configs/recall/NAME.json (or a path). Rerunning the same command reuses finished stages.
+Presets are configs/recall/NAME.json (or a path); a preset with "task": "passkey" runs passkey retrieval, any other
+MQAR. Rerunning the same command reuses finished stages.
 """
 
 import argparse
@@ -15,7 +19,7 @@ from pathlib import Path
 import _checkout  # noqa: F401  (experiments/ is beside scripts/, outside the package)
 
 from experiments import find_preset
-from experiments.recall.runner import run
+from experiments.recall import passkey_runner, runner
 from hf_linear_attn.training.errors import UsageError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -29,16 +33,26 @@ def main(argv=None):
     parser.add_argument("--dry_run", action="store_true", help="print every stage and its arguments, run nothing")
     parser.add_argument("--report_only", action="store_true", help="run nothing: write the report from the stages "
                                                                    "finished so far")
+    parser.add_argument("--estimate", action="store_true", help="passkey presets: time a few steps of each model "
+                                                                "and project the preset's hours on this machine")
     args = parser.parse_args(argv)
     try:
         preset = find_preset(args.preset, REPO / "configs" / "recall")
+        passkey = passkey_runner.is_passkey_preset(preset)
+        if args.estimate:
+            if not passkey:
+                raise UsageError("--estimate projects a passkey preset's time; MQAR presets state theirs in their "
+                                 "description")
+            passkey_runner.estimate(preset, args.models, log=lambda s: print(s, flush=True))
+            return
         output_dir = Path(args.output_dir or f"outputs/recall/{preset.stem}")
-        run(preset, output_dir, args.models, args.dry_run, args.report_only,
-            argv=sys.argv[1:] if argv is None else argv, log=lambda s: print(s, flush=True))
+        (passkey_runner if passkey else runner).run(preset, output_dir, args.models, args.dry_run, args.report_only,
+                                                    argv=sys.argv[1:] if argv is None else argv,
+                                                    log=lambda s: print(s, flush=True))
     except UsageError as error:
         sys.exit(f"error: {error}")
     if not args.dry_run:
-        print(f"wrote {output_dir}/results.md, results.json, mqar.png")
+        print(f"wrote {output_dir}/results.md, results.json, {'passkey' if passkey else 'mqar'}.png")
 
 
 if __name__ == "__main__":

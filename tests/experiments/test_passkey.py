@@ -1,0 +1,217 @@
+"""Passkey retrieval (issue 42, item 3): the generator against its independent evaluator on real WikiText-2 filler,
+refusals with the fix, the answer-only loss, and the runner end to end through scripts/recall.py."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import ENV, REPO_ROOT, WIKITEXT
+
+from experiments.recall.passkey import (
+    check_passkey_example, check_passkey_settings, load_filler, min_passkey_length, passkey_batch, passkey_example,
+    passkey_parts,
+)
+from experiments.recall.passkey_runner import load_preset, plan
+from hf_linear_attn.training.errors import UsageError
+
+# the real data may be missing on a user's machine, never in CI
+needs_wikitext = pytest.mark.skipif(not (WIKITEXT / "wiki.train.tokens").is_file()
+                                    and os.environ.get("CI", "").lower() != "true",
+                                    reason=f"WikiText-2 not found at {WIKITEXT} (see ../shared/data/README.md)")
+PRESETS = REPO_ROOT / "configs" / "recall"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """A byte-level BPE as the runner trains one (GPT-2 style), on 2,000 lines of WikiText-2 train: a second."""
+    from hf_linear_attn.training.data import train_bpe_tokenizer
+
+    with (WIKITEXT / "wiki.train.tokens").open(encoding="utf-8") as handle:
+        lines = [line.rstrip("\n") for _, line in zip(range(4000), handle) if line.strip()]
+    return train_bpe_tokenizer(lines, 2000, "gpt2", 4096)
+
+
+@pytest.fixture(scope="module")
+def filler(tokenizer):
+    return load_filler(WIKITEXT / "wiki.valid.tokens", tokenizer, max_tokens=30_000)
+
+
+@needs_wikitext
+@pytest.mark.parametrize("length", [64, 512, 1024, 4096])
+def test_generated_examples_pass_the_independent_evaluator_and_are_seeded(tokenizer, filler, length):
+    for seed in (0, 1, 2):
+        for depth in (0.1, 0.5, 0.9, (0.1, 0.9)):
+            ids, labels, examples = passkey_batch(3, length, filler, tokenizer, torch.Generator().manual_seed(seed),
+                                                  depth, digits=5)
+            assert ids.shape == labels.shape == (3, length)
+            for row, example in zip(range(3), examples):
+                check_passkey_example(ids[row].tolist(), labels[row].tolist(), tokenizer, length, example.depth,
+                                      example.key, 5)
+                assert example.depth == depth or depth[0] <= example.depth <= depth[1]
+                assert sum(example.answer_digits) == 5
+            again, again_labels, _ = passkey_batch(3, length, filler, tokenizer, torch.Generator().manual_seed(seed),
+                                                   depth, digits=5)
+            assert torch.equal(ids, again) and torch.equal(labels, again_labels)
+
+
+@needs_wikitext
+def test_the_key_sits_where_the_depth_says_and_keys_differ(tokenizer, filler):
+    g = torch.Generator().manual_seed(3)
+    shallow = passkey_example(filler, tokenizer, 1024, 0.1, g)
+    deep = passkey_example(filler, tokenizer, 1024, 0.9, g)
+    assert shallow.key != deep.key
+    assert shallow.key_start < 0.15 * 1024 and deep.key_start > 0.8 * 1024
+    assert deep.question_start < deep.answer_start == 1024 - len(deep.answer_digits)
+    # the text says the key once, then asks for it
+    text = tokenizer.decode(deep.input_ids)
+    assert text.count(deep.key) == 2 and text.endswith(f"What is the pass key? The pass key is {deep.key}")
+
+
+@needs_wikitext
+def test_the_evaluator_catches_a_wrong_key_a_moved_sentence_a_second_key_and_a_wrong_length(tokenizer, filler):
+    e = passkey_example(filler, tokenizer, 256, 0.5, torch.Generator().manual_seed(0))
+    check_passkey_example(e.input_ids, e.labels, tokenizer, 256, 0.5, e.key, 5)
+    wrong = str(int(e.key) + 1) if e.key != "99999" else "10000"
+    with pytest.raises(AssertionError, match="decodes to"):
+        check_passkey_example(e.input_ids, e.labels, tokenizer, 256, 0.5, wrong, 5)
+    with pytest.raises(AssertionError, match="not at depth 0.2"):
+        check_passkey_example(e.input_ids, e.labels, tokenizer, 256, 0.2, e.key, 5)
+    with pytest.raises(AssertionError, match="expected 257"):
+        check_passkey_example(e.input_ids, e.labels, tokenizer, 257, 0.5, e.key, 5)
+    twice = list(e.input_ids)
+    answer = passkey_parts(tokenizer, e.key).answer
+    twice[5 : 5 + len(answer)] = answer  # the key's digits once more in the filler
+    with pytest.raises(AssertionError, match="more than once"):
+        check_passkey_example(twice, e.labels, tokenizer, 256, 0.5, e.key, 5)
+    unlabelled = list(e.labels)
+    unlabelled[-1] = -100
+    with pytest.raises(AssertionError, match="one span at the end"):
+        check_passkey_example(e.input_ids, unlabelled, tokenizer, 256, 0.5, e.key, 5)
+
+
+@needs_wikitext
+def test_bad_settings_are_refused_with_the_reason_and_the_fix(tokenizer, filler):
+    g = torch.Generator()
+    for depth in (0.0, 1.0, -0.2, 1.5):
+        with pytest.raises(UsageError, match="strictly between 0 and 1"):
+            passkey_example(filler, tokenizer, 256, depth, g)
+    shortest = min_passkey_length(tokenizer, 5)
+    with pytest.raises(UsageError, match=f"too short.*use lengths >= {shortest}"):
+        check_passkey_settings(tokenizer, [shortest - 1, 512], [0.5], 5)
+    check_passkey_settings(tokenizer, [shortest, 512], [0.5], 5)
+    with pytest.raises(UsageError, match="too short"):
+        passkey_example(filler, tokenizer, 30, 0.5, g)
+    with pytest.raises(UsageError, match="filler text holds 100 tokens.*raise filler_max_tokens"):
+        passkey_example(filler[:100], tokenizer, 512, 0.5, g)
+    with pytest.raises(UsageError, match="1 to 18 digits"):
+        passkey_example(filler, tokenizer, 512, 0.5, g, digits=0)
+    with pytest.raises(UsageError, match="no filler text at"):
+        load_filler(WIKITEXT / "wiki.missing.tokens", tokenizer)
+
+
+class PieceTokenizer:
+    """A stand-in tokenizer that cuts text into the given pieces, longest first, one id per piece ("?" for a character
+    no piece holds): the tokenizers a user might bring, in miniature."""
+
+    def __init__(self, pieces):
+        self.pieces = ["?", *sorted(set(pieces) | set(" abcdefghijklmnopqrstuvwxyzTRW?."), key=len, reverse=True)]
+
+    def __call__(self, text, add_special_tokens=False):
+        ids = []
+        while text:
+            found = next((i for i, piece in enumerate(self.pieces) if piece != "?" and text.startswith(piece)), 0)
+            ids.append(found)
+            text = text[len(self.pieces[found]) if found else 1 :]
+        return {"input_ids": ids}
+
+    def decode(self, ids):
+        return "".join(self.pieces[i] for i in ids)
+
+    def convert_ids_to_tokens(self, ids):
+        return [self.pieces[i] for i in ids]
+
+
+def test_a_tokenizer_that_splits_the_digits_unexpectedly_is_refused():
+    digits = [str(d) for d in range(10)]
+    # per-digit tokens after a lone space (SentencePiece-like): fine, the space carries no digit
+    spaced = passkey_parts(PieceTokenizer(digits), "12345")
+    assert spaced.answer_digits == [0, 1, 1, 1, 1, 1]
+    assert passkey_parts(PieceTokenizer([*digits, " 12", "345"]), "12345").answer_digits == [2, 3]
+    # the last digit glued to the full stop inside the sentence: the answer's tokens are not the context's
+    with pytest.raises(UsageError, match="differently inside the key sentence"):
+        passkey_parts(PieceTokenizer([*digits, "5."]), "12345")
+    # a digit the vocabulary lacks: the answer does not decode to the key
+    with pytest.raises(UsageError, match="does not give the key back"):
+        passkey_parts(PieceTokenizer([d for d in digits if d != "9"]), "19999")
+
+
+@needs_wikitext
+def test_the_answer_only_loss_equals_the_models_own_loss_and_scores_count_digits(tokenizer, filler):
+    from experiments.long_range.models import Dims
+    from experiments.recall.models import build_recall_model
+    from experiments.recall.training import AnswerTokensLoss, evaluate_passkey
+
+    ids, labels, examples = passkey_batch(2, 96, filler, tokenizer, torch.Generator().manual_seed(0), 0.5)
+    for name in ("gpt2_sdpa", "linear_gpt2_gated_conv"):
+        torch.manual_seed(0)
+        model = build_recall_model(name, Dims(32, 1, 2, 64), 96, len(tokenizer)).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(AnswerTokensLoss(model)(input_ids=ids, labels=labels).loss,
+                                       model(input_ids=ids, labels=labels).loss)
+        score = evaluate_passkey(model, [(ids, labels, examples)])
+        assert score["examples"] == 2 and 0 <= score["exact_match"] <= score["digit_accuracy"] <= 1
+
+
+@needs_wikitext
+def test_presets_are_checked_and_planned(tmp_path):
+    preset = load_preset(PRESETS / "passkey-cpu.json")
+    assert min(preset["lengths"]) >= 512 and 1024 in preset["lengths"]
+    stages = plan(preset)
+    assert [s.key for s in stages][:3] == ["tokenizer", f"pretrain/{preset['models'][0]}",
+                                          f"passkey/{preset['models'][0]}"]
+    assert len(stages) == 1 + 2 * len(preset["models"])
+    smoke = json.loads((PRESETS / "passkey-smoke.json").read_text())
+    for change, message in (({"speed": 1}, "unknown keys"), ({"models": ["gpt5"]}, "unknown recall model"),
+                            ({"models": ["reformer_lsh"]}, "axial position table"),
+                            ({"depths": [0.5, 1.0]}, "strictly between 0 and 1"),
+                            ({"train_depths": [0.9, 0.1]}, "swap them"),
+                            ({"width": 40}, "not a multiple of head_size"),
+                            ({"pretrain": {"max_steps": 1, "output_dir": "x"}}, "sets the model"),
+                            ({"validation_file": "../shared/data/nowhere.tokens"}, "README"),
+                            ({"digits": 40}, "1 to 18 digits")):
+        path = tmp_path / "p.json"
+        path.write_text(json.dumps({**smoke, **change}))
+        with pytest.raises(UsageError, match=message):
+            load_preset(path)
+    random_init = plan({**smoke, "pretrain": {"max_steps": 0}})
+    assert [s.kind for s in random_init] == ["tokenizer"] + ["passkey"] * len(smoke["models"])
+    assert random_init[1].args["start"] == "random init"
+
+
+@needs_wikitext
+@pytest.mark.slow
+def test_the_script_runs_the_smoke_preset_resumes_and_rerenders(tmp_path):
+    command = [sys.executable, str(REPO_ROOT / "scripts" / "recall.py"), "--preset", "passkey-smoke", "--output_dir",
+               str(tmp_path)]
+    first = subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT, timeout=900, env=ENV)
+    assert first.returncode == 0, first.stderr[-3000:]
+    preset = json.loads((PRESETS / "passkey-smoke.json").read_text())
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["meta"]["finished"] == results["meta"]["total"] == 1 + 2 * len(preset["models"])
+    assert set(results["models"]) == set(preset["models"])
+    for name, entry in results["models"].items():
+        assert {(c["length"], c["depth"]) for c in entry["cells"]} == {
+            (n, d) for n in preset["lengths"] for d in preset["depths"]}, name
+        assert all(c["examples"] == preset["eval_examples"] for c in entry["cells"])
+        assert all(entry["state_bytes"][str(n)] > 0 for n in preset["lengths"])
+        assert entry["pretrain"]["perplexity"] > 1 and entry["start"] == "pretrained"
+    report = (tmp_path / "results.md").read_text()
+    assert report.count("| GPT-2 (softmax) |") == 1 + len(preset["lengths"])  # the grid rows and the training row
+    assert (tmp_path / "passkey.png").stat().st_size > 1000
+    again = subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT, timeout=900, env=ENV)
+    assert again.returncode == 0 and again.stdout.count("finished earlier, reused") == results["meta"]["total"]
+    rerendered = subprocess.run(command + ["--report_only"], capture_output=True, text=True, cwd=REPO_ROOT, env=ENV)
+    assert rerendered.returncode == 0 and (tmp_path / "results.md").read_text() == report
