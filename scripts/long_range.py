@@ -7,6 +7,9 @@ package's Linformer / linear attention against Transformers' RoBERTa, Longformer
     python scripts/long_range.py --preset cpu --output_dir results/long_range/cpu --report_only   # tables so far
     python scripts/long_range.py --preset paper --dry_run                              # LRA sizes, for GPUs
     python scripts/long_range.py --preset cpu --profile 4096 --models linear_favor     # where a step's time goes
+    nohup nice -n 10 python scripts/long_range.py --preset copy-paper --output_dir results/long_range/copy-paper \
+        > outputs/copy-paper.log 2>&1 &          # the paper's copy task: checkpoints, a rerun resumes mid-stage
+    python scripts/long_range.py --preset copy-paper --time_steps 10 --time_lengths 128 --models gpt2_sdpa linear_gpt2
 
 Presets are configs/long_range/NAME.json (or a path). Rerunning the same command reuses finished stages.
 """
@@ -18,7 +21,7 @@ from pathlib import Path
 import _checkout  # noqa: F401  (experiments/ is beside scripts/, outside the package)
 
 from experiments import find_preset
-from experiments.long_range import profile, run
+from experiments.long_range import profile, run, time_copy_steps
 from hf_linear_attn.training.errors import UsageError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -43,11 +46,19 @@ def main(argv=None):
     parser.add_argument("--profile", type=int, metavar="N",
                         help="run nothing else: print torch.profiler's top operators of one training step of each "
                              "efficiency model (or --models) at length N")
+    parser.add_argument("--time_steps", type=int, metavar="N",
+                        help="run nothing else: time N training steps of each copy model (or --models) in float32 and "
+                             "under bf16 autocast, and print steps/s and the hours the preset's steps would take")
+    parser.add_argument("--time_lengths", type=int, nargs="+", metavar="N",
+                        help="with --time_steps: only these copy lengths")
     args = parser.parse_args(argv)
     try:
         preset = find_preset(args.preset, REPO / "configs" / "long_range")
         if args.profile:
             profile(preset, args.models, args.profile, log=lambda s: print(s, flush=True))
+            return
+        if args.time_steps:
+            time_copy_steps(preset, args.models, args.time_steps, args.time_lengths, log=lambda s: print(s, flush=True))
             return
         output_dir = Path(args.output_dir or f"outputs/long_range/{preset.stem}")
         run(preset, output_dir, args.tasks, args.models, args.dataset, Path(args.data_dir), args.dry_run,

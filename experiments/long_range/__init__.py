@@ -16,6 +16,7 @@ from hf_linear_attn.training.errors import UsageError
 
 from .models import DECODERS, ENCODERS
 from .preset import TASKS, load_preset, plan, select
-from .runner import profile, run
+from .runner import profile, run, time_copy_steps
 
-__all__ = ["ENCODERS", "DECODERS", "TASKS", "UsageError", "load_preset", "plan", "profile", "run", "select"]
+__all__ = ["ENCODERS", "DECODERS", "TASKS", "UsageError", "load_preset", "plan", "profile", "run", "select",
+           "time_copy_steps"]

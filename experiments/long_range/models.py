@@ -3,7 +3,7 @@
 Encoders (ListOps, Text, efficiency): this package's Linformer and linear-attention encoders, and Transformers'
 stock RoBERTa (SDPA), Longformer, BigBird (block sparse), Nystromformer and Reformer (LSH), each from its config
 (random init, no pretrained weights) with its usual settings for the length. Decoders (copy task): GPT-2 (SDPA),
-Reformer (causal LSH) and this package's linear_gpt2 and linformer_gpt2.
+Reformer (causal LSH) and this package's linear_gpt2 (elu + 1, and with its other feature maps) and linformer_gpt2.
 
 All models share the token convention of `tasks` (<s> = 0, <pad> = 1) and classify with their own stock
 classification head, from the first token (LRA's "CLS" pooling) or, with `pooling="mean"`, from the mean of the
@@ -20,9 +20,13 @@ ENCODERS = (
     "linformer_k128", "linformer_k128_rows", "linformer_k256", "linformer_k256_rows",
     "linear_elu", "linear_favor", "linear_hedgehog",
 )
-DECODERS = ("gpt2_sdpa", "reformer_lsh", "linear_gpt2", "linear_gpt2_window", "linformer_gpt2")
+DECODERS = ("gpt2_sdpa", "reformer_lsh", "linear_gpt2", "linear_gpt2_window", "linformer_gpt2",
+            "linear_gpt2_relu", "linear_gpt2_favor", "linear_gpt2_hedgehog")
+# linear_gpt2 with the decoder's other feature maps (elu + 1 is linear_gpt2 itself)
+DECODER_FEATURE_MAPS = {"linear_gpt2_relu": "relu", "linear_gpt2_favor": "favor", "linear_gpt2_hedgehog": "hedgehog"}
 OURS = {"linformer_k128", "linformer_k128_rows", "linformer_k256", "linformer_k256_rows", "linear_elu",
-        "linear_favor", "linear_hedgehog", "linear_gpt2", "linear_gpt2_window", "linformer_gpt2"}
+        "linear_favor", "linear_hedgehog", "linear_gpt2", "linear_gpt2_window", "linformer_gpt2",
+        *DECODER_FEATURE_MAPS}
 
 LABELS = {
     "roberta_sdpa": "Transformer (RoBERTa, SDPA)", "longformer": "Longformer", "bigbird": "BigBird (block sparse)",
@@ -34,6 +38,8 @@ LABELS = {
     "gpt2_sdpa": "GPT-2 (softmax, SDPA)", "reformer_lsh": "Reformer (causal LSH)",
     "linear_gpt2": "linear_gpt2 (elu+1)", "linear_gpt2_window": "linear_gpt2 (elu+1, softmax window 64)",
     "linformer_gpt2": "linformer_gpt2 (causal block Linformer)",
+    "linear_gpt2_relu": "linear_gpt2 (ReLU)", "linear_gpt2_favor": "linear_gpt2 (FAVOR+, 256 features)",
+    "linear_gpt2_hedgehog": "linear_gpt2 (hedgehog)",
 }
 
 
@@ -219,6 +225,8 @@ def decoder_settings(name: str, n: int) -> dict:
         return {"linformer_block_size": block, "linformer_k": block // 4}
     if name == "linear_gpt2":
         return {"feature_map": "elu", "linear_attention_chunk_size": min(64, n)}
+    if name in DECODER_FEATURE_MAPS:  # the config's defaults otherwise (FAVOR+: 256 random features per head)
+        return {"feature_map": DECODER_FEATURE_MAPS[name], "linear_attention_chunk_size": min(64, n)}
     if name == "linear_gpt2_window":  # issue 41: exact softmax over the last 64 keys (LoLCATs' window), elu + 1 beyond
         return {"feature_map": "elu", "linear_attention_chunk_size": min(64, n), "attention_window": min(64, n)}
     return {}
@@ -237,7 +245,7 @@ def build_decoder(name: str, dims: Dims, n: int, vocab_size: int, dropout: float
                attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=1)
     if name == "gpt2_sdpa":
         return tf.GPT2LMHeadModel._from_config(tf.GPT2Config(**gpt), attn_implementation="sdpa")
-    if name in ("linear_gpt2", "linear_gpt2_window"):
+    if name in ("linear_gpt2", "linear_gpt2_window", *DECODER_FEATURE_MAPS):
         return ours.LinearGPT2ForCausalLM(ours.LinearGPT2Config(**gpt, **s))
     if name == "linformer_gpt2":
         return ours.LinformerGPT2ForCausalLM(ours.LinformerGPT2Config(**gpt, **s))
@@ -251,7 +259,29 @@ def build_decoder(name: str, dims: Dims, n: int, vocab_size: int, dropout: float
         max_position_embeddings=n, lsh_attn_chunk_length=s["lsh_attn_chunk_length"], num_buckets=s["num_buckets"],
         num_hashes=s["num_hashes"], hidden_dropout_prob=dropout, lsh_attention_probs_dropout_prob=0.0,
         is_decoder=True, pad_token_id=1, eos_token_id=0, hidden_act="gelu", tie_word_embeddings=False)
-    return tf.ReformerModelWithLMHead(config)
+    return seeded_from_torch(tf.ReformerModelWithLMHead(config))
+
+
+def seeded_from_torch(model):
+    """Make a Reformer's training reproducible from torch's seed. In training, each Reformer layer draws a fresh seed
+    for its dropout (replayed when the backward recomputes the layer) from `torch.seed()` on CPU: the operating
+    system's entropy, then reseeds torch's global generator with it, so every later draw (dropout masks, LSH's random
+    rotations) differs from run to run whatever the seed. Here each layer draws that seed from torch's global
+    generator instead: the same fresh seed per forward and the same replay in the backward, now a function of the
+    generator's state (which a checkpoint saves)."""
+    import torch
+
+    def draw(layer, name):
+        def init_seed():
+            seed = int(torch.randint(0, 2**62, (1,)).item())
+            setattr(layer, name, seed)
+            torch.manual_seed(seed)
+        return init_seed
+
+    for layer in model.reformer.encoder.layers:
+        layer._init_attention_seed = draw(layer, "attention_seed")
+        layer._init_feed_forward_seed = draw(layer, "feed_forward_seed")
+    return model
 
 
 def model_dims(model) -> tuple[int, int]:

@@ -8,7 +8,8 @@ from hf_linear_attn.training.errors import UsageError
 
 from .models import DECODERS, ENCODERS, POOLINGS, Dims, check_length, check_model_names
 from .stages import Stage
-from .tasks import BYTES_VOCAB_SIZE
+from .tasks import BYTES_VOCAB_SIZE, check_copy_length, copy_paper_lengths
+from .training import PRECISIONS, check_optimizer
 
 TASKS = ("listops", "text", "copy", "efficiency")
 DIM_KEYS = {"hidden_size", "num_layers", "num_heads", "intermediate_size"}
@@ -38,10 +39,33 @@ def load_preset(path: Path) -> dict:
             raise UsageError(f"task {task!r}: 'pooling' {entry['pooling']!r} is not allowed; ListOps and Text take "
                              f"one of {', '.join(POOLINGS)}")
         check_model_names(entry.get("models", []), "copy" if task == "copy" else "encoder")
+        if task == "copy":
+            check_copy_entry(entry)
+    check_optimizer(preset["optimizer"])
     eff = preset["tasks"].get("efficiency")
     if eff and eff.get("dims_from") not in preset["tasks"] and "dims" not in eff:
         raise UsageError("efficiency: give 'dims' or 'dims_from' naming a task of the preset")
     return preset
+
+
+def check_copy_entry(entry: dict) -> None:
+    """Refuse copy-task settings the generator or the loop cannot run, naming the fix."""
+    variant = entry.get("variant", "fixed")
+    for setting in entry["settings"]:
+        check_copy_length(variant, setting["length"])
+        for key in ("steps", "batch_size"):
+            if not isinstance(setting.get(key), int) or setting[key] < 1:
+                raise UsageError(f"copy setting {setting}: {key!r} must be a positive integer")
+    if entry.get("precision", "float32") not in PRECISIONS:
+        raise UsageError(f"copy: unknown precision {entry['precision']!r}: use 'float32' or 'bf16' (bfloat16 autocast "
+                         "of the forward, float32 weights)")
+    every = entry.get("checkpoint_every")
+    if every is not None and (not isinstance(every, int) or every < 1):
+        raise UsageError(f"copy: 'checkpoint_every' must be a positive number of steps (or absent: no checkpoints), "
+                         f"got {every!r}")
+    dropout = entry.get("dropout", 0.0)
+    if not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
+        raise UsageError(f"copy: 'dropout' must lie in [0, 1), got {dropout!r}")
 
 
 def select(preset: dict, tasks=None, models=None) -> dict:
@@ -93,11 +117,17 @@ def plan(preset: dict) -> list[Stage]:
                                      **({"retries": entry["retries"]} if "retries" in entry else {})}))
     if "copy" in tasks:
         entry = tasks["copy"]
+        # the paper's variant and bf16 enter the arguments only where a preset names them, so that the stages of
+        # presets without them keep the arguments they were recorded with; checkpointing changes no result
+        extra = {k: entry[k] for k in ("variant", "precision") if k in entry}
+        options = {"checkpoint_every": entry["checkpoint_every"]} if entry.get("checkpoint_every") else {}
         for setting in entry["settings"]:
             for model in entry["models"]:
                 stages.append(Stage(f"copy-n{setting['length']}/{model}", "copy",
-                                    {**common, "dropout": 0.0, "task": "copy", "model": model, "dims": entry["dims"],
-                                     **setting, "log_every": entry.get("log_every", 10)}))
+                                    {**common, "dropout": entry.get("dropout", 0.0), "task": "copy", "model": model,
+                                     "dims": entry["dims"], **setting, "log_every": entry.get("log_every", 10),
+                                     **extra},
+                                    options=dict(options)))
     models = list(dict.fromkeys(m for task in ("listops", "text") if task in tasks for m in tasks[task]["models"]))
     for model in models:
         for task in ("listops", "text"):
@@ -124,13 +154,33 @@ def task_notes(preset: dict) -> str:
                      f"{e['eval_size']} rows: IMDB train held-out split with --dataset local, "
                      f"{POOLINGS[e.get('pooling', 'first')]})")
     if "copy" in t:
-        parts.append("copy " + ", ".join(f"n = {s['length']} ({s['steps']} steps x batch {s['batch_size']})"
-                                         for s in t["copy"]["settings"]))
+        e = t["copy"]
+        settings = ", ".join(f"n = {s['length']} ({s['steps']} steps x batch {s['batch_size']})" for s in e["settings"])
+        if e.get("variant", "fixed") == "paper":
+            ranges = ", ".join("{}-{}".format(*copy_paper_lengths(s["length"])) for s in e["settings"])
+            settings = (f"{settings}; the paper's generator: x sep x then padding, {ranges} symbols per sequence drawn "
+                        "per sequence, loss on the separator and the copy")
+        if e.get("precision", "float32") != "float32" or "dropout" in e:
+            settings += f"; {e.get('precision', 'float32')}, hidden dropout {e.get('dropout', 0.0)}"
+        parts.append("copy " + settings)
     dims = {task: e["dims"] for task, e in t.items() if "dims" in e}
     parts.append("dims " + "; ".join(f"{k}: {v['hidden_size']} wide, {v['num_layers']} layers, {v['num_heads']} heads, "
                                      f"ffn {v['intermediate_size']}" for k, v in dims.items()))
-    parts.append(f"AdamW lr {preset['optimizer']['lr']}, weight decay {preset['optimizer']['weight_decay']}, "
-                 f"linear warm-up {preset['optimizer'].get('warmup_fraction', 0.1):.0%} then linear decay, clip "
-                 f"{preset['optimizer'].get('grad_clip', 1.0)}, seed {preset['seed']}, hidden dropout "
+    parts.append(f"{describe_optimizer(preset['optimizer'])}, seed {preset['seed']}, hidden dropout "
                  f"{preset.get('dropout', 0.1)}, attention dropout 0 for every model")
     return "; ".join(parts)
+
+
+def describe_optimizer(o: dict) -> str:
+    """The optimizer and schedule in words, as the report's task line gives them."""
+    if o.get("name", "adamw") == "adamw":
+        head = f"AdamW lr {o['lr']}, weight decay {o['weight_decay']}"
+    else:
+        head = (f"RAdam lr {o['lr']}, betas {tuple(o.get('betas', (0.9, 0.999)))}, decoupled weight decay "
+                f"{o.get('weight_decay', 0.0)} on every parameter")
+    if o.get("schedule", "linear") == "step":
+        schedule = f"lr x {o['gamma']} after {', '.join(map(str, o['milestones']))} updates"
+    else:
+        schedule = f"linear warm-up {o.get('warmup_fraction', 0.1):.0%} then linear decay"
+    clip = o.get("grad_clip", 1.0)
+    return f"{head}, {schedule}, " + (f"clip {clip}" if clip is not None else "no gradient clipping")

@@ -12,7 +12,7 @@ from hf_linear_attn.training.errors import UsageError
 
 from .models import DECODERS, ENCODERS, Dims, build_decoder, build_encoder
 from .preset import load_preset, plan, select, task_notes
-from .stages import Stage, StageFailed, load_records, run_stages, write_atomic
+from .stages import Stage, StageFailed, checkpoint_file, load_records, run_stages, write_atomic
 from .tasks import (
     BYTES_VOCAB_SIZE, COPY_VOCAB_SIZE, LISTOPS_VOCAB_SIZE, digest_of, encode_bytes, encode_listops, generate_listops,
     generate_listops_sized, load_imdb,
@@ -49,12 +49,14 @@ class DataCache:
         return train, evaluation, {"eval": imdb["eval_name"], "source": imdb["digest"], "train": digest_of(train)}
 
 
-def _runner(data: DataCache, best: list[float]):
-    """run_stage(stage) -> metrics; `best` holds the best availability probe on record and grows with this run's."""
+def _runner(data: DataCache, best: list[float], output_dir: Path | None = None, log=print):
+    """run_stage(stage) -> metrics; `best` holds the best availability probe on record and grows with this run's. A
+    copy stage with `checkpoint_every` among its options checkpoints into output_dir/checkpoints/ and resumes from
+    there."""
     import torch
 
     from .efficiency import contended, measure_isolated, measurement_spec, probe_of
-    from .training import train_classifier, train_copy
+    from .training import Checkpointing, train_classifier, train_copy
 
     def run_stage(stage: Stage) -> dict:
         a = stage.args
@@ -80,8 +82,13 @@ def _runner(data: DataCache, best: list[float]):
         torch.manual_seed(a["seed"])
         if stage.kind == "copy":
             model = build_decoder(a["model"], dims, a["length"], COPY_VOCAB_SIZE, a["dropout"])
+            every = stage.options.get("checkpoint_every")
+            checkpointing = (Checkpointing(checkpoint_file(output_dir, stage.key), every, a,
+                                           log=lambda s, key=stage.key: log(f"    {key}: {s}"))
+                             if every and output_dir is not None else None)
             return train_copy(model, a["length"], a["steps"], a["batch_size"], a["optimizer"], a["seed"],
-                              a["log_every"])
+                              a["log_every"], variant=a.get("variant", "fixed"),
+                              precision=a.get("precision", "float32"), checkpointing=checkpointing)
         train, evaluation, info = data.examples(a)
         stage.digests = info
         vocab, labels = (LISTOPS_VOCAB_SIZE, 10) if a["task"] == "listops" else (BYTES_VOCAB_SIZE, 2)
@@ -117,6 +124,61 @@ def profile(preset_path: Path, models, n: int, log=print, rows: int = 15) -> Non
         log(profile_training_step(spec, rows=rows))
 
 
+def time_copy_steps(preset_path: Path, models, steps: int, lengths=None, log=print, warmup: int = 2) -> list[dict]:
+    """Print (and return) the seconds of one copy-task training step of each model of the preset's copy task (or
+    `models`) at each of its lengths (or `lengths`), in float32 and under bf16 autocast, with the preset's dims,
+    batch, task and optimizer. The two precisions run on two copies of one model, step by step in turn on the same
+    batches, so that other jobs on shared cores slow both alike; the median of `steps` timed steps after `warmup`. A
+    float32 matmul probe before and after says how free the cores were. Measures nothing for the tables."""
+    import statistics
+
+    import torch
+
+    from .efficiency import availability_probe
+    from .tasks import copy_task_batch
+    from .training import PRECISIONS, _step, autocast_for, make_optimizer
+
+    preset = select(load_preset(preset_path), ["copy"], models)
+    if "copy" not in preset["tasks"]:
+        raise UsageError(f"{Path(preset_path).name} has no copy task with the models {models}: name models of its "
+                         "copy task with --models")
+    stages = [s for s in plan(preset) if not lengths or s.args["length"] in lengths]
+    if not stages:
+        raise UsageError(f"--time_lengths {lengths}: the preset's copy lengths are "
+                         f"{[s['length'] for s in preset['tasks']['copy']['settings']]}")
+    log(f"matmul probe before: {availability_probe('cpu'):.0f} GFLOP/s float32")
+    rows = []
+    for stage in stages:
+        a = stage.args
+        runs = {}
+        for precision in PRECISIONS:
+            torch.manual_seed(a["seed"])
+            model = build_decoder(a["model"], Dims(**a["dims"]), a["length"], COPY_VOCAB_SIZE, a["dropout"])
+            optimizer, scheduler = make_optimizer(model, a["optimizer"], a["steps"])
+            model.train()
+            runs[precision] = (model, optimizer, scheduler, autocast_for(model, precision), [], [])
+        generator = torch.Generator().manual_seed(a["seed"])
+        for i in range(warmup + steps):
+            ids, labels = copy_task_batch(a.get("variant", "fixed"), a["batch_size"], a["length"], generator)
+            for precision in PRECISIONS if i % 2 == 0 else PRECISIONS[::-1]:
+                model, optimizer, scheduler, autocast, times, losses = runs[precision]
+                start = time.perf_counter()
+                losses.append(_step(model, optimizer, scheduler, dict(input_ids=ids, labels=labels),
+                                    a["optimizer"].get("grad_clip", 1.0), autocast))
+                if i >= warmup:
+                    times.append(time.perf_counter() - start)
+        row = {"stage": stage.key, "steps": a["steps"],
+               **{f"{p}_seconds": statistics.median(runs[p][4]) for p in PRECISIONS},
+               **{f"{p}_losses": runs[p][5] for p in PRECISIONS}}
+        rows.append(row)
+        fp, bf = row["float32_seconds"], row["bf16_seconds"]
+        log(f"{stage.key}: float32 {fp:.3f} s/step ({1 / fp:.3f} steps/s), bf16 {bf:.3f} s/step ({1 / bf:.3f} "
+            f"steps/s), bf16 {fp / bf:.2f}x faster; {a['steps']} steps: {a['steps'] * fp / 3600:.1f} h float32, "
+            f"{a['steps'] * bf / 3600:.1f} h bf16 (median of {steps} steps, batch {a['batch_size']})")
+    log(f"matmul probe after: {availability_probe('cpu'):.0f} GFLOP/s float32")
+    return rows
+
+
 def run(preset_path: Path, output_dir: Path, tasks=None, models=None, dataset="local", data_dir=None,
         dry_run=False, report_only=False, argv=None, log=print, seed=None) -> dict:
     """Run (or reuse) every stage of the preset, then write the report; returns the report's summary. `seed`
@@ -133,6 +195,8 @@ def run(preset_path: Path, output_dir: Path, tasks=None, models=None, dataset="l
     if dry_run:
         for stage in stages:
             log(f"{stage.key}: {json.dumps(stage.args)}")
+            if stage.options:
+                log(f"    runs with {json.dumps(stage.options)}")
         log(f"{len(stages)} stages")
         return {}
     output_dir = Path(output_dir)
@@ -156,9 +220,12 @@ def run(preset_path: Path, output_dir: Path, tasks=None, models=None, dataset="l
         from .efficiency import best_probe, contended
 
         best = [best_probe(load_records(output_dir))]
-        records = run_stages(stages, _runner(DataCache(dataset, data_dir), best), output_dir, machine, log,
-                             retake=lambda r: r["kind"] == "efficiency" and contended(r["metrics"], best[0]),
-                             hardware=describe_hardware())
+        records = run_stages(stages, _runner(DataCache(dataset, data_dir), best, output_dir, log), output_dir, machine,
+                             log, retake=lambda r: r["kind"] == "efficiency" and contended(r["metrics"], best[0]),
+                             hardware=describe_hardware(),
+                             recorded=lambda stage: checkpoint_file(output_dir, stage.key).unlink(missing_ok=True))
+        for key in records:  # a recorded stage needs its checkpoint no more (one left by a run killed in between)
+            checkpoint_file(output_dir, key).unlink(missing_ok=True)
     keys = {stage.key for stage in stages}
     finished = {k: r for k, r in records.items() if k in keys}
     meta = {"preset": Path(preset_path).stem, "machine": machine,

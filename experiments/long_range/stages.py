@@ -29,6 +29,7 @@ class Stage:
     kind: str  # "classify", "copy" or "efficiency"
     args: dict  # everything the result depends on (json-serialisable)
     digests: dict = field(default_factory=dict)  # filled in when the stage's inputs are built
+    options: dict = field(default_factory=dict)  # how it runs, not what it computes (checkpoint_every): not compared
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -42,6 +43,11 @@ def write_atomic(path: Path, text: str) -> None:
 
 def stage_file(output_dir: Path, key: str) -> Path:
     return output_dir / "stages" / (key.replace("/", "__") + ".json")
+
+
+def checkpoint_file(output_dir: Path, key: str) -> Path:
+    """Where a stage that checkpoints keeps its last checkpoint until it is recorded."""
+    return output_dir / "checkpoints" / (key.replace("/", "__") + ".pt")
 
 
 def load_records(output_dir: Path) -> dict:
@@ -72,10 +78,10 @@ def check_reuse(stage: Stage, records: dict, output_dir: Path) -> dict | None:
 
 
 def run_stages(stages: list[Stage], run, output_dir: Path, machine: str, log=print, retake=None,
-               hardware: dict | None = None) -> dict:
+               hardware: dict | None = None, recorded=None) -> dict:
     """Run each stage not yet finished with `run(stage) -> metrics`, recording it (with `machine` and, where given,
     `hardware`: measuring.describe_hardware); returns every record. A finished record is taken again when its metrics
-    say `contended` or `retake(record)` is true."""
+    say `contended` or `retake(record)` is true. `recorded(stage)` is called once a stage's record is on disk."""
     records = load_records(output_dir)
     for index, stage in enumerate(stages, 1):
         earlier = check_reuse(stage, records, output_dir)
@@ -98,6 +104,8 @@ def run_stages(stages: list[Stage], run, output_dir: Path, machine: str, log=pri
         write_atomic(stage_file(output_dir, stage.key), json.dumps(record, indent=1))
         records[stage.key] = record
         write_atomic(output_dir / "records.json", json.dumps(records, indent=1))
+        if recorded is not None:
+            recorded(stage)
         log(f"[{index}/{len(stages)}] {stage.key}: done in {record['seconds']:.0f} s: "
             + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items() if isinstance(v, (int, float))))
     return records

@@ -6,6 +6,7 @@ task symbols from 3 on. Classification inputs are `<s> tokens </s>`, padded on t
 
 import hashlib
 import json
+import math
 import random
 from pathlib import Path
 
@@ -218,6 +219,71 @@ def copy_batch(batch_size: int, length: int, generator: torch.Generator) -> tupl
     labels = ids.clone()
     labels[:, : half + 2] = -100
     return ids, labels
+
+
+# The copy task as the paper's code draws it (the CopyTask generator of the authors' fast-transformers copy example,
+# read in the copy kept at minhtannguyen/fmmformer-code-submission, causal-copy/main.py): each sequence draws its
+# own number of symbols m uniformly from [length // 4, (length - 1) // 2) (32-62 at length 128), then reads
+# `x sep x` followed by padding up to `length`. The loss covers the separator and the copy (positions m to 2m of
+# the input: predicted from positions m - 1 to 2m - 1), never the first half or the padding. Here padding is its
+# own id (1), where the original pads with the separator's id; the models are causal, so padding after the copy
+# cannot change any scored prediction, and no attention mask is passed.
+
+COPY_VARIANTS = ("fixed", "paper")
+
+
+def copy_paper_lengths(length: int) -> tuple[int, int]:
+    """(lowest, highest) number of symbols m per sequence of the paper's generator at this total length."""
+    return length // 4, (length - 1) // 2 - 1
+
+
+def check_copy_length(variant: str, length: int) -> None:
+    """Refuse a copy-task length (or variant) the generator cannot fill, naming the fix."""
+    if variant not in COPY_VARIANTS:
+        raise UsageError(f"unknown copy task variant {variant!r}: use 'fixed' (sep x sep x, every sequence "
+                         "length/2 - 1 symbols) or 'paper' (a random number of symbols per sequence, as the paper's "
+                         "code)")
+    if variant == "fixed":
+        if length % 2 or length < 4:
+            raise UsageError(f"copy task length must be even and at least 4, got {length}: fix the preset")
+        return
+    if not isinstance(length, int) or length < 8:
+        raise UsageError(f"the paper's copy task draws {length // 4}-{(length - 1) // 2 - 1} symbols per sequence at "
+                         f"length {length}, too few to copy: use a length of at least 8 (the paper uses 128)")
+
+
+def copy_paper_batch(batch_size: int, length: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, labels), both (batch, length): per row `x sep x pad...` with x of m random symbols, m drawn per
+    row from copy_paper_lengths(length); labels are the input ids on the separator and the copy, -100 elsewhere
+    (the model shifts them: the separator is predicted from the last symbol of x, as the original's loss mask)."""
+    check_copy_length("paper", length)
+    low, high = copy_paper_lengths(length)
+    m = torch.randint(low, high + 1, (batch_size, 1), generator=generator)
+    symbols = torch.randint(3, 3 + COPY_SYMBOLS, (batch_size, length), generator=generator)
+    pos = torch.arange(length).expand(batch_size, length)
+    first, second = pos < m, (pos > m) & (pos <= 2 * m)
+    source = torch.where(second, pos - m - 1, pos)  # the copy reads the symbol of the first half it repeats
+    ids = torch.full((batch_size, length), PAD, dtype=torch.long)
+    ids = torch.where(first | second, symbols.gather(1, source), ids)
+    ids = torch.where(pos == m, torch.full_like(ids, COPY_SEPARATOR), ids)
+    labels = torch.where((pos >= m) & (pos <= 2 * m), ids, torch.full_like(ids, -100))
+    return ids, labels
+
+
+def copy_paper_loss_floor(length: int) -> float:
+    """The least mean cross entropy (nats per scored token) any model can reach on the paper's copy task: the
+    separator's position is random, so predicting it costs log(high + 1 - m) nats at best (after m symbols, each
+    longer length is as likely), while the copy itself can be exact. Averaged as the loss is: summed over the scored
+    tokens of many sequences, divided by their number (m + 1 per sequence)."""
+    low, high = copy_paper_lengths(length)
+    counts = range(low, high + 1)
+    return sum(math.log(high + 1 - m) for m in counts) / sum(m + 1 for m in counts)
+
+
+def copy_task_batch(variant: str, batch_size: int, length: int, generator: torch.Generator):
+    """A batch of the copy task of this variant ('fixed': copy_batch, 'paper': copy_paper_batch)."""
+    check_copy_length(variant, length)
+    return (copy_batch if variant == "fixed" else copy_paper_batch)(batch_size, length, generator)
 
 
 # ---------------------------------------------------------------------------------------------------- batching

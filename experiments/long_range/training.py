@@ -1,20 +1,77 @@
-"""The one training loop of every model: plain torch, AdamW, linear warm-up then linear decay, gradient clipping."""
+"""The one training loop of every model: plain torch; AdamW with linear warm-up then linear decay and gradient
+clipping (every preset's default), or RAdam with a step schedule (the copy task as "Transformers are RNNs" ran it);
+float32 or bf16 autocast; for long stages, checkpoints every N steps from which a rerun resumes exactly."""
 
+import contextlib
+import errno
+import json
 import math
+import os
+import random
+import tempfile
 import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
 
 import torch
 
-from .tasks import copy_batch, pad_batch
+from hf_linear_attn.training.errors import DiskFullError, UsageError
+
+from .tasks import COPY_SEPARATOR, copy_batch, copy_paper_loss_floor, copy_task_batch, pad_batch
+
+OPTIMIZERS = ("adamw", "radam")
+SCHEDULES = ("linear", "step")
+PRECISIONS = ("float32", "bf16")
+
+
+def check_optimizer(optim: dict) -> None:
+    """Refuse an optimizer block the loop cannot run, naming the fix."""
+    name, schedule = optim.get("name", "adamw"), optim.get("schedule", "linear")
+    if name not in OPTIMIZERS:
+        raise UsageError(f"unknown optimizer name {name!r}: use 'adamw' (AdamW, the default) or 'radam' (RAdam, "
+                         "as the copy task of 'Transformers are RNNs')")
+    if not isinstance(optim.get("lr"), (int, float)) or optim["lr"] <= 0:
+        raise UsageError(f"optimizer 'lr' must be a positive number, got {optim.get('lr')!r}: fix the preset")
+    if schedule not in SCHEDULES:
+        raise UsageError(f"unknown optimizer schedule {schedule!r}: use 'linear' (warm-up, then linear decay to "
+                         "zero) or 'step' (lr times 'gamma' at each of 'milestones', counted in updates)")
+    if schedule == "step":
+        milestones, gamma = optim.get("milestones"), optim.get("gamma")
+        if (not isinstance(milestones, list) or not milestones
+                or any(not isinstance(m, int) or m < 1 for m in milestones) or milestones != sorted(milestones)):
+            raise UsageError(f"schedule 'step' needs 'milestones', a rising list of positive update counts (the paper: "
+                             f"[3000]), got {milestones!r}: fix the preset")
+        if not isinstance(gamma, (int, float)) or not 0 < gamma <= 1:
+            raise UsageError(f"schedule 'step' needs 'gamma' in (0, 1] (the paper: 0.1), got {gamma!r}: fix the preset")
+    clip = optim.get("grad_clip", 1.0)
+    if clip is not None and (not isinstance(clip, (int, float)) or clip <= 0):
+        raise UsageError(f"'grad_clip' must be a positive number, or null for no clipping, got {clip!r}")
 
 
 def make_optimizer(model, optim: dict, steps: int):
-    """AdamW and the schedule shared by every model of a preset: linear warm-up, then linear decay to zero."""
-    decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": optim["weight_decay"]},
-                                   {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=optim["lr"], betas=tuple(optim.get("betas", (0.9, 0.98))), eps=1e-8)
+    """The optimizer and schedule shared by every model of a preset. Default: AdamW (weight decay on matrices only),
+    linear warm-up, then linear decay to zero. `"name": "radam"`: RAdam (Liu et al. 2020) with decoupled weight
+    decay on every parameter, as the original RAdam code the copy task's paper trained with. `"schedule": "step"`:
+    the lr times `gamma` after each of `milestones` updates (the paper: 1e-3, then 1e-4 after 3,000)."""
+    check_optimizer(optim)
+    if optim.get("name", "adamw") == "radam":
+        optimizer = torch.optim.RAdam(model.parameters(), lr=optim["lr"],
+                                      betas=tuple(optim.get("betas", (0.9, 0.999))), eps=optim.get("eps", 1e-8),
+                                      weight_decay=optim.get("weight_decay", 0.0), decoupled_weight_decay=True)
+    else:
+        decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() >= 2]
+        no_decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() < 2]
+        optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": optim["weight_decay"]},
+                                       {"params": no_decay, "weight_decay": 0.0}],
+                                      lr=optim["lr"], betas=tuple(optim.get("betas", (0.9, 0.98))), eps=1e-8)
+    if optim.get("schedule", "linear") == "step":
+        milestones, gamma = optim["milestones"], optim["gamma"]
+
+        def factor(step):  # `step` updates done: update step + 1 runs at lr * factor(step)
+            return gamma ** sum(step >= m for m in milestones)
+
+        return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
     warmup = max(1, int(optim.get("warmup_fraction", 0.1) * steps))
 
     def factor(step):
@@ -23,14 +80,137 @@ def make_optimizer(model, optim: dict, steps: int):
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def _step(model, optimizer, scheduler, batch, clip: float) -> float:
-    loss = model(**batch).loss
+def autocast_for(model, precision: str):
+    """The forward's autocast context for a precision: float32 runs as is; bf16 autocasts on the model's device
+    (float32 weights, optimizer state and gradients; matmuls in bfloat16)."""
+    if precision not in PRECISIONS:
+        raise UsageError(f"unknown precision {precision!r}: use 'float32' or 'bf16' (bfloat16 autocast)")
+    if precision == "float32":
+        return None
+    return torch.autocast(next(model.parameters()).device.type, dtype=torch.bfloat16)
+
+
+def _step(model, optimizer, scheduler, batch, clip: float | None, autocast=None) -> float:
+    with autocast if autocast is not None else contextlib.nullcontext():
+        loss = model(**batch).loss
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    if clip is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
     optimizer.step()
     scheduler.step()
     return loss.item()
+
+
+# ------------------------------------------------------------------------------------------------------ checkpoints
+
+
+@dataclass
+class Checkpointing:
+    """Where and how often a training run saves what it needs to go on (`path`, every `every` steps), the arguments
+    that say which run it is (`identity`: a checkpoint of another run is refused), and where progress is told."""
+
+    path: Path
+    every: int
+    identity: dict
+    log: Callable[[str], None] | None = None
+
+
+def save_checkpoint(path: Path, state: dict) -> None:
+    """torch.save into a temp file beside `path`, flushed to disk, then renamed over it: a kill at any moment leaves
+    the previous checkpoint or the new one, never a half-written file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            torch.save(state, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except OSError as error:
+        Path(tmp).unlink(missing_ok=True)
+        if error.errno == errno.ENOSPC:
+            raise DiskFullError(f"no space left for the checkpoint in {path.parent}: free some, then rerun the "
+                                "same command (it resumes from the last checkpoint)") from error
+        raise
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def load_checkpoint(checkpointing: Checkpointing) -> dict | None:
+    """The checkpoint of this run, None if there is none; a UsageError if it was written by another run."""
+    if not checkpointing.path.is_file():
+        return None
+    state = torch.load(checkpointing.path, map_location="cpu", weights_only=True)
+    identity = json.loads(json.dumps(checkpointing.identity))
+    if state["identity"] != identity:
+        changed = sorted(k for k in set(state["identity"]) | set(identity)
+                         if state["identity"].get(k) != identity.get(k))
+        raise UsageError(f"the checkpoint {checkpointing.path} was written by a run with other arguments (changed: "
+                         f"{', '.join(changed)}): delete it to start the stage over, or use another --output_dir")
+    return state
+
+
+def train_causal_lm(model, next_batch, steps: int, optim: dict, log_every: int, stop_on_nonfinite: bool = False,
+                    precision: str = "float32", checkpointing: Checkpointing | None = None,
+                    generator: torch.Generator | None = None) -> dict:
+    """Train a causal LM on `steps` fresh (input_ids, labels) batches from `next_batch()`; the loss curve every
+    `log_every` steps (Figure 2's shape) and the seconds it took.
+
+    With `checkpointing`, every `every` steps the model, optimizer, schedule, the RNG states (torch's global one,
+    Python's, and `generator`, the one `next_batch` draws from) and the curve so far are saved, and a run that finds
+    its checkpoint goes on from there: the same batches, dropout masks and updates as a run never stopped."""
+    optimizer, scheduler = make_optimizer(model, optim, steps)
+    autocast = autocast_for(model, precision)
+    model.train()
+    curve, window, first, seconds_before, resumed = [], [], 0, 0.0, []
+    state = load_checkpoint(checkpointing) if checkpointing else None
+    if state is not None:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["torch_rng"])
+        random.setstate(state["python_rng"])
+        if generator is not None:
+            generator.set_state(state["generator"])
+        curve, window, first = state["curve"], state["window"], state["step"]
+        seconds_before, resumed = state["seconds"], state["resumed_at"] + [first]
+        if checkpointing.log:
+            checkpointing.log(f"resuming from the checkpoint at step {first} of {steps}")
+            if state["threads"] != torch.get_num_threads():
+                checkpointing.log(f"the checkpoint ran {state['threads']} torch threads, this run "
+                                  f"{torch.get_num_threads()} (OMP_NUM_THREADS): the curve goes on correctly, but "
+                                  "sums may round differently from a run never stopped; set the same number to "
+                                  "continue it bit for bit")
+    start = time.perf_counter()
+    for step in range(first, steps):
+        ids, labels = next_batch()
+        window.append(_step(model, optimizer, scheduler, dict(input_ids=ids, labels=labels),
+                            optim.get("grad_clip", 1.0), autocast))
+        if (step + 1) % log_every == 0 or step + 1 == steps:
+            curve.append([step + 1, sum(window) / len(window)])
+            window = []
+            if stop_on_nonfinite and not math.isfinite(curve[-1][1]):
+                break
+        if checkpointing and (step + 1) % checkpointing.every == 0 and step + 1 < steps:
+            elapsed = seconds_before + time.perf_counter() - start
+            save_checkpoint(checkpointing.path, {
+                "identity": json.loads(json.dumps(checkpointing.identity)), "step": step + 1,
+                "model": model.state_dict(),
+                "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
+                "generator": generator.get_state() if generator is not None else None,
+                "curve": curve, "window": window, "seconds": elapsed, "resumed_at": resumed,
+                "threads": torch.get_num_threads()})
+            if checkpointing.log:
+                last = f", loss {curve[-1][1]:.4g} at step {curve[-1][0]}" if curve else ""
+                speed = (step + 1 - first) / (elapsed - seconds_before)
+                checkpointing.log(f"step {step + 1} of {steps}{last}, {speed:.3g} steps/s: checkpoint saved")
+    seconds = seconds_before + time.perf_counter() - start
+    out = {"loss_curve": curve, "train_seconds": seconds, "steps": steps, "steps_per_second": steps / seconds}
+    return {**out, "resumed_at": resumed} if resumed else out
 
 
 @torch.no_grad()
@@ -94,35 +274,39 @@ def score_causal_lm(model, batches) -> dict:
     return {"loss": sum(losses) / len(losses), "accuracy": correct / total, "scored": total}
 
 
-def train_causal_lm(model, next_batch, steps: int, optim: dict, log_every: int, stop_on_nonfinite: bool = False) -> dict:
-    """Train a causal LM on `steps` fresh (input_ids, labels) batches from `next_batch()`; the loss curve every
-    `log_every` steps (Figure 2's shape) and the seconds it took."""
-    optimizer, scheduler = make_optimizer(model, optim, steps)
+def evaluate_copy(model, length: int, batch_size: int, batches: int, seed: int, variant: str = "fixed") -> dict:
+    """Loss and token accuracy on the scored positions, over fresh seeded batches. The paper's variant scores the
+    separator and the copy, as it trains (eval_loss, eval_token_accuracy: token-weighted), and adds the copy alone
+    (eval_copy_loss, eval_copy_accuracy) and `loss_floor`, the least eval_loss any model can reach."""
+    generator = torch.Generator().manual_seed(seed)
+    if variant == "fixed":
+        score = score_causal_lm(model, (copy_batch(batch_size, length, generator) for _ in range(batches)))
+        return {"eval_loss": score["loss"], "eval_token_accuracy": score["accuracy"]}
+    model.eval()
+    sums = {"all": [0.0, 0, 0], "copy": [0.0, 0, 0]}  # loss, correct, tokens
+    with torch.no_grad():
+        for _ in range(batches):
+            ids, labels = copy_task_batch(variant, batch_size, length, generator)
+            logits = model(input_ids=ids).logits[:, :-1].float()
+            target = labels[:, 1:]
+            losses = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
+                                                       ignore_index=-100, reduction="none").view_as(target)
+            right = logits.argmax(-1) == target
+            for part, keep in (("all", target != -100), ("copy", (target != -100) & (target != COPY_SEPARATOR))):
+                sums[part][0] += losses[keep].sum().item()
+                sums[part][1] += right[keep].sum().item()
+                sums[part][2] += keep.sum().item()
     model.train()
-    curve, window = [], []
-    start = time.perf_counter()
-    for step in range(steps):
-        ids, labels = next_batch()
-        window.append(_step(model, optimizer, scheduler, dict(input_ids=ids, labels=labels),
-                            optim.get("grad_clip", 1.0)))
-        if (step + 1) % log_every == 0 or step + 1 == steps:
-            curve.append([step + 1, sum(window) / len(window)])
-            window = []
-            if stop_on_nonfinite and not math.isfinite(curve[-1][1]):
-                break
-    seconds = time.perf_counter() - start
-    return {"loss_curve": curve, "train_seconds": seconds, "steps": steps, "steps_per_second": steps / seconds}
+    return {"eval_loss": sums["all"][0] / sums["all"][2], "eval_token_accuracy": sums["all"][1] / sums["all"][2],
+            "eval_copy_loss": sums["copy"][0] / sums["copy"][2],
+            "eval_copy_accuracy": sums["copy"][1] / sums["copy"][2], "loss_floor": copy_paper_loss_floor(length)}
 
 
-def evaluate_copy(model, length: int, batch_size: int, batches: int, seed: int) -> dict:
-    """Loss and token accuracy on the copied half, over fresh seeded batches."""
+def train_copy(model, length: int, steps: int, batch_size: int, optim: dict, seed: int, log_every: int,
+               variant: str = "fixed", precision: str = "float32", checkpointing: Checkpointing | None = None) -> dict:
+    """Train a causal LM on fresh copy-task batches of `variant` ('fixed' or the paper's); the loss curve every
+    `log_every` steps (Figure 2's shape), then the scores on 4 fresh batches from another seed (in float32)."""
     generator = torch.Generator().manual_seed(seed)
-    score = score_causal_lm(model, (copy_batch(batch_size, length, generator) for _ in range(batches)))
-    return {"eval_loss": score["loss"], "eval_token_accuracy": score["accuracy"]}
-
-
-def train_copy(model, length: int, steps: int, batch_size: int, optim: dict, seed: int, log_every: int) -> dict:
-    """Train a causal LM on fresh copy-task batches; the loss curve every `log_every` steps (Figure 2's shape)."""
-    generator = torch.Generator().manual_seed(seed)
-    trained = train_causal_lm(model, lambda: copy_batch(batch_size, length, generator), steps, optim, log_every)
-    return {**evaluate_copy(model, length, batch_size, 4, seed + 1), **trained}
+    trained = train_causal_lm(model, lambda: copy_task_batch(variant, batch_size, length, generator), steps, optim,
+                              log_every, precision=precision, checkpointing=checkpointing, generator=generator)
+    return {**evaluate_copy(model, length, batch_size, 4, seed + 1, variant), **trained}

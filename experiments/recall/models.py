@@ -26,7 +26,7 @@ LINEAR_VARIANTS = {
     "linear_gpt2_conv": {"use_short_conv": True},
     "linear_gpt2_gated_conv": {"state_decay": "gated", "use_short_conv": True},
 }
-MODELS = (*DECODERS, *LINEAR_VARIANTS)
+MODELS = (*DECODERS, *(name for name in LINEAR_VARIANTS if name not in DECODERS))  # names shared by both
 LABELS = {"gpt2_sdpa": "GPT-2 (softmax)", "reformer_lsh": "Reformer (LSH)", "linear_gpt2": "linear_gpt2 (elu+1)",
           "linformer_gpt2": "causal block Linformer", "linear_gpt2_relu": "linear_gpt2 (ReLU)",
           "linear_gpt2_hedgehog": "linear_gpt2 (hedgehog)", "linear_gpt2_favor": "linear_gpt2 (FAVOR+)",

@@ -1,0 +1,322 @@
+"""The copy task at the paper's settings (issue 42, item 1): the paper's generator against an independent checker,
+its loss mask and floor, RAdam and the step schedule against the original algorithm, bf16 autocast, mid-stage
+checkpoints that resume exactly, the refusals of bad settings, and the copy-paper preset's plan."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import REPO_ROOT
+
+import experiments.long_range.training as training
+from experiments.long_range import load_preset, plan, run
+from experiments.long_range.models import DECODER_FEATURE_MAPS, Dims, build_decoder
+from experiments.long_range.stages import checkpoint_file
+from experiments.long_range.tasks import (
+    COPY_VOCAB_SIZE, copy_batch, copy_paper_batch, copy_paper_lengths, copy_paper_loss_floor, copy_task_batch,
+)
+from experiments.long_range.training import (
+    Checkpointing, check_optimizer, evaluate_copy, make_optimizer, train_copy,
+)
+from hf_linear_attn.training.errors import UsageError
+
+PRESETS = REPO_ROOT / "configs" / "long_range"
+TINY = Dims(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64)
+RADAM = {"name": "radam", "lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01, "schedule": "step",
+         "milestones": [3], "gamma": 0.1, "grad_clip": None}
+ADAMW = {"lr": 1e-3, "betas": [0.9, 0.98], "weight_decay": 0.01, "warmup_fraction": 0.1, "grad_clip": 1.0}
+
+
+def check_sequence(ids: list[int], labels: list[int], length: int) -> int:
+    """An independent reading of one sequence of the paper's task: m symbols (ids 3-12), the separator (0), the same
+    m symbols, padding (1) to the end; labels equal to the ids on the separator and the copy, -100 elsewhere.
+    Returns m."""
+    assert len(ids) == len(labels) == length
+    m = ids.index(0)
+    assert length // 4 <= m <= (length - 1) // 2 - 1, m
+    first, second, rest = ids[:m], ids[m + 1 : 2 * m + 1], ids[2 * m + 1 :]
+    assert all(3 <= s <= 12 for s in first)
+    assert second == first
+    assert rest == [1] * len(rest)
+    assert labels == [-100] * m + ids[m : 2 * m + 1] + [-100] * len(rest)
+    return m
+
+
+def test_the_papers_generator_is_seeded_and_every_sequence_checks_out_with_an_independent_checker():
+    for length in (8, 128, 512):
+        ids, labels = copy_paper_batch(400, length, torch.Generator().manual_seed(3))
+        counts = [check_sequence(i, lab, length) for i, lab in zip(ids.tolist(), labels.tolist())]
+        low, high = copy_paper_lengths(length)
+        assert min(counts) == low and max(counts) == high  # the whole range is drawn, no more
+        again = copy_paper_batch(400, length, torch.Generator().manual_seed(3))
+        assert torch.equal(again[0], ids) and torch.equal(again[1], labels)
+        assert not torch.equal(copy_paper_batch(400, length, torch.Generator().manual_seed(4))[0], ids)
+    assert copy_paper_lengths(128) == (32, 62)  # the original: torch.randint(128 // 4, (128 - 1) // 2)
+    symbols = copy_paper_batch(400, 128, torch.Generator().manual_seed(0))[0]
+    assert set(symbols[symbols >= 3].unique().tolist()) == set(range(3, 13))  # all ten symbols, nothing else
+
+
+def test_the_loss_floor_is_what_an_oracle_that_knows_the_copy_but_not_the_length_scores():
+    """The oracle predicts the copy exactly and the separator with the chance that the sequence ends there; its
+    token-weighted cross entropy on generated batches is the floor (the generator draws m uniformly)."""
+    for length in (32, 128, 512):
+        low, high = copy_paper_lengths(length)
+        _, labels = copy_paper_batch(20000, length, torch.Generator().manual_seed(1))
+        m = (labels == 0).float().argmax(1)  # where the separator is
+        oracle = torch.log(high + 1 - m.double()).sum() / (labels != -100).sum()
+        assert oracle.item() == pytest.approx(copy_paper_loss_floor(length), rel=0.02)
+    assert copy_paper_loss_floor(128) == pytest.approx(0.05248, abs=1e-5)
+    assert copy_paper_loss_floor(512) == pytest.approx(0.02016, abs=1e-5)
+
+
+@pytest.mark.parametrize("name", ["gpt2_sdpa", "linear_gpt2"])
+def test_padding_and_the_first_half_count_for_nothing_in_the_loss(name):
+    torch.manual_seed(0)
+    model = build_decoder(name, TINY, 32, COPY_VOCAB_SIZE).eval()
+    ids, labels = copy_paper_batch(4, 32, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = model(input_ids=ids, labels=labels)
+        logits, target = out.logits[:, :-1], labels[:, 1:]
+        keep = target != -100
+        by_hand = torch.nn.functional.cross_entropy(logits[keep], target[keep])
+        torch.testing.assert_close(out.loss, by_hand)
+        other = ids.clone()
+        other[ids == 1] = 7  # other tokens where the padding was: the scored predictions cannot see them
+        torch.testing.assert_close(model(input_ids=other, labels=labels).loss, out.loss)
+
+
+def reference_radam(params, grads_per_step, lr_per_step, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
+    """RAdam as Liu et al.'s original code (the optimizer the paper's copy example imports) updates, written out:
+    decoupled weight decay p -= wd * lr * p, the rectified Adam step once N_sma >= 5, SGD with momentum before."""
+    beta1, beta2 = betas
+    params = [p.detach().clone().double() for p in params]
+    m = [torch.zeros_like(p) for p in params]
+    v = [torch.zeros_like(p) for p in params]
+    n_sma_max = 2 / (1 - beta2) - 1
+    for t, (grads, lr) in enumerate(zip(grads_per_step, lr_per_step), 1):
+        for i, g in enumerate(grads):
+            g = g.double()
+            v[i] = beta2 * v[i] + (1 - beta2) * g * g
+            m[i] = beta1 * m[i] + (1 - beta1) * g
+            beta2_t = beta2**t
+            n_sma = n_sma_max - 2 * t * beta2_t / (1 - beta2_t)
+            params[i] = params[i] - weight_decay * lr * params[i]
+            if n_sma >= 5:
+                r = math.sqrt((1 - beta2_t) * (n_sma - 4) / (n_sma_max - 4) * (n_sma - 2) / n_sma
+                              * n_sma_max / (n_sma_max - 2))
+                params[i] = params[i] - lr * r / (1 - beta1**t) * m[i] / (v[i].sqrt() + eps)
+            else:
+                params[i] = params[i] - lr / (1 - beta1**t) * m[i]
+    return params
+
+
+def test_radam_and_the_step_schedule_update_as_the_original_code():
+    """Ten updates (the first five in RAdam's SGD phase), the lr cut by 10 after 3 updates, as the paper's example
+    cuts it after 3,000: make_optimizer's parameters equal the written-out algorithm's."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3)).double()
+    start = [p.detach().clone() for p in model.parameters()]
+    optimizer, scheduler = make_optimizer(model, RADAM, steps=10)
+    grads, lrs = [], []
+    for _ in range(10):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        loss = model(torch.randn(5, 4, dtype=torch.float64)).pow(2).sum()
+        optimizer.zero_grad()
+        loss.backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        optimizer.step()
+        scheduler.step()
+    assert lrs == pytest.approx([1e-3] * 3 + [1e-4] * 7)
+    expected = reference_radam(start, grads, lrs)
+    for got, want in zip(model.parameters(), expected):
+        torch.testing.assert_close(got.detach(), want, rtol=1e-10, atol=1e-12)
+
+
+def test_the_fixed_task_with_adamw_trains_exactly_as_before_the_paper_options():
+    """The code before this option, written out (AdamW on matrices, warm-up then linear decay, clip 1.0, the fixed
+    `sep x sep x` batches): the same curve and weights as train_copy's default path."""
+    def old_loop(model, steps):
+        decay = [p for p in model.parameters() if p.dim() >= 2]
+        no_decay = [p for p in model.parameters() if p.dim() < 2]
+        opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
+                                lr=1e-3, betas=(0.9, 0.98), eps=1e-8)
+        warmup = max(1, int(0.1 * steps))
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda s: (s + 1) / warmup if s < warmup else max(0.0, (steps - s) / max(1, steps - warmup)))
+        generator, losses = torch.Generator().manual_seed(0), []
+        for _ in range(steps):
+            ids, labels = copy_batch(2, 16, generator)
+            loss = model(input_ids=ids, labels=labels).loss
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            losses.append(loss.item())
+        return losses
+
+    torch.manual_seed(0)
+    old = build_decoder("gpt2_sdpa", TINY, 16, COPY_VOCAB_SIZE)
+    losses = old_loop(old, 4)
+    torch.manual_seed(0)
+    new = build_decoder("gpt2_sdpa", TINY, 16, COPY_VOCAB_SIZE)
+    trained = train_copy(new, 16, 4, 2, ADAMW, 0, 1)
+    assert [loss for _, loss in trained["loss_curve"]] == losses
+    assert all(torch.equal(a, b) for a, b in zip(old.state_dict().values(), new.state_dict().values()))
+
+
+class Killed(BaseException):
+    """Stands for the kill of a session's end: nothing after it runs."""
+
+
+def killed_after(batches: int, monkeypatch):
+    """Make the copy task's batch source die when asked for batch number `batches` + 1."""
+    calls = [0]
+    real = training.copy_task_batch
+
+    def dying(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] > batches:
+            raise Killed
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(training, "copy_task_batch", dying)
+
+
+@pytest.mark.parametrize("name", ["gpt2_sdpa", "reformer_lsh"])  # dropout masks; LSH's random rotations
+def test_a_stage_killed_after_a_checkpoint_resumes_to_the_same_curve_and_weights_as_one_never_stopped(
+        name, tmp_path, monkeypatch):
+    args = {"model": name, "steps": 8}
+    common = dict(length=32, steps=8, batch_size=4, optim=RADAM, seed=0, log_every=2, variant="paper")
+
+    def fresh():
+        torch.manual_seed(0)
+        return build_decoder(name, TINY, 32, COPY_VOCAB_SIZE, dropout=0.1)
+
+    straight_model = fresh()
+    straight = train_copy(straight_model, **common)
+
+    path = tmp_path / "stage.pt"
+    with monkeypatch.context() as patch:
+        killed_after(7, patch)  # checkpoints after steps 3 and 6; killed while asking for step 8's batch
+        with pytest.raises(Killed):
+            train_copy(fresh(), **common, checkpointing=Checkpointing(path, 3, args))
+    assert torch.load(path, weights_only=True)["step"] == 6
+    assert not list(tmp_path.glob(".*.tmp"))  # the temp files were renamed into place
+    told = []
+    resumed_model = fresh()
+    resumed = train_copy(resumed_model, **common, checkpointing=Checkpointing(path, 3, args, log=told.append))
+    assert told[0] == "resuming from the checkpoint at step 6 of 8" and resumed["resumed_at"] == [6]
+    assert resumed["loss_curve"] == straight["loss_curve"] and len(straight["loss_curve"]) == 4
+    for key in ("eval_loss", "eval_token_accuracy", "eval_copy_loss", "eval_copy_accuracy"):
+        assert resumed[key] == straight[key], key
+    for (k, a), b in zip(straight_model.state_dict().items(), resumed_model.state_dict().values()):
+        assert torch.equal(a, b), k
+    with pytest.raises(UsageError, match=r"other arguments \(changed: steps\).*delete it"):
+        train_copy(fresh(), **common, checkpointing=Checkpointing(path, 3, {**args, "steps": 9}))
+
+
+def test_the_runner_resumes_a_killed_stage_mid_way_and_drops_its_checkpoint_once_recorded(tmp_path, monkeypatch):
+    preset = json.loads((PRESETS / "copy-paper.json").read_text())
+    copy = preset["tasks"]["copy"]
+    copy.update(dims=TINY.__dict__, settings=[{"length": 32, "steps": 6, "batch_size": 2}], models=["gpt2_sdpa"],
+                checkpoint_every=2, log_every=1)
+    preset["optimizer"]["milestones"] = [3]
+    (tmp_path / "tiny.json").write_text(json.dumps(preset))
+    quiet = dict(log=lambda s: None, argv=[])
+    run(tmp_path / "tiny.json", tmp_path / "straight", **quiet)
+    with monkeypatch.context() as patch:
+        killed_after(5, patch)
+        with pytest.raises(Killed):
+            run(tmp_path / "tiny.json", tmp_path / "resumed", **quiet)
+    assert checkpoint_file(tmp_path / "resumed", "copy-n32/gpt2_sdpa").is_file()
+    assert not (tmp_path / "resumed" / "records.json").is_file()
+    run(tmp_path / "tiny.json", tmp_path / "resumed", **quiet)
+    assert not checkpoint_file(tmp_path / "resumed", "copy-n32/gpt2_sdpa").is_file()
+    straight, resumed = (json.loads((tmp_path / d / "records.json").read_text())["copy-n32/gpt2_sdpa"]["metrics"]
+                         for d in ("straight", "resumed"))
+    assert resumed["resumed_at"] == [4] and "resumed_at" not in straight
+    assert resumed["loss_curve"] == straight["loss_curve"] and resumed["eval_loss"] == straight["eval_loss"]
+    assert "| resumed at steps |" in (tmp_path / "resumed" / "results.md").read_text()
+
+
+def test_bf16_autocasts_the_forward_and_keeps_float32_weights():
+    torch.manual_seed(0)
+    model = build_decoder("linear_gpt2", TINY, 32, COPY_VOCAB_SIZE)
+    seen = []
+    model.lm_head.register_forward_hook(lambda module, args, out: seen.append(out.dtype))
+    trained = train_copy(model, 32, 2, 2, RADAM, 0, 1, variant="paper", precision="bf16")
+    assert seen[:2] == [torch.bfloat16] * 2 and seen[-1] == torch.float32  # training autocast, evaluation not
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert all(math.isfinite(loss) for _, loss in trained["loss_curve"])
+
+
+def test_the_decoders_with_other_feature_maps_run_them():
+    for name, feature_map in DECODER_FEATURE_MAPS.items():
+        model = build_decoder(name, TINY, 32, COPY_VOCAB_SIZE)
+        assert model.config.feature_map == feature_map, name
+        scores = evaluate_copy(model, 32, 2, 1, 0, "paper")
+        assert math.isfinite(scores["eval_loss"]) and scores["loss_floor"] == copy_paper_loss_floor(32)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda p: p["tasks"]["copy"]["settings"][0].update(length=6), "at least 8"),
+    (lambda p: p["tasks"]["copy"].update(variant="random"), "unknown copy task variant 'random'"),
+    (lambda p: p["tasks"]["copy"].update(precision="fp16"), "unknown precision 'fp16'.*'bf16'"),
+    (lambda p: p["tasks"]["copy"].update(checkpoint_every=0), "'checkpoint_every' must be a positive"),
+    (lambda p: p["tasks"]["copy"].update(dropout=1.5), r"'dropout' must lie in \[0, 1\)"),
+    (lambda p: p["optimizer"].update(name="lamb"), "unknown optimizer name 'lamb': use 'adamw'.*'radam'"),
+    (lambda p: p["optimizer"].update(schedule="cosine"), "unknown optimizer schedule 'cosine'"),
+    (lambda p: p["optimizer"].pop("milestones"), "schedule 'step' needs 'milestones'"),
+    (lambda p: p["optimizer"].update(milestones=[3000, 100]), "schedule 'step' needs 'milestones', a rising"),
+    (lambda p: p["optimizer"].update(gamma=0), "needs 'gamma' in"),
+    (lambda p: p["optimizer"].update(grad_clip=-1), "'grad_clip' must be a positive number, or null"),
+])
+def test_bad_copy_settings_are_refused_naming_the_fix(change, message, tmp_path):
+    preset = json.loads((PRESETS / "copy-paper.json").read_text())
+    change(preset)
+    (tmp_path / "bad.json").write_text(json.dumps(preset))
+    with pytest.raises(UsageError, match=message):
+        load_preset(tmp_path / "bad.json")
+
+
+def test_a_bad_length_is_refused_by_the_generators_too():
+    with pytest.raises(UsageError, match="at least 8"):
+        copy_paper_batch(2, 7, torch.Generator())
+    with pytest.raises(UsageError, match="even and at least 4"):
+        copy_task_batch("fixed", 2, 7, torch.Generator())
+    with pytest.raises(UsageError, match="unknown optimizer name"):
+        check_optimizer({"name": "sgd", "lr": 0.1})
+
+
+def test_the_copy_paper_preset_validates_and_plans_the_papers_settings_in_the_issues_order():
+    preset = load_preset(PRESETS / "copy-paper.json")
+    stages = plan(preset)
+    assert [s.key for s in stages[:2]] == ["copy-n128/linear_gpt2", "copy-n128/gpt2_sdpa"]
+    lengths = [s.args["length"] for s in stages]
+    assert lengths == sorted(lengths) and set(lengths) == {128, 512}
+    assert {s.args["model"] for s in stages} == {"gpt2_sdpa", "linear_gpt2", "linformer_gpt2", "reformer_lsh",
+                                                 *DECODER_FEATURE_MAPS}
+    for stage in stages:
+        a = stage.args
+        assert a["dims"] == {"hidden_size": 256, "num_layers": 4, "num_heads": 8, "intermediate_size": 1024}
+        assert (a["steps"], a["batch_size"], a["variant"]) == (20000, 64, "paper")
+        assert a["optimizer"]["name"] == "radam" and a["optimizer"]["lr"] == 1e-3
+        assert (a["optimizer"]["milestones"], a["optimizer"]["gamma"]) == ([3000], 0.1)
+        assert stage.options == {"checkpoint_every": 100}
+
+
+@pytest.mark.slow
+def test_the_copy_paper_preset_dry_runs_from_the_command_line():
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "long_range.py"), "--preset", "copy-paper",
+                           "--dry_run"], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[-1] == "14 stages" and lines[0].startswith("copy-n128/linear_gpt2: ")
+    assert json.loads(lines[0].split(": ", 1)[1])["variant"] == "paper"
+    assert lines[1] == '    runs with {"checkpoint_every": 100}'
