@@ -208,7 +208,7 @@ def _build_encoder(name: str, dims: Dims, n: int, vocab_size: int, num_labels: i
             max_position_embeddings=n, lsh_attn_chunk_length=s["lsh_attn_chunk_length"], num_buckets=s["num_buckets"],
             num_hashes=s["num_hashes"], hidden_dropout_prob=dropout, lsh_attention_probs_dropout_prob=0.0,
             is_decoder=False, num_labels=num_labels, pad_token_id=1, eos_token_id=2, hidden_act="gelu")
-        return tf.ReformerForSequenceClassification(config)
+        return seeded_from_torch(tf.ReformerForSequenceClassification(config))
     if name.startswith("linformer_k"):
         config = ours.LinformerConfig(**common, max_position_embeddings=table + 2, type_vocab_size=1, **s, **extra)
         return ours.LinformerForSequenceClassification(config)

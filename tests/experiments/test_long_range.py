@@ -339,3 +339,27 @@ def test_the_smoke_preset_runs_every_model_end_to_end_and_writes_every_table_and
     assert again.returncode == 0 and "running" not in again.stdout
     folded = json.loads((tmp_path / "records.json").read_text())["efficiency/linear_elu-n256"]
     assert folded["finished"] == "2999-01-01 00:00:00"
+
+
+def test_the_reformer_encoder_trains_the_same_from_the_same_seed():
+    """transformers' Reformer reseeds torch from the operating system in every training forward; built here it draws
+    those seeds from torch's generator, so two runs from one seed give the same losses (dropout and LSH included)."""
+    import torch
+
+    from experiments.long_range.models import Dims, build_encoder
+
+    def losses():
+        torch.manual_seed(0)
+        model = build_encoder("reformer", Dims(32, 2, 2, 64), 64, 20, 3, dropout=0.1).train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        ids = torch.randint(3, 20, (4, 64), generator=torch.Generator().manual_seed(1))
+        out = []
+        for _ in range(3):
+            loss = model(input_ids=ids, labels=torch.tensor([0, 1, 2, 0])).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            out.append(loss.item())
+        return out
+
+    assert losses() == losses()
