@@ -31,6 +31,7 @@ from hf_linear_attn.training.errors import UsageError
 
 from .models import LABELS, build_recall_model, check_models
 from .passkey import DATA_HELP, check_depth, check_digits
+from .runner import read_preset
 
 REPO = Path(__file__).resolve().parents[2]
 PRESET_KEYS = {"description", "task", "seed", "train_file", "validation_file", "tokenizer_vocab_size",
@@ -64,12 +65,7 @@ def load_preset(path: Path) -> dict:
     """Read and check a passkey preset: every key known and present, every model known and fit for the task, every
     depth, digit count and model shape possible, the data files there. What needs the tokenizer (a length too short,
     digits split unexpectedly) is checked as soon as it is trained, before any model is."""
-    preset = json.loads(Path(path).read_text())
-    unknown, missing = set(preset) - PRESET_KEYS, PRESET_KEYS - {"description"} - set(preset)
-    if unknown or missing:
-        raise UsageError(f"{Path(path).name}: " + "; ".join(
-            part for part in (f"unknown keys {sorted(unknown)}" if unknown else "",
-                              f"missing keys {sorted(missing)}" if missing else "") if part) + ": fix the preset")
+    preset = read_preset(path, PRESET_KEYS)
     if preset["task"] != "passkey":
         raise UsageError(f"{Path(path).name}: task {preset['task']!r} is not 'passkey': fix the preset")
     check_models(preset["models"])

@@ -24,14 +24,20 @@ PRESET_KEYS = {"description", "seed", "optimizer", "num_keys", "num_values", "le
                "head_size", "ffn_multiple", "steps", "batch_size", "log_every", "eval_batches", "models"}
 
 
-def load_preset(path: Path) -> dict:
-    """Read and check a preset: every key known and present, every model known, every task setting possible."""
+def read_preset(path: Path, keys: set) -> dict:
+    """A preset file whose keys are exactly `keys` ("description" optional), or a UsageError naming the odd ones."""
     preset = json.loads(Path(path).read_text())
-    unknown, missing = set(preset) - PRESET_KEYS, PRESET_KEYS - {"description"} - set(preset)
+    unknown, missing = set(preset) - keys, keys - {"description"} - set(preset)
     if unknown or missing:
         raise UsageError(f"{Path(path).name}: " + "; ".join(
             part for part in (f"unknown keys {sorted(unknown)}" if unknown else "",
                               f"missing keys {sorted(missing)}" if missing else "") if part) + ": fix the preset")
+    return preset
+
+
+def load_preset(path: Path) -> dict:
+    """Read and check a preset: every key known and present, every model known, every task setting possible."""
+    preset = read_preset(path, PRESET_KEYS)
     check_models(preset["models"])
     for width in preset["widths"]:
         if width % preset["head_size"]:

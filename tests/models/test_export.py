@@ -299,26 +299,14 @@ def test_greedy_decoding_on_onnxruntime_equals_generate(onnx_programs):
 
 
 @pytest.mark.slow
-def test_hybrid_decoder_greedy_on_onnxruntime_equals_generate(tmp_path):
-    """A full-attention layer (its keys and values in slots) before a linear one with a short convolution: the
-    documented greedy loop on the two ONNX programs, on a left-padded batch, gives generate()'s tokens."""
-    model, _, _, prefill_session, step_session = export_to_onnx("linear-hybrid-conv", tmp_path)
-    ids, mask = left_padded_batch([random_ids(1, n, seed=n)[0] for n in (2, 11, 7)])
-    want = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=12)
-    got = greedy_decode_onnx(
-        prefill_session, step_session, ids.numpy(), mask.numpy(), 12, model.config.eos_token_id, model.config.pad_token_id
-    )
-    assert got.shape[1] > ids.shape[1] + 3
-    assert got.tolist() == want.tolist()
-
-
-@pytest.mark.slow
-def test_window_and_short_conv_decoder_greedy_on_onnxruntime_equals_generate(tmp_path):
-    """Window + linear attention (W = 5) with a short convolution on q, k, v (K = 4): its prompt pass (the quadratic
-    form under export) and its step (the window and the convolution's buffer shifting by one slot) in ONNX; the
-    documented greedy loop on a left-padded batch gives generate()'s tokens, with prompts shorter than the
+@pytest.mark.parametrize("variant", ["linear-window-conv", "linear-hybrid-conv"])
+def test_window_hybrid_and_short_conv_decoders_greedy_on_onnxruntime_equal_generate(variant, tmp_path):
+    """Window + linear attention (W = 5), or a full-attention layer (its keys and values in slots) before a linear
+    one, each with a short convolution on q, k, v (K = 4): the prompt pass (the window's quadratic form under export)
+    and the step (the window and the convolution's buffer shifting by one slot; the full layer's next slot) in ONNX;
+    the documented greedy loop on a left-padded batch gives generate()'s tokens, with prompts shorter than the
     convolution, shorter and longer than the window. (One export for both: each costs ~20 s.)"""
-    model, _, _, prefill_session, step_session = export_to_onnx("linear-window-conv", tmp_path)
+    model, _, _, prefill_session, step_session = export_to_onnx(variant, tmp_path)
     ids, mask = left_padded_batch([random_ids(1, n, seed=n)[0] for n in (2, 11, 7)])
     want = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=12)
     got = greedy_decode_onnx(
