@@ -31,7 +31,7 @@ from hf_linear_attn.training.errors import UsageError
 
 from .models import LABELS, build_recall_model, check_models
 from .passkey import DATA_HELP, check_depth, check_digits
-from .runner import read_preset
+from .runner import dims_for, read_preset
 
 REPO = Path(__file__).resolve().parents[2]
 PRESET_KEYS = {"description", "task", "seed", "train_file", "validation_file", "tokenizer_vocab_size",
@@ -105,12 +105,6 @@ def load_preset(path: Path) -> dict:
     return preset
 
 
-def dims_for(preset: dict) -> dict:
-    width = preset["width"]
-    return {"hidden_size": width, "num_layers": preset["num_layers"], "num_heads": width // preset["head_size"],
-            "intermediate_size": preset["ffn_multiple"] * width}
-
-
 def pretrained(preset: dict) -> bool:
     return preset["pretrain"]["max_steps"] > 0
 
@@ -122,7 +116,8 @@ def plan(preset: dict, models=None) -> list[Stage]:
     common = {"train_file": preset["train_file"], "tokenizer_vocab_size": preset["tokenizer_vocab_size"]}
     stages = [Stage("tokenizer", "tokenizer", dict(common))]
     for model in models:
-        pretrain = {**common, "model": model, "dims": dims_for(preset), "length": max(preset["lengths"]),
+        pretrain = {**common, "model": model, "dims": dims_for(preset, preset["width"]),
+                    "length": max(preset["lengths"]),
                     "validation_file": preset["validation_file"], "seed": preset["seed"],
                     "pretrain": preset["pretrain"]}
         if pretrained(preset):
@@ -473,7 +468,7 @@ def estimate(preset_path: Path, models=None, log=print, repeats: int = 2) -> dic
     rows, total = [], 0.0
     for name in models:
         torch.manual_seed(0)
-        model = build_recall_model(name, Dims(**dims_for(preset)), n_max, vocab)
+        model = build_recall_model(name, Dims(**dims_for(preset, preset["width"])), n_max, vocab)
         seconds = 0.0
         if pretrained(preset):
             batch = p.get("per_device_train_batch_size", 16)
