@@ -69,6 +69,48 @@ def fla_torch_chunk():
     return module.naive_chunk_linear_attn, None
 
 
+def causal_flops(n: int, mode: str) -> float:
+    """Matmul FLOPs of the chunked causal forms at C = m = d = 64, H 12: four n x 64 x 64 products per head forward
+    (scores, chunk states, within-chunk and across-chunk outputs), twice as many backward."""
+    forward = 4 * 2 * n * D * D * H
+    return forward * (3 if mode == "fwd+bwd" else 1)
+
+
+def profile_default(phi_q, phi_k, v, fn, calls=3) -> dict:
+    """Self CPU time by op over ``calls`` forward + backward calls of ``fn``: {"ms_per_call", "ops": [[op, ms, share]]}."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def run():
+        leaves = [x.detach().clone().requires_grad_(True) for x in (phi_q, phi_k, v)]
+        fn(*leaves).float().sum().backward()
+
+    run()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(calls):
+            run()
+    events = [(e.key, e.self_cpu_time_total / 1e3 / calls) for e in prof.key_averages()]
+    total = sum(ms for _, ms in events)
+    ops = sorted(((key, ms, ms / total) for key, ms in events if ms > 0), key=lambda e: -e[1])
+    return {"n": phi_q.shape[2], "ms_per_call": total, "ops": [list(op) for op in ops[:15]]}
+
+
+def profile_markdown(profile: dict, command: str, machine: dict) -> str:
+    lines = ["# Where the default call's time goes (forward + backward)", "", f"Command: `{command}`.", "",
+             f"Machine: {machine['cpu']}, flags {' '.join(machine['flags'])}, {machine['threads']} threads. "
+             f"n {profile['n']:,}, H {H}, d {D}, batch 1, bf16 inputs; torch.profiler's self CPU time per call "
+             f"({profile['ms_per_call']:.1f} ms in all), the 15 largest ops.", "",
+             "| op | ms per call | share |", "|---|---:|---:|"]
+    lines += [f"| {op} | {ms:.2f} | {100 * share:.1f}% |" for op, ms, share in profile["ops"]]
+    product_ms = sum(ms for op, ms, _ in profile["ops"] if op in ("aten::bmm", "aten::mm"))
+    flops, peak = causal_flops(profile["n"], "fwd+bwd"), machine["peak_gflops_before"]["bfloat16"]
+    if product_ms:
+        lines += ["", f"The products alone: {flops / 1e9:.2f} GFLOP in {product_ms:.1f} ms, "
+                  f"{flops / product_ms / 1e6:.0f} GFLOP/s ({100 * flops / product_ms / 1e6 / peak:.0f}% of the "
+                  f"{peak:.0f} GFLOP/s bf16 peak measured before the timings); the rest of the call is memory-bound "
+                  "elementwise work, dtype conversions (copy_) and autograd's gradient accumulation (add_)."]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--output_dir", required=True)
@@ -77,6 +119,12 @@ def main(argv=None):
     parser.add_argument("--forms", nargs="*", default=[], metavar="FORM:CHUNK",
                         help="explicit bf16 forms timed beside the default, e.g. scan:64 parallel:128 (what "
                              "CAUSAL_FORM_TABLE's CPU bf16 rows are chosen from)")
+    parser.add_argument("--compile", action="store_true",
+                        help="also time the default call under torch.compile (inductor's CPU backend; one compile "
+                             "per n and mode, its time recorded apart)")
+    parser.add_argument("--profile", action="store_true",
+                        help="write profile.md: torch.profiler's self time by op of the default call, forward + "
+                             "backward at the longest n (where the time goes, against the matmul peak)")
     args = parser.parse_args(argv)
     if not native_bf16("cpu"):
         parser.error("this CPU has no native bf16 products (oneDNN reports none: no AVX512-BF16 / AMX); the bf16 "
@@ -100,6 +148,9 @@ def main(argv=None):
     for form, chunk in (tuple(f.split(":")) for f in args.forms):  # the explicit bf16 forms: CAUSAL_FORM_TABLE's rows
         methods[f"bf16 {form} C{chunk}"] = (lambda f, c_: lambda a, b, c: causal_linear_attention(
             a, b, c, precision="bfloat16", form=f, chunk_size=c_)[0])(form, int(chunk))
+    compile_seconds = {}
+    if args.compile:
+        methods["default, torch.compile"] = torch.compile(methods["default (auto)"], dynamic=False)
     rows = []
     for n in args.n:
         g = torch.Generator().manual_seed(n)
@@ -116,8 +167,10 @@ def main(argv=None):
                         fn(*leaves)
                 return time.perf_counter() - began
 
-            for fn in methods.values():
-                call(fn)  # warm-up
+            for name, fn in methods.items():
+                seconds = call(fn)  # warm-up (and, for torch.compile, the compile)
+                if name == "default, torch.compile":
+                    compile_seconds[f"{n} {'fwd+bwd' if train else 'fwd'}"] = seconds
             times = {name: [] for name in methods}
             for _ in range(args.repeats):  # interleaved: a disturbance hits every method alike
                 for name, fn in methods.items():
@@ -133,9 +186,11 @@ def main(argv=None):
                     row["errors"][name] = ((got - reference).norm() / reference.norm()).item()
             rows.append(row)
             print(json.dumps(row), flush=True)
+    profile = profile_default(phi_q, phi_k, v, methods["default (auto)"]) if args.profile else None
     machine["peak_gflops_after"] = {"float32": matmul_peak(torch.float32), "bfloat16": matmul_peak(torch.bfloat16)}
     command = "python scripts/bf16_kernel_check.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    (out / "results.json").write_text(json.dumps({"command": command, "machine": machine, "rows": rows}, indent=1))
+    (out / "results.json").write_text(json.dumps({"command": command, "machine": machine, "rows": rows,
+                                                  "compile_seconds": compile_seconds, "profile": profile}, indent=1))
     lines = ["# bf16 causal linear attention on a native-bf16 CPU", "", f"Command: `{command}`.", "",
              f"Machine: {machine['cpu']}, flags {' '.join(machine['flags'])}, {machine['threads']} threads, torch "
              f"{machine['torch']}. Matmul peak (GFLOP/s) before / after the timings: float32 "
@@ -154,7 +209,20 @@ def main(argv=None):
         if "errors" in row:
             lines += ["", f"Relative L2 error of the forward against float64 at n = {row['n']:,}: "
                       + "; ".join(f"{m} {e:.2e}" for m, e in row["errors"].items()) + "."]
+    if compile_seconds:
+        lines += ["", "default, torch.compile = the default call under `torch.compile(dynamic=False)`; its first call "
+                  "(compile included) took " + "; ".join(f"{k} {v:.1f} s" for k, v in compile_seconds.items()) + "."]
+    flops = {row["n"]: causal_flops(row["n"], "fwd+bwd") for row in rows}
+    peak = machine["peak_gflops_before"]["bfloat16"]
+    shares = [f"{name}, n {row['n']:,}: {100 * flops[row['n']] / row['seconds'][name] / 1e9 / peak:.0f}%"
+              for row in rows if row["mode"] == "fwd+bwd"
+              for name in ("default (auto)", "default, torch.compile") if name in row["seconds"]]
+    lines += ["", f"Forward + backward, the share of the bf16 matmul peak ({peak:.0f} GFLOP/s, before the timings) "
+              "that the matmul work reaches (4 products of n x 64 x 64 per head forward, 8 backward): "
+              + "; ".join(shares) + "."]
     (out / "results.md").write_text("\n".join(lines) + "\n")
+    if profile is not None:
+        (out / "profile.md").write_text(profile_markdown(profile, command, machine))
     print("\n".join(lines))
     return 0
 

@@ -173,21 +173,22 @@ class _CausalLinearAttentionScan(torch.autograd.Function):
 # batch 1 up to n 2,048 (1.19x at n 1,024) and 1.05-1.11x at batch 16 up to n 256; from batch 16 x n 1,024
 # (196,608 positions) the scan wins by 1.4-1.6x, and at batch 1 from n 4,096 by 1.05-1.17x. The boundary at 65,536
 # positions sits between.
-# CPU bf16 products (the bf16 path: "auto" takes it on such CPUs for training only, see _bf16_compute), on 2-core
-# Zen 5 EPYCs with AVX512-BF16, 2026-11-26, idle cores, H 12, d 64. Batch 1 from `python scripts/bf16_kernel_check.py
-# --n 1024 4096 --forms ...` (results/benchmarks/bf16-kernel-zen5-2026-11-26, bf16 matmul peak 410 GFLOP/s there):
-# forward + backward, parallel C=64 is fastest or tied at both n (97.7 ms at 4,096; parallel C=128 / 256 99-101, the
-# scans 140-185); forward (taken only with precision="bfloat16": "auto" keeps the float32 path there), the scan
-# C=128 within noise of the best. Batch 16 (no run of ours yet; a grid on another Zen 5
-# machine, bf16 peak 855, kept in the team's shared measurements as bf16-forms-zen5.md): the scan C=64 from 98,304
-# positions forward and from 393,216 forward + backward (967 ms against 1,259 for the best parallel form).
+# CPU bf16 products (the bf16 path: "auto" takes it on such CPUs for training only, see _bf16_compute), on a 2-core
+# Zen 5 EPYC with AVX512-BF16, H 12, d 64, batch 1, `python scripts/bf16_kernel_check.py --n ... --forms ...`
+# (results/benchmarks/bf16-kernel-zen5-2026-11-26-b for n 1,024 / 4,096, -b-long for 16,384 / 65,536; bf16 matmul
+# peak about 400 GFLOP/s there). Forward + backward: the parallel form with its normaliser from its own scores
+# (_chunkwise_parallel_bf16), C=64, is the fastest form at every n measured (at 4,096: 63.6 ms against 100.1-119.7
+# for the scans; at 65,536, 786,432 positions: 3.13 s against 3.49-3.81). Forward (taken only with
+# precision="bfloat16"): parallel C=64 at 1,024 and 4,096 (4.8 / 26.8 ms against 6.6 / 41.6 for the scan C=128; the
+# 4,096 figures swap places in other runs of the same command: a tie there), the scans from 16,384 (228 / 239 ms for
+# C=64 / 128 against 245), the scan C=128 at 65,536 (957 ms against 1,091 for C=64 and 1,095 for parallel C=64).
 # GPUs: fla's Triton kernel where installed (see causal_linear_attention), else these "cuda" rows, the earlier fixed
 # choice; not measured yet.
 CAUSAL_FORM_TABLE: dict[tuple[str, bool, bool], list[tuple[int, str, int]]] = {
     ("cpu", False, False): [(0, "scan", 64)],
     ("cpu", False, True): [(0, "parallel", 64), (65536, "scan", 64)],
-    ("cpu", True, False): [(0, "scan", 128), (98304, "scan", 64)],
-    ("cpu", True, True): [(0, "parallel", 64), (393216, "scan", 64)],
+    ("cpu", True, False): [(0, "parallel", 64), (98304, "scan", 128)],
+    ("cpu", True, True): [(0, "parallel", 64)],
     ("cuda", False, False): [(0, "parallel", 64)],
     ("cuda", False, True): [(0, "parallel", 64)],
     ("cuda", True, False): [(0, "parallel", 64)],
@@ -297,8 +298,13 @@ def native_bf16(device_type: str) -> bool:
     product against 0.06 s in float32, so the bf16 compute path would be thousands of times slower there.
     """
     if device_type == "cpu":
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        return _cpu_computes_bf16()
     return device_type == "cuda"
+
+
+@torch.compiler.assume_constant_result  # a fact about the machine: torch.compile bakes it in instead of breaking
+def _cpu_computes_bf16() -> bool:  # the graph at an op that returns a bool
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def _bf16_compute(precision: str, *tensors: torch.Tensor, causal: bool = False, needs_grad: bool = False) -> bool:
@@ -313,10 +319,12 @@ def _bf16_compute(precision: str, *tensors: torch.Tensor, causal: bool = False, 
     # "auto": bf16 products where they are native and measured to pay. Without native bf16 (AVX2) a bf16 product is
     # a reference loop, thousands of times slower: the float32 path. On CUDA: the bf16 path (fla's kernel or the torch
     # forms). On a CPU with AVX512-BF16 (Zen 5 EPYC, `python scripts/bf16_kernel_check.py`, results/benchmarks/
-    # bf16-kernel-zen5-2026-11-26): the causal bf16 path wins forward + backward (parallel C=64: 22.3 against 34.6 ms
-    # at n 1,024, 97.7 against 140.3 at 4,096, H 12, d 64) but loses the forward alone (the float32 path 6.1 / 24.5
-    # ms, the best bf16 form 6.7 / 35.4): its float32 normaliser and dtype conversions cost more than the bf16
-    # products save. The bidirectional form is unmeasured.
+    # bf16-kernel-zen5-2026-11-26-b and -b-long, H 12, d 64): the causal bf16 path wins forward + backward (the
+    # default call 14.9 against 20.5 ms for the float32 path at n 1,024, 71.6 against 102.5 at 4,096, 315 against 567
+    # at 16,384) but the forward alone only at short n (the best bf16 form 4.8 / 26.8 ms at 1,024 / 4,096 against the
+    # float32 path's 5.8 / 41.8; 228 / 957 against 176 / 867 at 16,384 / 65,536): there its dtype conversions and
+    # float32 normaliser cost more than the bf16 products save. "auto" keeps the float32 path for the forward, which is
+    # also the more accurate (relative error 1.6e-3 against 2.5e-3 at n 4,096). The bidirectional form is unmeasured.
     device = tensors[0].device.type
     if not native_bf16(device):
         return False
@@ -327,8 +335,10 @@ def _causal_bf16(phi_q, phi_k, v, key_mask, eps, c, state, form):
     """The bf16 compute path of :func:`causal_linear_attention` (call with autocast off).
 
     Numerator tril(phi(Q) phi(K)^T) V + phi(Q) S_0: bf16 products, float32 state and output. Normaliser
-    phi(q_t) . (z_0 + sum_{j<=t} phi(k_j)): a float32 prefix sum and a float32 dot product (O(n m), but on a CPU about
-    a fifth of a forward + backward at n 4,096; :func:`_float32_normaliser`), so its error is float32's, not bf16's.
+    phi(q_t) . (z_0 + sum_{j<=t} phi(k_j)) in float32: in the scan and prefix-sum forms a float32 prefix sum and dot
+    product (:func:`_float32_normaliser`); in the parallel form the float32 row sums of the chunk's own bf16 scores
+    (the very weights the numerator applies to the values) plus phi(q_t) . z before the chunk in float32
+    (:func:`_chunkwise_parallel_bf16`).
     """
     batch, heads, n, m = phi_q.shape
     d_v = v.shape[-1]
@@ -345,8 +355,9 @@ def _causal_bf16(phi_q, phi_k, v, key_mask, eps, c, state, form):
         numerator, s_n = numerator.view(batch, heads, n, d_v), s_n.view(batch, heads, m, d_v)
     elif form == "prefix-sum":
         numerator, s_n = _prefix_sum_form(phi_q, phi_k, v, s0)
-    else:
-        numerator, s_n = _chunkwise_parallel(phi_q, phi_k, v, s0, c)
+    else:  # the parallel form computes its normaliser from its own scores (see _chunkwise_parallel_bf16)
+        numerator, normaliser, (s_n, z_n) = _chunkwise_parallel_bf16(phi_q, phi_k, v, s0, z0.squeeze(2), c)
+        return (numerator / (normaliser + eps)).to(v.dtype), (s_n, z_n)
     normaliser, z_n = _float32_normaliser(phi_q, phi_k, z0.squeeze(2), c)
     y = numerator / (normaliser + eps)
     return y.to(v.dtype), (s_n, z_n)
@@ -432,14 +443,85 @@ def _chunkwise_parallel(q, k, v, state, c: int):
     q_c, k_c, v_c = (t.reshape(batch, heads, chunks, c, t.shape[-1]) for t in (q, k, v))
     scores = torch.matmul(q_c, k_c.transpose(-1, -2)).tril()  # (B, H, N, C, C), causal inside the chunk
     chunk_kv = torch.matmul(k_c.transpose(-1, -2), v_c).float()  # (B, H, N, m, d): one state per chunk
-    # exclusive prefix: the state before each chunk, summed directly (an inclusive sum minus the chunk's own state
-    # would cancel catastrophically when one chunk's keys dwarf the ones before it)
-    kv_before = torch.cumsum(torch.cat([state.float().unsqueeze(2), chunk_kv[:, :, :-1]], dim=2), dim=2)
+    kv_before = exclusive_chunk_prefix(state.float(), chunk_kv)  # the state before each chunk
     if low:
         out = torch.matmul(scores, v_c).float() + torch.matmul(q_c, kv_before.to(q.dtype)).float()
     else:
         out = torch.matmul(scores, v_c) + torch.matmul(q_c, kv_before)
     return out.reshape(batch, heads, n + padded, d)[:, :, :n], kv_before[:, :, -1] + chunk_kv[:, :, -1]
+
+
+def _chunkwise_parallel_bf16(q, k, v, s0, z0, c: int):
+    """The bf16 path's parallel form: numerator tril(Q K^T) V + Q S_before and normaliser, all chunks at once.
+
+    bf16 q, k, v (B, H, n, m / d); float32 s0 (B, H, m, d), z0 (B, H, m). Returns the numerator (B, H, n, d) and
+    the normaliser (B, H, n, 1), both float32, and the final (S, z) in float32.
+
+    The normaliser inside a chunk is the float32 row sum of the chunk's bf16 scores tril(phi(Q) phi(K)^T): the same
+    rounded weights the numerator applies to the values, so numerator and normaliser weigh every key alike (the output
+    is a weighted average of the values with weights off by bf16 rounding; measured against float64 at n 4,096, H 12,
+    d 64: relative error 2.5e-3 forward, where a separate float32 prefix sum of phi(K) gave 2.7e-3). Across chunks:
+    phi(q_t) . z before the chunk, a float32 product. No prefix sum over the n axis: a float32 cumsum over every
+    position and its backward (flip, cumsum, flip) were about a fifth of a CPU forward + backward at n 4,096.
+    """
+    batch, heads, n, m = q.shape
+    d = v.shape[-1]
+    padded = -n % c
+    if padded:  # zero keys and values add nothing; the padded query rows are dropped at the end
+        q, k, v = (torch.nn.functional.pad(t, (0, 0, 0, padded)) for t in (q, k, v))
+    chunks = (n + padded) // c
+    q_c, k_c, v_c = (t.reshape(batch, heads, chunks, c, t.shape[-1]) for t in (q, k, v))
+    scores = torch.matmul(q_c, k_c.transpose(-1, -2)).tril()  # (B, H, N, C, C) bf16, causal inside the chunk
+    chunk_kv = torch.matmul(k_c.transpose(-1, -2), v_c).float()  # (B, H, N, m, d): one state per chunk
+    kv_before = exclusive_chunk_prefix(s0.float(), chunk_kv)
+    chunk_z = k_c.float().sum(3)  # (B, H, N, m): float32 sums of the chunk's keys
+    z_before = exclusive_chunk_prefix(z0.float(), chunk_z)
+    numerator = torch.matmul(scores, v_c).float() + torch.matmul(q_c, kv_before.to(q.dtype)).float()
+    normaliser = scores.float().sum(-1, keepdim=True) + torch.matmul(q_c.float(), z_before.unsqueeze(-1))
+    s_n, z_n = kv_before[:, :, -1] + chunk_kv[:, :, -1], z_before[:, :, -1] + chunk_z[:, :, -1]
+    numerator = numerator.reshape(batch, heads, n + padded, d)[:, :, :n]
+    return numerator, normaliser.reshape(batch, heads, n + padded, 1)[:, :, :n], (s_n, z_n)
+
+
+class _ExclusivePrefixSum(torch.autograd.Function):
+    """out[:, :, 0] = x_0, out[:, :, i] = x_0 + sum_{j<i} x[:, :, j] along dim 2, by a loop of in-place adds.
+
+    Why not torch.cumsum: on a CPU it walked about 2 GB/s here (6.2 ms for 12 heads x 64 chunks x a 64 x 64 float32
+    state, 2-core Zen 5), and its backward adds two flips; this loop of N adds of one chunk state each runs at memory
+    speed. Summed in order, so the result equals the cumsum's.
+    """
+
+    @staticmethod
+    def forward(ctx, x0, x):
+        out = torch.empty_like(x)
+        out[:, :, 0] = x0
+        for i in range(1, x.shape[2]):
+            torch.add(out[:, :, i - 1], x[:, :, i - 1], out=out[:, :, i])
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        # d x_j = sum_{i > j} grad_i (an exclusive suffix sum); d x_0 = sum_i grad_i
+        grad = grad.contiguous()
+        d_x = torch.empty_like(grad)
+        last = grad.shape[2] - 1
+        d_x[:, :, last] = 0
+        for i in range(last - 1, -1, -1):
+            torch.add(d_x[:, :, i + 1], grad[:, :, i + 1], out=d_x[:, :, i])
+        return d_x[:, :, 0] + grad[:, :, 0], d_x
+
+
+def exclusive_chunk_prefix(x0: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """What precedes each chunk: x_0, x_0 + x_1, ... along dim 2 of x (B, H, N, ...), x0 (B, H, ...), both float32.
+
+    Summed directly, never an inclusive sum minus the chunk's own term (which would cancel catastrophically when one
+    chunk dwarfs the ones before it). A loop of adds on a CPU (:class:`_ExclusivePrefixSum`); on other devices, where
+    every add is a kernel launch, one cumsum.
+    """
+    if x.device.type == "cpu" and not torch.compiler.is_compiling():
+        return _ExclusivePrefixSum.apply(x0, x)
+    return torch.cumsum(torch.cat([x0.unsqueeze(2), x[:, :, :-1]], dim=2), dim=2)
 
 
 def _prefix_sum_form(q, k, v, state):

@@ -188,6 +188,41 @@ def test_bf16_compute_path_gradients_against_float64(form):
         assert _relative(a, b) < 2e-2
 
 
+def test_bf16_parallel_form_normaliser_and_state_gradients_against_float64():
+    """The bf16 parallel form takes its normaliser from its own bf16 scores (row sums in float32) and z before each
+    chunk: outputs, the final z and gradients for every input (the float32 S_0, z_0 included, with a loss on the final
+    S and z) against float64 autograd, at a length that pads the last chunk."""
+    phi_q, phi_k, v = _bf16_features(2, 3, 203, 16, seed=8)
+    s0 = torch.rand(2, 3, 16, 16, dtype=torch.float32, requires_grad=True)
+    z0 = torch.rand(2, 3, 16, dtype=torch.float32, requires_grad=True)
+    leaves = [t.clone().requires_grad_(True) for t in (phi_q, phi_k, v)] + [s0, z0]
+    out, (s, z) = causal_linear_attention(*leaves[:3], chunk_size=32, state=(s0, z0), form="parallel",
+                                          precision="bfloat16")
+    exact = [t.detach().double().requires_grad_(True) for t in leaves]
+    ref, (s_ref, z_ref) = causal_linear_attention(*exact[:3], chunk_size=32, state=(exact[3], exact[4]), form="scan")
+    assert _relative(out, ref) < 1e-2 and _relative(s, s_ref) < BF16_ROUNDING and _relative(z, z_ref) < 1e-6
+    g, g_s, g_z = torch.randn_like(out, dtype=torch.float32), torch.randn_like(s), torch.randn_like(z)
+    got = torch.autograd.grad((out.float() * g).sum() + (s * g_s).sum() + (z * g_z).sum(), leaves)
+    want = torch.autograd.grad((ref * g.double()).sum() + (s_ref * g_s.double()).sum() + (z_ref * g_z.double()).sum(),
+                               exact)
+    for a, b in zip(got, want):
+        assert _relative(a, b) < 2e-2
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 7])
+def test_exclusive_chunk_prefix_against_cumsum_values_and_gradients(chunks):
+    """What precedes each chunk, x_0 then x_0 + x_1 ... (a loop of adds on the CPU, a cumsum elsewhere): equal to the
+    explicit exclusive cumsum, and torch.autograd.gradcheck passes in float64."""
+    from hf_linear_attn.linear_attention import exclusive_chunk_prefix
+
+    g = torch.Generator(device="cpu").manual_seed(9)
+    x0 = draw(g, 2, 3, 4, 5).double().requires_grad_(True)
+    x = draw(g, 2, 3, chunks, 4, 5).double().requires_grad_(True)
+    want = torch.cumsum(torch.cat([x0.unsqueeze(2), x[:, :, :-1]], dim=2), dim=2)
+    torch.testing.assert_close(exclusive_chunk_prefix(x0, x), want)
+    assert torch.autograd.gradcheck(exclusive_chunk_prefix, (x0, x))
+
+
 def test_bidirectional_bf16_compute_path_against_float64():
     from hf_linear_attn.linear_attention import bidirectional_linear_attention
 
@@ -337,3 +372,20 @@ def test_the_real_fla_kernel_equals_the_torch_forms_against_float64():
     want = torch.autograd.grad((ref * g.double()).sum(), exact)
     for a, b in zip(got, want):
         assert _relative(a, b) < 2e-2
+
+
+def test_torch_compile_traces_the_causal_kernel_without_a_graph_break():
+    """The machine check behind "auto" precision (native_bf16) is a constant to torch.compile: a user who compiles a
+    model gets one graph for the kernel (it broke at the oneDNN bf16 query, an op that returns a bool, before)."""
+    import hf_linear_attn.linear_attention as la
+
+    from torch._dynamo.utils import counters
+
+    la.native_bf16.cache_clear()  # traced from scratch, as in a fresh process
+    torch._dynamo.reset()
+    counters.clear()
+    leaves = [t.requires_grad_(True) for t in _bf16_features(1, 2, 64, 8, seed=10)]
+    compiled = torch.compile(lambda a, b, c: causal_linear_attention(a, b, c)[0], backend="eager")
+    want = causal_linear_attention(*leaves)[0]
+    torch.testing.assert_close(compiled(*leaves), want)
+    assert not counters["graph_break"], dict(counters["graph_break"])
