@@ -104,11 +104,25 @@ def check_short_conv_options(config) -> None:
                 f"conv_size={size} is set but use_short_conv is False: set use_short_conv=True to add the convolution, "
                 "or leave conv_size at its default."
             )
+        if config.short_conv_on_full_attention:
+            raise ValueError(
+                "short_conv_on_full_attention=True extends the short convolution to the full_attention layers, but "
+                "use_short_conv is False, so there is no convolution: set use_short_conv=True as well."
+            )
+        return
+    full_layers = config.layer_types is not None and "full_attention" in config.layer_types
+    if config.short_conv_on_full_attention:
+        if not full_layers:
+            raise ValueError(
+                "short_conv_on_full_attention=True but no entry of layer_types is 'full_attention', so it changes "
+                "nothing: mark the softmax layers 'full_attention' in layer_types, or leave it False."
+            )
         return
     if config.layer_types is not None and "linear_attention" not in config.layer_types:
         raise ValueError(
             "use_short_conv=True applies to linear_attention layers only, and every entry of layer_types is "
-            "'full_attention': make some layers linear, or set use_short_conv=False."
+            "'full_attention': set short_conv_on_full_attention=True for softmax attention with the convolution "
+            "(GPT-2 + short conv), make some layers linear, or set use_short_conv=False."
         )
 
 
@@ -153,10 +167,15 @@ class LinearGPT2Config(GPT2StyleConfig):
         use_short_conv (`bool`, defaults to `False`): a short causal convolution on q, k and v after their projection
             (flash-linear-attention's `use_short_conv`): per channel `silu(sum_j w_j x_{t-j})` over the current and
             `conv_size - 1` previous tokens, no bias (`attn.q_conv1d`, `attn.k_conv1d`, `attn.v_conv1d`). In the
-            linear-attention layers only (a hybrid's `full_attention` layers get none); combines with every feature
-            map, the window and both decays. Generation keeps the last `conv_size - 1` inputs per layer beside the
-            state. False: no convolution, exactly as before.
+            linear-attention layers only (a hybrid's `full_attention` layers get none, unless
+            `short_conv_on_full_attention`); combines with every feature map, the window and both decays. Generation
+            keeps the last `conv_size - 1` inputs per layer beside the state. False: no convolution, exactly as before.
         conv_size (`int`, defaults to 4): the convolution's width K (fla's `conv_size`), at least 2.
+        short_conv_on_full_attention (`bool`, defaults to `False`): the same convolution on q, k, v of the
+            `full_attention` layers too (their own weights, before the softmax attention), so that `layer_types` all
+            `"full_attention"` with `use_short_conv=True` is GPT-2 + short conv, the equal-architecture softmax
+            baseline of a linear model with the convolution. Needs `use_short_conv=True` and a `full_attention` layer.
+            Generation keeps the buffer beside each such layer's keys and values. False: exactly as before.
     """
 
     model_type = "linear_gpt2"
@@ -174,6 +193,7 @@ class LinearGPT2Config(GPT2StyleConfig):
     gate_logit_normalizer: float | int = 16
     use_short_conv: bool = False
     conv_size: int = 4
+    short_conv_on_full_attention: bool = False
 
     default_auto_map = build_auto_map("linear_gpt2", "LinearGPT2", DECODER_HEADS)
 

@@ -98,6 +98,10 @@ class GPT2StyleAttention(nn.Module):
         the new buffer, the per-token inputs a rollback replays (B, n, .))."""
         raise NotImplementedError(f"{type(self).__name__} sets has_short_conv and must implement short_conv()")
 
+    def split_conv_buffer(self, state) -> tuple:
+        """(attend()'s state, the convolution's buffer) of a state whose last tensor is the buffer (has_short_conv)."""
+        return tuple(state[:-1]), state[-1]
+
     def attend(self, q, k, v, key_mask, state, use_cache, need_tail, output_attentions, shared_projection):
         """The family's causal attention on heads (B, H, n, d), continuing from ``state`` (None: no earlier token).
 
@@ -117,7 +121,7 @@ class GPT2StyleAttention(nn.Module):
             )
         qkv = self.c_attn(hidden_states)
         if self.has_short_conv:  # the state's last tensor is the convolution's buffer, the rest is attend()'s
-            buffer, state = (None, None) if state is None else (state[-1], tuple(state[:-1]))
+            state, buffer = (None, None) if state is None else self.split_conv_buffer(state)
             qkv, buffer, conv_inputs = self.short_conv(qkv, key_mask, buffer)
         q, k, v = (self._split_heads(t) for t in qkv.split(self.embed_dim, dim=-1))
         output, weights, state, tail = self.attend(

@@ -61,6 +61,18 @@ class KeyValueSlots(NamedTuple):
     length: torch.Tensor
 
 
+class BufferedKeyValueSlots(NamedTuple):
+    """:class:`KeyValueSlots` and the short convolution's buffer (B, K-1, 3 D) of a full-attention layer whose q, k, v
+    pass the convolution (``short_conv_on_full_attention``): what :class:`~.explicit_state.DecoderStateStep` hands
+    such a layer. Its own type, because the generation cache's (keys, values, mask, buffer) has four tensors too and
+    takes the growing-cache path."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    length: torch.Tensor
+    buffer: torch.Tensor
+
+
 class LinearGPT2Attention(GPT2StyleAttention):
     """Multi-head causal linear attention; it continues from a (S, z) state and returns the new one.
 
@@ -84,6 +96,10 @@ class LinearGPT2Attention(GPT2StyleAttention):
             self.feature_map = None
             self.cache_layer_class = KeyValueStateLayer
             self.slot_capacity = config.n_positions  # KeyValueSlots: every position the table can embed
+            # short_conv_on_full_attention: GPT-2 + short conv, the softmax baseline with the same token mixing as
+            # the linear layers (the cache then keeps the convolution's buffer beside the keys and values)
+            if config.use_short_conv and config.short_conv_on_full_attention:
+                self._add_short_conv(config)
             return
         self.feature_map = build_feature_map(
             config.feature_map, self.num_heads, self.head_dim, num_random_features=config.num_random_features,
@@ -117,14 +133,18 @@ class LinearGPT2Attention(GPT2StyleAttention):
             )
             self.gate_logit_normalizer = config.gate_logit_normalizer
         # use_short_conv: a depthwise causal convolution of width conv_size on each of q, k, v (SiLU after), named as
-        # fla names them. Linear-attention layers only: a hybrid's full_attention layers (returned above) stay GPT-2's
-        # softmax attention without one, as in fla's hybrids. The cache then also keeps the convolution's buffer.
-        self.has_short_conv = config.use_short_conv
-        if self.has_short_conv:
-            self.q_conv1d = ShortConvolution(self.embed_dim, config.conv_size)
-            self.k_conv1d = ShortConvolution(self.embed_dim, config.conv_size)
-            self.v_conv1d = ShortConvolution(self.embed_dim, config.conv_size)
-            self.cache_layer_class = SHORT_CONV_STATE_LAYERS[self.cache_layer_class]
+        # fla names them. Linear-attention layers; a hybrid's full_attention layers (returned above) stay GPT-2's
+        # softmax attention without one, as in fla's hybrids, unless short_conv_on_full_attention.
+        if config.use_short_conv:
+            self._add_short_conv(config)
+
+    def _add_short_conv(self, config):
+        """The convolutions on q, k, v; the cache layer then also keeps the convolution's buffer."""
+        self.has_short_conv = True
+        self.q_conv1d = ShortConvolution(self.embed_dim, config.conv_size)
+        self.k_conv1d = ShortConvolution(self.embed_dim, config.conv_size)
+        self.v_conv1d = ShortConvolution(self.embed_dim, config.conv_size)
+        self.cache_layer_class = SHORT_CONV_STATE_LAYERS[self.cache_layer_class]
 
     def short_conv(self, qkv, key_mask, buffer):
         """q, k, v (fused (B, n, 3 D)) through their short convolutions, pads zeroed first: one depthwise convolution
@@ -154,8 +174,9 @@ class LinearGPT2Attention(GPT2StyleAttention):
         if self.full_attention:  # KeyValueSlots, empty: zero keys and values, no token yet
             weight = self.c_attn.weight
             shape = (batch_size, self.num_heads, self.slot_capacity, self.head_dim)
-            return KeyValueSlots(weight.new_zeros(shape), weight.new_zeros(shape),
-                                 torch.zeros(batch_size, dtype=torch.long, device=weight.device))
+            slots = KeyValueSlots(weight.new_zeros(shape), weight.new_zeros(shape),
+                                  torch.zeros(batch_size, dtype=torch.long, device=weight.device))
+            return (*slots, self._empty_conv_buffer(batch_size)) if self.has_short_conv else slots
         device = self.c_attn.weight.device
         features = self.feature_map(torch.zeros(1, self.num_heads, 1, self.head_dim, device=device), is_query=False)
         if self.window:
@@ -167,10 +188,14 @@ class LinearGPT2Attention(GPT2StyleAttention):
             state = torch.zeros(*shape, self.head_dim, device=device), torch.zeros(shape, device=device)
             if self.favor_stabiliser:  # the running maximum: -inf, no key seen yet
                 state = (*state, torch.full(shape, -torch.inf, device=device))
-        if self.has_short_conv:  # the convolution's buffer: zeros, as before a sequence's first token
-            width = self.q_conv1d.kernel_size[0] - 1
-            state = (*state, self.c_attn.weight.new_zeros(batch_size, width, 3 * self.embed_dim))
+        if self.has_short_conv:
+            state = (*state, self._empty_conv_buffer(batch_size))
         return tuple(state)
+
+    def _empty_conv_buffer(self, batch_size: int) -> torch.Tensor:
+        """The convolution's buffer before a sequence's first token: zeros (B, K-1, 3 D)."""
+        width = self.q_conv1d.kernel_size[0] - 1
+        return self.c_attn.weight.new_zeros(batch_size, width, 3 * self.embed_dim)
 
     def _attend_window(self, q, k, v, phi_q, phi_k, key_mask, state, need_tail, output_attentions):
         """attend() with a sliding window: chunked form for prompts, the step for single tokens after a state."""
@@ -234,7 +259,14 @@ class LinearGPT2Attention(GPT2StyleAttention):
         return output, KeyValueSlots(keys, values, length + n)
 
     def explicit_state(self, tensors):
-        return KeyValueSlots(*tensors) if self.full_attention else tensors
+        if not self.full_attention:
+            return tensors
+        return BufferedKeyValueSlots(*tensors) if self.has_short_conv else KeyValueSlots(*tensors)
+
+    def split_conv_buffer(self, state):
+        if isinstance(state, BufferedKeyValueSlots):  # the slots stay KeyValueSlots, so attend() takes the slot path
+            return KeyValueSlots(*state[:3]), state.buffer
+        return super().split_conv_buffer(state)
 
     def exported_prompt_state(self, state):
         """A full-attention layer's prompt state (keys, values (B, H, n, d), real-token mask (B, n)) as
@@ -242,6 +274,12 @@ class LinearGPT2Attention(GPT2StyleAttention):
         DecoderPrefill numbers positions), pads left out (sent to a spare slot that is dropped)."""
         if not self.full_attention:
             return state
+        if self.has_short_conv:  # the buffer (last) is already of fixed shape; pads were zeroed before it was taken
+            return (*self._prompt_slots(state[:3]), state[-1])
+        return self._prompt_slots(state)
+
+    def _prompt_slots(self, state) -> KeyValueSlots:
+        """(keys, values, real-token mask) of a prompt pass as :class:`KeyValueSlots` (exported_prompt_state)."""
         keys, values, real = state
         batch, heads, _, head_dim = keys.shape
         capacity = self.slot_capacity
@@ -298,7 +336,9 @@ class LinearGPT2Attention(GPT2StyleAttention):
             state = tuple(t.to(q.device) for t in state)
         if self.full_attention:
             output, weights, state = self._attend_full(q, k, v, key_mask, state, output_attentions)
-            return output, weights, state if use_cache else None, None
+            # No rollback tail of its own: crop truncates the keys and values. An empty one (not None) when asked,
+            # so that a short convolution's inputs can follow it.
+            return output, weights, state if use_cache else None, () if need_tail else None
         if self.favor_stabiliser:
             return self._attend_favor(q, k, v, key_mask, state, use_cache, need_tail, output_attentions, log_decay)
         phi_q, phi_k = self.feature_map.pair(q, k, key_mask)

@@ -7,7 +7,8 @@
 * :class:`SlidingWindowStateLayer` holds that state plus the last W keys / values of window + linear attention.
 * With a short convolution on q, k, v (``use_short_conv``) each of the three linear layers above also holds the
   convolution's buffer, the last K-1 pre-convolution inputs (:class:`ShortConvStateMixin`).
-* :class:`KeyValueStateLayer` holds the keys and values of a full-attention layer of a hybrid schedule.
+* :class:`KeyValueStateLayer` holds the keys and values of a full-attention layer of a hybrid schedule, and
+  :class:`ShortConvKeyValueStateLayer` those and a short convolution's buffer (``short_conv_on_full_attention``).
 * :class:`BlockLinformerCacheLayer` holds the causal block Linformer's k-row summaries of completed blocks and the
   raw keys / values of the current block: it grows by k rows per block, not by one row per token.
 
@@ -114,19 +115,16 @@ class RecurrentStateLayer(CacheLayerMixin):
         self.record_past = True
         self._commit()
 
-    def crop(self, tokens_to_remove: int) -> None:
-        """Roll back the last ``-tokens_to_remove`` tokens (a negative count, as for Transformers' caches); 0 commits."""
+    def _recorded_tokens_to_remove(self, tokens_to_remove: int) -> int:
+        """How many recorded tokens ``crop(tokens_to_remove)`` drops (0: it only commits); raises naming the fix for a
+        positive count or more tokens than were recorded since the last commit."""
         if tokens_to_remove > 0:
             raise ValueError(
                 f"Calling crop with a positive value ({tokens_to_remove}) is not supported: pass minus the number of "
                 "tokens to remove, as for every Transformers cache layer."
             )
         remove = -tokens_to_remove
-        if remove == 0:
-            if self.record_past:
-                self._commit()
-            return
-        if not self.record_past or remove > self._tail_tokens:
+        if remove and (not self.record_past or remove > self._tail_tokens):
             recorded = self._tail_tokens if self.record_past else 0
             raise ValueError(
                 f"{type(self).__name__} keeps a running state, so it can drop the last {remove} tokens only if it "
@@ -134,6 +132,15 @@ class RecurrentStateLayer(CacheLayerMixin):
                 "cache.activate_past_recording() before the forwards to roll back (generate() does this for assisted "
                 "decoding), and crop no further back than the last crop."
             )
+        return remove
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Roll back the last ``-tokens_to_remove`` tokens (a negative count, as for Transformers' caches); 0 commits."""
+        remove = self._recorded_tokens_to_remove(tokens_to_remove)
+        if remove == 0:
+            if self.record_past:
+                self._commit()
+            return
         keep = self._tail_tokens - remove
         tail = tuple(t.narrow(dim, 0, keep) for t, dim in zip(self._tail, self.tail_token_dims))
         self.state = self._replay(self._committed_state, tail) if keep else self._committed_state
@@ -347,12 +354,54 @@ class ShortConvSlidingWindowStateLayer(ShortConvStateMixin, SlidingWindowStateLa
     """:class:`SlidingWindowStateLayer`'s state and a short convolution's buffer."""
 
 
-# The cache layer of each linear layer kind when its q, k, v pass a short convolution first.
+class ShortConvKeyValueStateLayer(KeyValueStateLayer):
+    """:class:`KeyValueStateLayer`'s keys, values (B, H, T, d) and real-token mask (B, T), then a short convolution's
+    buffer (B, K-1, C): a full-attention layer whose q, k, v pass the convolution (``short_conv_on_full_attention``,
+    GPT-2 + short conv). It grows by one key / value row per token; the buffer keeps its size.
+
+    Rollback: the keys and values are truncated, but the buffer (the last K-1 *pre*-convolution inputs) cannot be
+    read back from them, so it is replayed as :class:`ShortConvStateMixin` replays a linear layer's, from the buffer
+    at the last commit and the recorded inputs (B, t, C) of the tokens since: ``crop`` needs past recording, as for
+    the linear layers (``generate()`` turns it on for assisted decoding). Only the buffer is kept at a commit, never
+    a second reference to the growing keys and values.
+    """
+
+    tail_token_dims = (1,)  # the convolution's inputs; the keys and values need no record
+
+    def update(self, state, num_new_tokens, tail=None, *args, **kwargs):
+        """Store the state after ``num_new_tokens`` more tokens; while recording, also their convolution inputs."""
+        return RecurrentStateLayer.update(self, state, num_new_tokens, tail)
+
+    def _commit(self) -> None:
+        self._committed_state = None if self.state is None else (self.state[-1],)
+        self._tail, self._tail_tokens = None, 0
+
+    @property
+    def is_croppable(self) -> bool:
+        return self.record_past
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last ``-tokens_to_remove`` tokens (a negative count, as Transformers' caches; 0 commits): their keys
+        and values, and the buffer rebuilt from the recorded inputs of the tokens kept."""
+        remove = self._recorded_tokens_to_remove(tokens_to_remove)
+        if remove:
+            keys, values, real, buffer = self.state
+            inputs = self._tail[0].narrow(1, 0, self._tail_tokens - remove)
+            start = buffer.new_zeros(buffer.shape) if self._committed_state is None else self._committed_state[0]
+            keep = keys.shape[2] - remove
+            self.state = (keys[:, :, :keep], values[:, :, :keep], real[:, :keep], advance_buffer(start, inputs))
+            self.seen_tokens -= remove
+        if self.record_past:
+            self._commit()
+
+
+# The cache layer of each layer kind when its q, k, v pass a short convolution first.
 SHORT_CONV_STATE_LAYERS = {
     LinearAttentionStateLayer: ShortConvLinearAttentionStateLayer,
     DecayedStateLayer: ShortConvDecayedStateLayer,
     StabilisedFavorStateLayer: ShortConvStabilisedFavorStateLayer,
     SlidingWindowStateLayer: ShortConvSlidingWindowStateLayer,
+    KeyValueStateLayer: ShortConvKeyValueStateLayer,
 }
 
 

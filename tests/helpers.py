@@ -112,6 +112,11 @@ CONV_VARIANTS = {
         **{**TINY_DECODER, "use_short_conv": True, "layer_types": ["full_attention", "linear_attention"],
            "linear_attention_chunk_size": 4, **kw}
     ),
+    # GPT-2 + short conv: every layer softmax attention, each with the convolution (short_conv_on_full_attention)
+    "gpt2-conv": lambda **kw: LinearGPT2Config(
+        **{**TINY_DECODER, "use_short_conv": True, "short_conv_on_full_attention": True,
+           "layer_types": ["full_attention", "full_attention"], **kw}
+    ),
 }
 
 CORPUS = [

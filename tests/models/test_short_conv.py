@@ -1,7 +1,10 @@
 """The short causal convolution on q, k, v (``use_short_conv``): its math against a per-position loop, where it sits in
 the model, padding, the cache (steps, generate, beams, rollback, bytes), checkpoints, init and the refusals.
 
-The variants (helpers.CONV_VARIANTS) combine it with plain, windowed, fixed-decay, gated and hybrid layers."""
+The variants (helpers.CONV_VARIANTS) combine it with plain, windowed, fixed-decay, gated and hybrid layers, and put it
+on softmax attention (gpt2-conv: every layer full_attention, short_conv_on_full_attention, GPT-2 + short conv)."""
+
+import copy
 
 import pytest
 import torch
@@ -136,7 +139,41 @@ def test_prefill_then_steps_and_pieces_equal_one_full_forward(variant):
     torch.testing.assert_close(torch.cat(pieces, dim=1)[real], full[real], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("variant", ["linear-gated-conv"])
+def gpt2_conv_reference(model, ids):
+    """GPT-2 + short conv by hand in float64 from the model's weights: per block, ln_1, c_attn, the per-position
+    convolution loop on q, k, v (each its own taps), causal softmax attention over the heads, c_proj, residual; then
+    GPT-2's own MLP, LayerNorms and tied head (float64 copies: not the code under test). Logits (B, n, vocab)."""
+    model = copy.deepcopy(model).double()
+    body, heads = model.transformer, model.config.n_head
+    n = ids.shape[1]
+    x = body.wte(ids) + body.wpe(torch.arange(n))
+    for block in body.h:
+        attn = block.attn
+        h = block.ln_1(x)
+        qkv = h @ attn.c_attn.weight + attn.c_attn.bias  # transformers' Conv1D: x W + b, W (D, 3 D)
+        weight = torch.cat([attn.q_conv1d.weight, attn.k_conv1d.weight, attn.v_conv1d.weight])
+        q, k, v = (t.unflatten(-1, (heads, -1)).transpose(1, 2) for t in per_position_reference(qkv, weight).chunk(3, -1))
+        scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+        scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), -torch.inf)
+        out = (scores.softmax(-1) @ v).transpose(1, 2).flatten(2)
+        x = x + out @ attn.c_proj.weight + attn.c_proj.bias
+        x = x + block.mlp(block.ln_2(x))
+    return model.lm_head(body.ln_f(x))
+
+
+def test_gpt2_with_short_conv_equals_the_softmax_computation_by_hand_in_float64():
+    model = causal_lm("gpt2-conv")
+    assert all(block.attn.full_attention and block.attn.has_short_conv for block in model.transformer.h)
+    ids = random_ids(2, 19)
+    torch.testing.assert_close(model(ids).logits.double(), gpt2_conv_reference(model, ids), atol=1e-5, rtol=1e-5)
+    # and the convolution matters: the same weights without it (stock all-full_attention linear_gpt2) differ
+    plain = LinearGPT2ForCausalLM(LinearGPT2Config(**{**model.config.to_dict(), "use_short_conv": False,
+                                                      "short_conv_on_full_attention": False})).eval()
+    plain.load_state_dict(model.state_dict(), strict=False)
+    assert (plain(ids).logits - model(ids).logits).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("variant", ["linear-gated-conv", "gpt2-conv"])
 def test_generate_equals_the_full_forward_with_a_state_of_fixed_size(variant):
     model = causal_lm(variant)
     ids = random_ids(2, 10)
@@ -147,13 +184,18 @@ def test_generate_equals_the_full_forward_with_a_state_of_fixed_size(variant):
     torch.testing.assert_close(torch.stack(out.logits, dim=1), full[:, 9:-1], atol=1e-4, rtol=1e-4)
     assert (full[:, 9:-1].argmax(-1) == out.sequences[:, 10:]).all()  # greedy tokens of the full forward
     long, short = (model(t, use_cache=True).past_key_values for t in (out.sequences, ids))
-    assert long.state_bytes() == short.state_bytes()
-    plain = causal_lm(variant, use_short_conv=False)
+    if variant == "gpt2-conv":  # softmax attention: keys and values grow by a row per token, the buffer stays
+        grown = 2 * 2 * 12 * (2 * 32 * 4 + 1)  # 2 rows x 2 layers x 12 tokens: keys + values (32 float32) + a mask byte
+        assert long.state_bytes() == short.state_bytes() + grown
+        plain = causal_lm(variant, use_short_conv=False, short_conv_on_full_attention=False)
+    else:
+        assert long.state_bytes() == short.state_bytes()
+        plain = causal_lm(variant, use_short_conv=False)
     buffers = 2 * 2 * (4 - 1) * 3 * 32 * 4  # 2 rows, 2 layers, K - 1 = 3 inputs of q, k, v (3 x 32), float32
     assert short.state_bytes() == plain(ids, use_cache=True).past_key_values.state_bytes() + buffers
 
 
-@pytest.mark.parametrize("variant", ["linear-window-conv"])
+@pytest.mark.parametrize("variant", ["linear-window-conv", "gpt2-conv"])
 def test_beam_search_reorders_the_buffer_and_matches_recomputation_and_batch_one(variant):
     """Every beam and its score, not only the best (a random model's best beam barely depends on the others)."""
     model = causal_lm(variant)
@@ -172,9 +214,10 @@ def test_beam_search_reorders_the_buffer_and_matches_recomputation_and_batch_one
                                    atol=1e-5, rtol=1e-5)
 
 
-def test_recording_from_the_first_token_replays_from_a_zero_buffer():
+@pytest.mark.parametrize("variant", ["linear-conv", "gpt2-conv"])
+def test_recording_from_the_first_token_replays_from_a_zero_buffer(variant):
     """(Crops into recorded forwards and steps after a committed prefill: test_generation_strategies, conv variants.)"""
-    model = causal_lm("linear-conv")
+    model = causal_lm(variant)
     ids = random_ids(1, 9)
     cache = model.transformer.new_cache()
     cache.activate_past_recording()
@@ -186,22 +229,60 @@ def test_recording_from_the_first_token_replays_from_a_zero_buffer():
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-def test_assisted_greedy_equals_plain_greedy_token_for_token():
-    model, draft = causal_lm("linear-gated-conv"), causal_lm("linear-gated-conv", seed=1, n_layer=1)
+def test_a_softmax_layers_crop_rolls_keys_values_and_buffer_back_after_a_committed_prefill():
+    """GPT-2 + short conv: prefill, commit, 3 recorded steps, crop(-2), then the token that replaces them; the cache
+    equals a fresh forward's over the kept tokens (keys and values truncated, the buffer replayed) and the next logits
+    are the full forward's. Without past recording the crop is refused, naming the fix."""
+    model = causal_lm("gpt2-conv")
+    ids, other = random_ids(1, 12), random_ids(1, 1, seed=7)
+    cache = model(ids[:, :8], use_cache=True).past_key_values
+    with pytest.raises(ValueError, match="activate_past_recording"):
+        cache.crop(-1)
+    assert not cache.is_croppable
+    cache.activate_past_recording()
+    assert cache.is_croppable
+    for t in range(8, 11):
+        model(ids[:, t:t + 1], past_key_values=cache)
+    cache.crop(-2)
+    fresh = model(ids[:, :9], use_cache=True).past_key_values
+    for layer, reference in zip(cache.layers, fresh.layers):
+        assert layer.get_seq_length() == 9
+        for got, want in zip(layer.state, reference.state, strict=True):
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    logits = model(other, past_key_values=cache).logits
+    torch.testing.assert_close(logits[:, -1], model(torch.cat([ids[:, :9], other], 1)).logits[:, -1],
+                               atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("variant", ["linear-gated-conv", "gpt2-conv"])
+def test_assisted_greedy_equals_plain_greedy_token_for_token(variant):
+    one_layer = {"n_layer": 1, **({"layer_types": ["full_attention"]} if variant == "gpt2-conv" else {})}
+    model, draft = causal_lm(variant), causal_lm(variant, seed=1, **one_layer)
+    crops = []
+    cache_class = type(model.transformer.new_cache().layers[0])
+    original = cache_class.crop
     prompt = random_ids(1, 9)
     settings = dict(max_new_tokens=20, min_new_tokens=20, do_sample=False, pad_token_id=1)
     plain = model.generate(prompt, **settings)
-    assert model.generate(prompt, assistant_model=draft, **settings).tolist() == plain.tolist()
+    try:  # count the main model's rollbacks: a draft that is always right would test no crop
+        cache_class.crop = lambda self, r: (crops.append(r), original(self, r))[1]
+        assisted = model.generate(prompt, assistant_model=draft, **settings)
+    finally:
+        cache_class.crop = original
+    assert assisted.tolist() == plain.tolist()
+    assert any(r < 0 for r in crops)
 
 
-def test_a_checkpoint_reloads_exactly_and_carries_the_convolution_module(tmp_path):
-    """In this process; test_checkpoints loads linear-window-conv in a fresh one with trust_remote_code."""
-    model = causal_lm("linear-window-conv")
+@pytest.mark.parametrize("variant", ["linear-window-conv", "gpt2-conv"])
+def test_a_checkpoint_reloads_exactly_and_carries_the_convolution_module(tmp_path, variant):
+    """In this process; test_checkpoints loads linear-window-conv and gpt2-conv in a fresh one with trust_remote_code."""
+    model = causal_lm(variant)
     ids, mask = left_padded_batch([random_ids(1, 9)[0], random_ids(1, 4, seed=1)[0]])
     model.save_pretrained(tmp_path)
     assert (tmp_path / "short_convolution.py").is_file()  # the saved code's own copy of the math
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert reloaded.config.use_short_conv and reloaded.config.conv_size == 4
+    assert reloaded.config.short_conv_on_full_attention == (variant == "gpt2-conv")
     for name, tensor in model.state_dict().items():
         assert torch.equal(reloaded.state_dict()[name], tensor), name  # loaded, not re-initialised
     torch.testing.assert_close(reloaded(ids, attention_mask=mask).logits, model(ids, attention_mask=mask).logits,
@@ -213,9 +294,9 @@ def test_a_checkpoint_reloads_exactly_and_carries_the_convolution_module(tmp_pat
 
 def test_a_config_without_the_fields_loads_as_before():
     saved = LinearGPT2Config(**TINY_DECODER).to_dict()
-    del saved["use_short_conv"], saved["conv_size"]
+    del saved["use_short_conv"], saved["conv_size"], saved["short_conv_on_full_attention"]
     config = LinearGPT2Config(**saved)
-    assert config.use_short_conv is False and config.conv_size == 4
+    assert config.use_short_conv is False and config.conv_size == 4 and config.short_conv_on_full_attention is False
     model = LinearGPT2ForCausalLM(config)
     assert not any("conv1d" in name for name in model.state_dict())
 
@@ -224,7 +305,13 @@ def test_a_config_without_the_fields_loads_as_before():
     (dict(use_short_conv=True, conv_size=1), "conv_size must be an integer of at least 2"),
     (dict(use_short_conv=True, conv_size=0), "conv_size must be an integer of at least 2"),
     (dict(conv_size=3), "use_short_conv is False: set use_short_conv=True"),
-    (dict(use_short_conv=True, n_layer=1, layer_types=["full_attention"]), "linear_attention layers only"),
+    (dict(use_short_conv=True, n_layer=1, layer_types=["full_attention"]),
+     "linear_attention layers only.*set short_conv_on_full_attention=True"),
+    (dict(short_conv_on_full_attention=True, n_layer=1, layer_types=["full_attention"]),
+     "use_short_conv is False.*set use_short_conv=True"),
+    (dict(use_short_conv=True, short_conv_on_full_attention=True), "no entry of layer_types is 'full_attention'"),
+    (dict(use_short_conv=True, short_conv_on_full_attention=True, layer_types=["linear_attention"] * 2),
+     "no entry of layer_types is 'full_attention'"),
 ])
 def test_bad_convolutions_are_refused_at_construction_with_the_fix(options, message):
     with pytest.raises(ValueError, match=message):
