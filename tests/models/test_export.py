@@ -26,7 +26,7 @@ def test_the_explicit_state_step_equals_the_cached_forward():
 
 
 @pytest.mark.parametrize("variant", ["linear-elu", "linear-favor", "linear-hedgehog", "linear-window", "linear-decay", "linear-gated",
-                                     "linear-conv", "linear-hybrid-conv"])
+                                     "linear-conv", "linear-hybrid-conv", "gpt2-conv"])
 def test_torch_export_of_the_step_with_a_dynamic_batch_equals_eager(variant):
     model, step, ids, positions, state = prefill_then_step(variant)
     batch = torch.export.Dim("batch", min=1, max=64)
@@ -189,6 +189,36 @@ def test_the_hybrid_prompt_pass_exports_leaves_pads_out_and_the_exported_step_co
             torch.testing.assert_close(logits[row, -len(prompt):], alone[: len(prompt)], atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(torch.cat(steps, dim=1)[row], alone[len(prompt):], atol=1e-5, rtol=1e-5)
     assert state[2].tolist() == [len(p) + 3 for p in prompts]
+
+
+def test_gpt2_with_short_conv_steps_in_slots_and_continues_the_prompt_pass_with_pads_left_out():
+    """GPT-2 + short conv (short_conv_on_full_attention): each layer's explicit state is its key / value slots and the
+    convolution's buffer (4 tensors). Stepping token by token from the empty state, then 5 at once, gives the whole
+    forward's logits with no shape change; a left-padded prompt pass (DecoderPrefill) then the step continue every row
+    as the model continues the row alone (a row shorter than the buffer too)."""
+    model = causal_lm("gpt2-conv")
+    step = DecoderStateStep(model).eval()
+    ids = random_ids(2, 25, seed=3)
+    state = step.initial_state(2)
+    assert step.state_sizes == [4, 4] and state[0].shape[2] == model.config.n_positions and state[3].shape == (2, 3, 96)
+    with torch.no_grad():
+        logits, after = step_through(step, ids[:, :20], state)
+        more, *final = step(ids[:, 20:], torch.arange(20, 25).expand(2, 5), *after)
+        torch.testing.assert_close(torch.cat([logits, more], dim=1), model(ids).logits, atol=1e-5, rtol=1e-5)
+    assert [t.shape for t in final] == [t.shape for t in state] and final[2].tolist() == [25, 25]
+    prompts = [random_ids(1, n, seed=n)[0] for n in (5, 13, 2)]
+    padded, mask = left_padded_batch(prompts)
+    following = random_ids(3, 3, seed=9)
+    with torch.no_grad():
+        prompt_logits, *state = DecoderPrefill(model).eval()(padded, mask)
+        position, outs = mask.sum(-1, keepdim=True), []
+        for t in range(3):
+            out, *state = step(following[:, t : t + 1], position + t, *state)
+            outs.append(out)
+        for row, prompt in enumerate(prompts):
+            alone = model(torch.cat([prompt, following[row]])[None]).logits[0]
+            torch.testing.assert_close(prompt_logits[row, -len(prompt):], alone[: len(prompt)], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(torch.cat(outs, dim=1)[row], alone[len(prompt):], atol=1e-5, rtol=1e-5)
 
 
 # ------------------------------------------------------------------------------ ONNX, run by onnxruntime
