@@ -15,7 +15,9 @@ from hf_linear_attn.training.errors import UsageError
 # per-head decay, GLA's per-feature gate from the input); a hybrid schedule whose first layer is GPT-2's softmax
 # attention (its key/value cache grows with n, the linear layers' states do not); a short causal convolution on q,
 # k, v (fla's use_short_conv, width 4: the previous-token shift an induction head needs, which lets 2-layer models
-# learn MQAR in Zoology / Based), on elu + 1 and on the gated state.
+# learn MQAR in Zoology / Based), on elu + 1 and on the gated state; and the same convolution on GPT-2's softmax
+# attention (every layer full_attention, short_conv_on_full_attention), the equal-architecture baseline of the
+# convolution models: the dims, the convolution and everything but the attention are theirs.
 LINEAR_VARIANTS = {
     "linear_gpt2_relu": {"feature_map": "relu"},
     "linear_gpt2_hedgehog": {"feature_map": "hedgehog"},
@@ -25,6 +27,8 @@ LINEAR_VARIANTS = {
     "linear_gpt2_hybrid": lambda layers: {"layer_types": ["full_attention"] + ["linear_attention"] * (layers - 1)},
     "linear_gpt2_conv": {"use_short_conv": True},
     "linear_gpt2_gated_conv": {"state_decay": "gated", "use_short_conv": True},
+    "gpt2_conv": lambda layers: {"layer_types": ["full_attention"] * layers, "use_short_conv": True,
+                                 "short_conv_on_full_attention": True},
 }
 MODELS = (*DECODERS, *(name for name in LINEAR_VARIANTS if name not in DECODERS))  # names shared by both
 LABELS = {"gpt2_sdpa": "GPT-2 (softmax)", "reformer_lsh": "Reformer (LSH)", "linear_gpt2": "linear_gpt2 (elu+1)",
@@ -34,7 +38,8 @@ LABELS = {"gpt2_sdpa": "GPT-2 (softmax)", "reformer_lsh": "Reformer (LSH)", "lin
           "linear_gpt2_decay": "linear_gpt2, fixed decay (RetNet)", "linear_gpt2_gated": "linear_gpt2, gated (GLA)",
           "linear_gpt2_hybrid": "linear_gpt2, softmax layer 1 + linear",
           "linear_gpt2_conv": "linear_gpt2 (elu+1), short conv",
-          "linear_gpt2_gated_conv": "linear_gpt2, gated (GLA), short conv"}
+          "linear_gpt2_gated_conv": "linear_gpt2, gated (GLA), short conv",
+          "gpt2_conv": "GPT-2 (softmax), short conv"}
 
 
 def check_models(names) -> None:

@@ -80,7 +80,7 @@ def test_decoding_state_bytes_constant_for_recurrent_models_and_growing_for_soft
     dims = Dims(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64)
     vocab = mqar_vocab_size(16, 16)
     sizes = {}
-    for name in ("gpt2_sdpa", "linear_gpt2", "linear_gpt2_hedgehog", "linear_gpt2_conv"):
+    for name in ("gpt2_sdpa", "linear_gpt2", "linear_gpt2_hedgehog", "linear_gpt2_conv", "gpt2_conv"):
         torch.manual_seed(0)
         model = build_recall_model(name, dims, 128, vocab)
         sizes[name] = [decoding_state_bytes(model, n, vocab) for n in (32, 64, 128)]
@@ -92,6 +92,11 @@ def test_decoding_state_bytes_constant_for_recurrent_models_and_growing_for_soft
     # short conv: elu's state plus, per layer, the last K - 1 = 3 inputs of q, k, v (3 x 32 wide), float32
     assert len(set(sizes["linear_gpt2_conv"])) == 1
     assert sizes["linear_gpt2_conv"][0] == sizes["linear_gpt2"][0] + 2 * 3 * 3 * 32 * 4
+    # GPT-2 + short conv: GPT-2's keys and values, a real-token mask byte per token and layer, and the same buffers
+    assert sizes["gpt2_conv"] == [size + 2 * n + 2 * 3 * 3 * 32 * 4 for size, n in zip(sizes["gpt2_sdpa"], (32, 64, 128))]
+    gpt2_conv = build_recall_model("gpt2_conv", dims, 64, vocab)
+    assert gpt2_conv.config.layer_types == ["full_attention"] * 2 and gpt2_conv.config.short_conv_on_full_attention
+    assert gpt2_conv.num_parameters() == build_recall_model("linear_gpt2_conv", dims, 64, vocab).num_parameters()
     gated_conv = build_recall_model("linear_gpt2_gated_conv", dims, 64, vocab).config
     assert gated_conv.use_short_conv and gated_conv.state_decay == "gated" and gated_conv.feature_map == "elu"
 
