@@ -107,7 +107,7 @@ def profile_markdown(profile: dict, command: str, machine: dict) -> str:
         lines += ["", f"The products alone: {flops / 1e9:.2f} GFLOP in {product_ms:.1f} ms, "
                   f"{flops / product_ms / 1e6:.0f} GFLOP/s ({100 * flops / product_ms / 1e6 / peak:.0f}% of the "
                   f"{peak:.0f} GFLOP/s bf16 peak measured before the timings); the rest of the call is memory-bound "
-                  "elementwise work, dtype conversions (copy_) and autograd's gradient accumulation (add_)."]
+                  "work: dtype conversions and copies (copy_), elementwise operations and sums (add, mul, div, sum)."]
     return "\n".join(lines) + "\n"
 
 

@@ -173,21 +173,20 @@ class _CausalLinearAttentionScan(torch.autograd.Function):
 # batch 1 up to n 2,048 (1.19x at n 1,024) and 1.05-1.11x at batch 16 up to n 256; from batch 16 x n 1,024
 # (196,608 positions) the scan wins by 1.4-1.6x, and at batch 1 from n 4,096 by 1.05-1.17x. The boundary at 65,536
 # positions sits between.
-# CPU bf16 products (the bf16 path: "auto" takes it on such CPUs for training only, see _bf16_compute), on a 2-core
-# Zen 5 EPYC with AVX512-BF16, H 12, d 64, batch 1, `python scripts/bf16_kernel_check.py --n ... --forms ...`
-# (results/benchmarks/bf16-kernel-zen5-2026-11-26-b for n 1,024 / 4,096, -b-long for 16,384 / 65,536; bf16 matmul
-# peak about 400 GFLOP/s there). Forward + backward: the parallel form with its normaliser from its own scores
-# (_chunkwise_parallel_bf16), C=64, is the fastest form at every n measured (at 4,096: 63.6 ms against 100.1-119.7
-# for the scans; at 65,536, 786,432 positions: 3.13 s against 3.49-3.81). Forward (taken only with
-# precision="bfloat16"): parallel C=64 at 1,024 and 4,096 (4.8 / 26.8 ms against 6.6 / 41.6 for the scan C=128; the
-# 4,096 figures swap places in other runs of the same command: a tie there), the scans from 16,384 (228 / 239 ms for
-# C=64 / 128 against 245), the scan C=128 at 65,536 (957 ms against 1,091 for C=64 and 1,095 for parallel C=64).
+# CPU bf16 products (the bf16 path: "auto" takes it on such CPUs for training, and for a forward below
+# CPU_BF16_FORWARD_BELOW positions, see _bf16_compute), on a 2-core Zen 5 EPYC with AVX512-BF16, H 12, d 64, batch 1,
+# `python scripts/bf16_kernel_check.py --n ... --forms ...` (results/benchmarks/bf16-kernel-zen5-2026-11-26-b for
+# n 1,024 / 4,096, -b-long for 16,384 / 65,536; bf16 matmul peak about 410 GFLOP/s there). The parallel form with its
+# normaliser from its own scores and a hand-written backward (_ChunkwiseParallelBF16), C=64, is the fastest form or
+# within 3% of it at every n measured: forward + backward 41.3 ms at 4,096 against 95.7-110.1 for the scans, 2.06 s
+# at 65,536 (786,432 positions) against 2.85-3.07; forward 16.3 ms at 4,096 against 24.4 for the scan C=128, 789 ms
+# at 65,536 against 859-864, and at 16,384 173 ms against 169 for the scan C=128 (a tie).
 # GPUs: fla's Triton kernel where installed (see causal_linear_attention), else these "cuda" rows, the earlier fixed
 # choice; not measured yet.
 CAUSAL_FORM_TABLE: dict[tuple[str, bool, bool], list[tuple[int, str, int]]] = {
     ("cpu", False, False): [(0, "scan", 64)],
     ("cpu", False, True): [(0, "parallel", 64), (65536, "scan", 64)],
-    ("cpu", True, False): [(0, "parallel", 64), (98304, "scan", 128)],
+    ("cpu", True, False): [(0, "parallel", 64)],
     ("cpu", True, True): [(0, "parallel", 64)],
     ("cuda", False, False): [(0, "parallel", 64)],
     ("cuda", False, True): [(0, "parallel", 64)],
@@ -228,7 +227,8 @@ def causal_linear_attention(
     ``precision``: float32 inputs are computed in float32 (z rides along as a column of ones after V, so one product
     gives numerator and normaliser). bf16 inputs (phi(Q), phi(K) and V all bf16) take the bf16 compute path with
     "bfloat16", and with "auto" where the device computes bf16 natively and it pays (CUDA; CPUs with AVX512-BF16 /
-    AMX when gradients are needed; see :func:`_bf16_compute`); "float32" keeps the float32 path. On the bf16 path the products run in bf16, the state S,
+    AMX when gradients are needed or below :data:`CPU_BF16_FORWARD_BELOW` positions; see :func:`_bf16_compute`);
+    "float32" keeps the float32 path. On the bf16 path the products run in bf16, the state S,
     z and the normaliser phi(q) . z_t are accumulated in float32 (z_t is a float32 prefix sum, the normaliser a
     float32 dot product, never a bf16 product).
 
@@ -249,7 +249,7 @@ def causal_linear_attention(
     needs_grad = torch.is_grad_enabled() and any(
         t.requires_grad for t in (phi_q, phi_k, v, *(state if state is not None else ()))
     )
-    low = _bf16_compute(precision, phi_q, phi_k, v, causal=True, needs_grad=needs_grad)
+    low = _bf16_compute(precision, phi_q, phi_k, v, causal=True, needs_grad=needs_grad, positions=batch * heads * n)
     if torch.compiler.is_exporting():
         # torch.export (and the ONNX exporter, which runs it) traces n as a symbol: the scan's loop over chunks
         # would unroll for the traced n, and the chunked forms' padding to a whole number of chunks leaves shape
@@ -307,7 +307,13 @@ def _cpu_computes_bf16() -> bool:  # the graph at an op that returns a bool
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def _bf16_compute(precision: str, *tensors: torch.Tensor, causal: bool = False, needs_grad: bool = False) -> bool:
+# Below this many positions (batch x heads x n) a causal forward without gradients takes the bf16 path on a CPU
+# with native bf16 (see _bf16_compute); from it, the float32 path.
+CPU_BF16_FORWARD_BELOW = 98304
+
+
+def _bf16_compute(precision: str, *tensors: torch.Tensor, causal: bool = False, needs_grad: bool = False,
+                  positions: int = 0) -> bool:
     """Whether the bf16 compute path applies: every input (features and values) bf16, and ``precision``
     "bfloat16", or "auto" where bf16 products are native (:func:`native_bf16`) and measured to pay (below)."""
     if precision not in ("auto", "float32", "bfloat16"):
@@ -319,16 +325,17 @@ def _bf16_compute(precision: str, *tensors: torch.Tensor, causal: bool = False, 
     # "auto": bf16 products where they are native and measured to pay. Without native bf16 (AVX2) a bf16 product is
     # a reference loop, thousands of times slower: the float32 path. On CUDA: the bf16 path (fla's kernel or the torch
     # forms). On a CPU with AVX512-BF16 (Zen 5 EPYC, `python scripts/bf16_kernel_check.py`, results/benchmarks/
-    # bf16-kernel-zen5-2026-11-26-b and -b-long, H 12, d 64): the causal bf16 path wins forward + backward (the
-    # default call 14.9 against 20.5 ms for the float32 path at n 1,024, 71.6 against 102.5 at 4,096, 315 against 567
-    # at 16,384) but the forward alone only at short n (the best bf16 form 4.8 / 26.8 ms at 1,024 / 4,096 against the
-    # float32 path's 5.8 / 41.8; 228 / 957 against 176 / 867 at 16,384 / 65,536): there its dtype conversions and
-    # float32 normaliser cost more than the bf16 products save. "auto" keeps the float32 path for the forward, which is
-    # also the more accurate (relative error 1.6e-3 against 2.5e-3 at n 4,096). The bidirectional form is unmeasured.
+    # bf16-kernel-zen5-2026-11-26-b and -b-long, H 12, d 64, batch 1): the causal bf16 path wins forward + backward at
+    # every n measured (the default call 11.1 against 21.4 ms for the float32 path at n 1,024, 44.8 against 90.4 at
+    # 4,096, 201 against 453 at 16,384, 2,010 against 2,481 at 65,536), so training takes it; the forward alone it
+    # wins up to 4,096 (parallel C=64 4.3 / 16.3 ms against 5.6 / 21.1 at 1,024 / 4,096) and loses from 16,384 (the
+    # best bf16 form 169 / 789 ms against 152 / 653 at 16,384 / 65,536: there its dtype conversions and float32
+    # normaliser cost more than the bf16 products save), so a forward takes it below CPU_BF16_FORWARD_BELOW
+    # positions (98,304: between 4,096 and 16,384 at 12 heads). The bidirectional form is unmeasured: float32.
     device = tensors[0].device.type
     if not native_bf16(device):
         return False
-    return device != "cpu" or (causal and needs_grad)
+    return device != "cpu" or (causal and (needs_grad or positions < CPU_BF16_FORWARD_BELOW))
 
 
 def _causal_bf16(phi_q, phi_k, v, key_mask, eps, c, state, form):
@@ -356,8 +363,8 @@ def _causal_bf16(phi_q, phi_k, v, key_mask, eps, c, state, form):
     elif form == "prefix-sum":
         numerator, s_n = _prefix_sum_form(phi_q, phi_k, v, s0)
     else:  # the parallel form computes its normaliser from its own scores (see _chunkwise_parallel_bf16)
-        numerator, normaliser, (s_n, z_n) = _chunkwise_parallel_bf16(phi_q, phi_k, v, s0, z0.squeeze(2), c)
-        return (numerator / (normaliser + eps)).to(v.dtype), (s_n, z_n)
+        y, final = _chunkwise_parallel_bf16(phi_q, phi_k, v, s0, z0.squeeze(2), c, eps)
+        return y.to(v.dtype), final
     normaliser, z_n = _float32_normaliser(phi_q, phi_k, z0.squeeze(2), c)
     y = numerator / (normaliser + eps)
     return y.to(v.dtype), (s_n, z_n)
@@ -451,11 +458,11 @@ def _chunkwise_parallel(q, k, v, state, c: int):
     return out.reshape(batch, heads, n + padded, d)[:, :, :n], kv_before[:, :, -1] + chunk_kv[:, :, -1]
 
 
-def _chunkwise_parallel_bf16(q, k, v, s0, z0, c: int):
-    """The bf16 path's parallel form: numerator tril(Q K^T) V + Q S_before and normaliser, all chunks at once.
+def _chunkwise_parallel_bf16(q, k, v, s0, z0, c: int, eps: float):
+    """The bf16 path's parallel form: outputs (numerator / normaliser) of every position, all chunks at once.
 
-    bf16 q, k, v (B, H, n, m / d); float32 s0 (B, H, m, d), z0 (B, H, m). Returns the numerator (B, H, n, d) and
-    the normaliser (B, H, n, 1), both float32, and the final (S, z) in float32.
+    bf16 q, k, v (B, H, n, m / d); float32 s0 (B, H, m, d), z0 (B, H, m). Returns y (B, H, n, d) in float32 and the
+    final (S, z) in float32; gradients by :class:`_ChunkwiseParallelBF16`'s hand-written backward.
 
     The normaliser inside a chunk is the float32 row sum of the chunk's bf16 scores tril(phi(Q) phi(K)^T): the same
     rounded weights the numerator applies to the values, so numerator and normaliser weigh every key alike (the output
@@ -471,16 +478,69 @@ def _chunkwise_parallel_bf16(q, k, v, s0, z0, c: int):
         q, k, v = (torch.nn.functional.pad(t, (0, 0, 0, padded)) for t in (q, k, v))
     chunks = (n + padded) // c
     q_c, k_c, v_c = (t.reshape(batch, heads, chunks, c, t.shape[-1]) for t in (q, k, v))
-    scores = torch.matmul(q_c, k_c.transpose(-1, -2)).tril()  # (B, H, N, C, C) bf16, causal inside the chunk
-    chunk_kv = torch.matmul(k_c.transpose(-1, -2), v_c).float()  # (B, H, N, m, d): one state per chunk
-    kv_before = exclusive_chunk_prefix(s0.float(), chunk_kv)
-    chunk_z = k_c.float().sum(3)  # (B, H, N, m): float32 sums of the chunk's keys
-    z_before = exclusive_chunk_prefix(z0.float(), chunk_z)
-    numerator = torch.matmul(scores, v_c).float() + torch.matmul(q_c, kv_before.to(q.dtype)).float()
-    normaliser = scores.float().sum(-1, keepdim=True) + torch.matmul(q_c.float(), z_before.unsqueeze(-1))
-    s_n, z_n = kv_before[:, :, -1] + chunk_kv[:, :, -1], z_before[:, :, -1] + chunk_z[:, :, -1]
-    numerator = numerator.reshape(batch, heads, n + padded, d)[:, :, :n]
-    return numerator, normaliser.reshape(batch, heads, n + padded, 1)[:, :, :n], (s_n, z_n)
+    y, s_n, z_n = _ChunkwiseParallelBF16.apply(q_c, k_c, v_c, s0.float(), z0.float(), eps)
+    return y.reshape(batch, heads, n + padded, d)[:, :, :n], (s_n, z_n)
+
+
+class _ChunkwiseParallelBF16(torch.autograd.Function):
+    """y = (tril(Q K^T) V + Q S_before) / (rowsum tril(Q K^T) + Q . z_before + eps) per chunk, and (S_n, z_n).
+
+    Inputs in chunks (B, H, N, C, .): bf16 Q, K, V; float32 S_0, z_0. Every product is a bf16 product; the states,
+    the normaliser and y are float32. The backward is written out, because autograd's spent much of a CPU call in
+    dtype conversions and in accumulating the gradients of Q and K from three uses each (``python
+    scripts/bf16_kernel_check.py --profile`` shows where the time goes). The gradients of Q, K and V are returned in
+    bf16, so their two bf16 products are added in bf16, not converted to float32 and back. With A = tril(Q K^T),
+    V1 = [V, 1] and
+    [S_before, z_before] (m, d + 1), the numerator and the normaliser are one product A V1 + Q [S, z]_before, so the
+    gradient of both is one (C, d + 1) matrix G1 = [dy / den, -(dy / den) . y]:
+
+    dA = tril(G1 V1^T);  dQ = dA K + G1 [S, z]_before^T;  dK = dA^T Q + V1 d[S, z]_chunk^T;  dV = A^T G + K dS_chunk,
+    with d[S, z]_before = Q^T G1 per chunk and d[S, z]_chunk (what a chunk's own state receives) the sum of those of
+    every later chunk and of the final state's gradient; dS_0, dz_0 the sum over every chunk and the final state.
+    """
+
+    @staticmethod
+    def forward(ctx, q_c, k_c, v_c, s0, z0, eps):
+        scores = torch.matmul(q_c, k_c.transpose(-1, -2)).tril_()  # (B, H, N, C, C) bf16, causal inside the chunk
+        chunk_kv = torch.matmul(k_c.transpose(-1, -2), v_c).float()  # (B, H, N, m, d): one state per chunk
+        kv_before = exclusive_chunk_prefix(s0, chunk_kv)
+        chunk_z = k_c.float().sum(3)  # (B, H, N, m): float32 sums of the chunk's keys
+        z_before = exclusive_chunk_prefix(z0, chunk_z)
+        kv_before_low = kv_before.to(q_c.dtype)
+        numerator = torch.matmul(scores, v_c).float().add_(torch.matmul(q_c, kv_before_low).float())
+        normaliser = scores.float().sum(-1, keepdim=True)
+        normaliser.add_(torch.matmul(q_c.float(), z_before.unsqueeze(-1))).add_(eps)
+        y = numerator.div_(normaliser)
+        if any(ctx.needs_input_grad):
+            before = torch.cat([kv_before_low, z_before.unsqueeze(-1).to(q_c.dtype)], dim=-1)  # [S, z]_before
+            ctx.save_for_backward(q_c, k_c, v_c, scores, before, normaliser, y)
+        return y, kv_before[:, :, -1] + chunk_kv[:, :, -1], z_before[:, :, -1] + chunk_z[:, :, -1]
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, d_y, d_s_n, d_z_n):
+        q_c, k_c, v_c, scores, before, normaliser, y = ctx.saved_tensors
+        low, d = q_c.dtype, v_c.shape[-1]
+        d_y = torch.zeros_like(y) if d_y is None else d_y
+        d_numerator = d_y / normaliser
+        d_normaliser = -(d_numerator * y).sum(-1, keepdim=True)
+        g1 = torch.cat([d_numerator, d_normaliser], dim=-1).to(low)  # (B, H, N, C, d + 1)
+        v1 = torch.cat([v_c, v_c.new_ones(*v_c.shape[:-1], 1)], dim=-1)
+        d_scores = torch.matmul(g1, v1.transpose(-1, -2)).tril_()
+        d_q = torch.matmul(d_scores, k_c).add_(torch.matmul(g1, before.transpose(-1, -2)))
+        d_k = torch.matmul(d_scores.transpose(-1, -2), q_c)
+        d_v = torch.matmul(scores.transpose(-1, -2), g1[..., :d])
+        d_before = torch.matmul(q_c.transpose(-1, -2), g1).float()  # (B, H, N, m, d + 1)
+        batch, heads, _, m, _ = d_before.shape
+        d_final = torch.cat([
+            d_before.new_zeros(batch, heads, m, d) if d_s_n is None else d_s_n.float(),
+            d_before.new_zeros(batch, heads, m, 1) if d_z_n is None else d_z_n.float().unsqueeze(-1),
+        ], dim=-1)
+        d_chunk, d_first = exclusive_chunk_suffix(d_before, d_final)
+        d_chunk_low = d_chunk.to(low)
+        d_k.add_(torch.matmul(v1, d_chunk_low.transpose(-1, -2)))
+        d_v.add_(torch.matmul(k_c, d_chunk_low[..., :d]))
+        return d_q, d_k, d_v, d_first[..., :d], d_first[..., d], None
 
 
 class _ExclusivePrefixSum(torch.autograd.Function):
@@ -504,12 +564,8 @@ class _ExclusivePrefixSum(torch.autograd.Function):
     def backward(ctx, grad):
         # d x_j = sum_{i > j} grad_i (an exclusive suffix sum); d x_0 = sum_i grad_i
         grad = grad.contiguous()
-        d_x = torch.empty_like(grad)
-        last = grad.shape[2] - 1
-        d_x[:, :, last] = 0
-        for i in range(last - 1, -1, -1):
-            torch.add(d_x[:, :, i + 1], grad[:, :, i + 1], out=d_x[:, :, i])
-        return d_x[:, :, 0] + grad[:, :, 0], d_x
+        d_x, d_x0 = exclusive_chunk_suffix(grad, grad.new_zeros(grad[:, :, 0].shape))
+        return d_x0, d_x
 
 
 def exclusive_chunk_prefix(x0: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -522,6 +578,23 @@ def exclusive_chunk_prefix(x0: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     if x.device.type == "cpu" and not torch.compiler.is_compiling():
         return _ExclusivePrefixSum.apply(x0, x)
     return torch.cumsum(torch.cat([x0.unsqueeze(2), x[:, :, :-1]], dim=2), dim=2)
+
+
+def exclusive_chunk_suffix(g: torch.Tensor, final: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The backward of :func:`exclusive_chunk_prefix` with a final total: for g (B, H, N, ...) and final (B, H, ...),
+    out[:, :, j] = final + sum_{i > j} g[:, :, i] (what chunk j's own term receives) and final + sum_i g[:, :, i]
+    (what x_0 receives). A loop of adds on a CPU (no torch.cumsum, see :class:`_ExclusivePrefixSum`), flipped cumsums
+    elsewhere."""
+    if g.device.type == "cpu" and not torch.compiler.is_compiling():
+        out = torch.empty_like(g)
+        last = g.shape[2] - 1
+        out[:, :, last] = final
+        for i in range(last - 1, -1, -1):
+            torch.add(out[:, :, i + 1], g[:, :, i + 1], out=out[:, :, i])
+        return out, out[:, :, 0] + g[:, :, 0]
+    later = torch.cat([g[:, :, 1:], torch.zeros_like(g[:, :, :1])], dim=2)
+    out = torch.cumsum(later.flip(2), dim=2).flip(2) + final.unsqueeze(2)
+    return out, out[:, :, 0] + g[:, :, 0]
 
 
 def _prefix_sum_form(q, k, v, state):

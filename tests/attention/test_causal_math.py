@@ -223,6 +223,23 @@ def test_exclusive_chunk_prefix_against_cumsum_values_and_gradients(chunks):
     assert torch.autograd.gradcheck(exclusive_chunk_prefix, (x0, x))
 
 
+@pytest.mark.parametrize("compiling", [False, True])
+@pytest.mark.parametrize("chunks", [1, 2, 7])
+def test_exclusive_chunk_suffix_both_forms_against_explicit_sums(monkeypatch, chunks, compiling):
+    """The backward's suffix sums (what each chunk's own state receives: the final gradient and every later chunk's;
+    what x_0 receives: all of them): the loop of adds and the flipped-cumsum form (taken off the CPU and under
+    torch.compile) both equal the explicit sums."""
+    import hf_linear_attn.linear_attention as la
+
+    monkeypatch.setattr(la.torch.compiler, "is_compiling", lambda: compiling)
+    g = torch.Generator(device="cpu").manual_seed(11)
+    grads, final = draw(g, 2, 3, chunks, 4, 5).double(), draw(g, 2, 3, 4, 5).double()
+    out, first = la.exclusive_chunk_suffix(grads, final)
+    for j in range(chunks):
+        torch.testing.assert_close(out[:, :, j], final + grads[:, :, j + 1:].sum(2))
+    torch.testing.assert_close(first, final + grads.sum(2))
+
+
 def test_bidirectional_bf16_compute_path_against_float64():
     from hf_linear_attn.linear_attention import bidirectional_linear_attention
 
@@ -236,16 +253,19 @@ def test_bidirectional_bf16_compute_path_against_float64():
     assert _relative(out, ref) <= _relative(full, ref) + BF16_ROUNDING
 
 
+@pytest.mark.parametrize("long", [False, True])
 @pytest.mark.parametrize("training", [False, True])
 @pytest.mark.parametrize("native", [False, True])
-def test_auto_precision_takes_the_bf16_path_exactly_where_bf16_is_native_and_pays(monkeypatch, native, training):
+def test_auto_precision_takes_the_bf16_path_exactly_where_bf16_is_native_and_pays(monkeypatch, native, training, long):
     """"auto" on bf16 inputs: the bf16 compute path on a device with native bf16 products (CUDA always; AVX512-BF16 /
-    AMX CPUs when training, where it was measured faster than the float32 path, not for the forward alone), the float32
-    path elsewhere (an AVX2 CPU would emulate every bf16 product); explicit choices are kept."""
+    AMX CPUs when training, and for a forward below CPU_BF16_FORWARD_BELOW positions, where it was measured faster
+    than the float32 path), the float32 path elsewhere (an AVX2 CPU would emulate every bf16 product); explicit
+    choices are kept."""
     import hf_linear_attn.linear_attention as la
 
     monkeypatch.setattr(la, "native_bf16", lambda device_type: native)
-    phi_q, phi_k, v = _bf16_features(1, 2, 200, 8, seed=6)
+    n = la.CPU_BF16_FORWARD_BELOW // 2 if long else 200  # batch 1 x 2 heads x n positions: at the bound, or far below
+    phi_q, phi_k, v = _bf16_features(1, 2, n, 8, seed=6)
     if training:
         phi_q.requires_grad_(True)
     kw = dict(chunk_size=64, form="scan")
@@ -253,7 +273,7 @@ def test_auto_precision_takes_the_bf16_path_exactly_where_bf16_is_native_and_pay
     bf16, (s_bf16, _) = causal_linear_attention(phi_q, phi_k, v, precision="bfloat16", **kw)
     f32, (s_f32, _) = causal_linear_attention(phi_q, phi_k, v, precision="float32", **kw)
     assert not torch.equal(s_bf16, s_f32)  # the two paths differ, so the comparison below can tell them apart
-    takes_bf16 = native and (training or torch.get_default_device().type != "cpu")
+    takes_bf16 = native and (training or not long or torch.get_default_device().type != "cpu")
     assert torch.equal(s_auto, s_bf16 if takes_bf16 else s_f32) and torch.equal(auto, bf16 if takes_bf16 else f32)
     both = (phi_q.float(), phi_k.float(), v.float())  # float32 inputs: the float32 path whatever the device
     assert torch.equal(causal_linear_attention(*both, **kw)[0], causal_linear_attention(*both, precision="float32",
