@@ -42,12 +42,17 @@ def test_plan_runs_every_models_first_task_and_seed_first_with_each_conversion_b
             extended = preset["models"][stage.info["model"]].get("finetune_args", {}).get("max_seq_length")
             assert length == str(extended or 512)
             assert stage.info["task"] in restricted.get(stage.info["model"], preset["finetune"])
-    # beyond 512 tokens: IMDB only, the conversion extends the positions and the fine-tune reads that far
+    # models for IMDB only; those beyond 512 tokens extend the positions at conversion and the fine-tune reads that far
     assert restricted and all(tasks == ["imdb"] for tasks in restricted.values())
+    extended = {name for name in restricted if "max_seq_length" in preset["models"][name].get("finetune_args", {})}
+    assert extended and extended != set(restricted)  # the extended models, and an IMDB-only model at n = 512
     for name in restricted:
         convert = next(s for s in stages if s.info == {"kind": "convert", "model": name})
-        extend = convert.argv[convert.argv.index("--extend_max_length") + 1]
-        assert extend == str(preset["models"][name]["finetune_args"]["max_seq_length"])
+        if name in extended:
+            extend = convert.argv[convert.argv.index("--extend_max_length") + 1]
+            assert extend == str(preset["models"][name]["finetune_args"]["max_seq_length"])
+        else:
+            assert "--extend_max_length" not in convert.argv
     # the first seed's SST-2 stage of every model comes before any other task
     sst2_first = [s.info["model"] for s in stages if s.info["kind"] == "finetune"][: models - len(restricted)]
     assert sorted(sst2_first) == sorted(set(preset["models"]) - set(restricted))
