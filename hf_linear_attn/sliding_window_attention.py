@@ -32,7 +32,8 @@ Forms, all float32 with autocast off (the output in V's dtype):
   positions; each chunk's queries take exact scores over their own chunk and the L = ceil((W - 1) / C) chunks on each
   side that can hold window keys (masked to the window; the same block's keys outside the window go through phi),
   and the float32 state phi(K)^T [V, 1] of every chunk beyond those (an exclusive prefix sum over chunks; the band
-  adds a suffix sum). Work O(n (L + 1) C (d + m)), memory O(n ((L + 1) C + m d / C)); autograd's backward.
+  adds a suffix sum). Work O(n (L + 1) C (d + m)), memory O(n ((L + 1) C + m d / C)); a written-out backward
+  (:class:`_WindowChunks`).
 * :func:`sliding_window_attention_step`: one decoding step on the window's keys / values (a buffer of W, shifted by
   one slot per token) and the linear state of the keys that left it: constant memory and work per token.
 * :func:`sliding_window_attention_weights`: the n x n matrix applied implicitly (quadratic; ``output_attentions``).
@@ -43,6 +44,8 @@ first. The buffer shifts by one slot per token instead of writing at a moving in
 carried in the exported state, while the shift is O(W d) per token, what the step's scores over the window cost
 anyway.
 """
+
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -122,65 +125,248 @@ def check_window_options(attention_window, longest: int, longest_name: str, feat
         )
 
 
+class _Block(NamedTuple):
+    """One chunk of keys a chunk of queries reaches exactly: the keys of chunk n - shift for the queries of chunk n.
+
+    ``window`` / ``outside``: whether any of its (query, key) pairs is inside / outside the window (then it gets
+    exact scores / phi(q).phi(k)); a part needs its (C, C) mask (``in_window``, ``beyond``) only where the block holds
+    other pairs too (``outside``; not ``all_outside``).
+    """
+
+    shift: int
+    window: bool
+    outside: bool
+    all_outside: bool
+    in_window: torch.Tensor
+    beyond: torch.Tensor
+
+
+def _local_blocks(window: int, c: int, causal: bool, chunks: int, device) -> list[_Block]:
+    """The key chunks within L = ceil((W - 1) / C) of a query chunk (only the L before it when causal) that exist.
+
+    Classified from the range of i - j over the block, not from the masks' values (no data-dependent branch): with
+    W = C (causal) the previous chunk mixes window and history and the own chunk is window (or future) only, so
+    phi(q).phi(k) is formed over one block, not two.
+    """
+    lookback = -(-(window - 1) // c)
+    blocks = []
+    for shift in range(lookback, -1 if causal else -lookback - 1, -1):
+        if abs(shift) >= chunks:
+            continue  # every key of this block is before position 0 or after the end
+        rel = shift * c + torch.arange(c, device=device)[:, None] - torch.arange(c, device=device)  # i - j
+        low, high = shift * c - (c - 1), shift * c + (c - 1)
+        if causal:
+            in_window, beyond = (rel >= 0) & (rel < window), rel >= window
+            any_window, any_out, all_out = high >= 0 and low < window, high >= window, low >= window
+        else:
+            in_window, beyond = rel.abs() < window, rel.abs() >= window
+            any_window = low < window and high > -window
+            any_out, all_out = high >= window or low <= -window, low >= window or high <= -window
+        blocks.append(_Block(shift, any_window, any_out, all_out, in_window, beyond))
+    return blocks
+
+
+def _pairs(shift: int, total: int) -> tuple[slice, slice]:
+    """Slices of the flat (B H N, C, x) chunk axis pairing query chunk f with key chunk f - shift.
+
+    One batched product over contiguous slices instead of gathering each chunk's neighbours (a copy per use and a
+    copy back in the backward). Pairs that cross into another (batch, head) are garbage: :func:`_edge` clears them.
+    """
+    if shift >= 0:
+        return slice(shift, total), slice(0, total - shift)
+    return slice(0, total + shift), slice(-shift, total)
+
+
+def _edge(t: torch.Tensor, shift: int) -> torch.Tensor:
+    """The query chunks of ``t`` (B, H, N, C, x) whose block of keys at ``shift`` lies before 0 or after the end."""
+    return t[:, :, :shift] if shift >= 0 else t[:, :, t.shape[2] + shift :]
+
+
+def _prefix_beyond(states: torch.Tensor, lookback: int, reverse: bool) -> torch.Tensor:
+    """sum_{k <= n - L - 1} states[k] for every chunk n (``reverse``: sum_{k >= n + L + 1}), along dim 2.
+
+    Summed directly: an inclusive sum minus the nearby chunks' states would cancel catastrophically."""
+    if reverse:
+        return _prefix_beyond(states.flip(2), lookback, False).flip(2)
+    zeros = states.new_zeros(*states.shape[:2], lookback + 1, *states.shape[3:])
+    return torch.cumsum(torch.cat([zeros, states], dim=2), dim=2)[:, :, : states.shape[2]]
+
+
+class _WindowChunks(torch.autograd.Function):
+    """The combination per chunk of C queries (see the module docstring), with a written-out backward.
+
+    Inputs in chunks (B, H, N, C, .): q, k (d), v1 = [V, 1] (d_v + 1), phi_q, phi_k (m); far_state (B, H, m, d_v + 1)
+    or None; theta (H,) or None; valid (B, N, C) bool. For block b (keys of chunk n - s_b, see :class:`_Block`):
+
+        S_b = Q K_b^T / sqrt(d) + theta (-inf outside the window and at pad keys),  A_b = [phi(Q) phi(K_b)^T]_outside,
+        F = [S, z]_far: the states of the chunks beyond the blocks (exclusive prefix / suffix sums of phi(K)^T V1),
+        c = max(max_b rowmax S_b, log(rowsum A + phi(Q) z_far + eps)) (detached, it cancels), u = exp(-c),
+        P_b = exp(S_b - c) + u A_b,  out = sum_b P_b V1_b + u phi(Q) F,  y = out[:, :d_v] / (out[:, d_v] + eps u).
+
+    Backward, with one (C, d_v + 1) matrix G = [dy / den, -(dy / den) . y] for numerator and normaliser alike:
+
+        dP_b = G V1_b^T;  dV1_b += P_b^T G;  dS_b = dP_b * exp(S_b - c) = [dP_b * P_b]_window;  dA_b = u [dP_b]_outside;
+        dQ = sum_b dS_b K_b / sqrt(d);  dK_b += dS_b^T Q / sqrt(d);  dtheta = sum dS;
+        dphi(Q) = sum_b dA_b phi(K_b) + u G F^T;  dphi(K_b) += dA_b^T phi(Q);  dF = phi(Q)^T (u G) per chunk;
+        d(phi(K)^T V1)_k = the sum of dF over the chunks whose far state holds chunk k (suffix / prefix sums),
+        dphi(K) += V1 d(.)_k^T,  dV1 += phi(K) d(.)_k;  dfar_state = sum over chunks of dF.
+
+    Autograd spent a third of a call copying: gathering each chunk's neighbours (and scattering their gradients
+    back), masked_fill / where on every score and its gradient; here every block is one product over contiguous
+    slices (:func:`_pairs`), masks apply only to blocks that mix window and history, and phi(q).phi(k) is formed only
+    for blocks holding keys outside the window.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v1, phi_q, phi_k, far_state, log_factor, valid, window, causal, eps):
+        batch, heads, chunks, c, d = q.shape
+        total = batch * heads * chunks
+        lookback = -(-(window - 1) // c)
+        blocks = _local_blocks(window, c, causal, chunks, q.device)
+        theta = q.new_zeros(()) if log_factor is None else log_factor.to(q.dtype).view(1, heads, 1, 1, 1)
+        q_s = q * d**-0.5
+        flat = lambda t: t.view(total, c, t.shape[-1])  # noqa: E731
+        # valid keys of chunk n - s for every shift s: False before position 0 and after the end
+        valid_pad = torch.nn.functional.pad(valid, (0, 0, lookback, lookback))
+
+        scores, linear, row_max, linear_sum = [], [], None, None
+        for block in blocks:
+            rows, cols = _pairs(block.shift, total)
+            if block.window:
+                s_b = q.new_empty(batch, heads, chunks, c, c)
+                torch.bmm(flat(q_s)[rows], flat(k)[cols].transpose(1, 2), out=flat(s_b)[rows])
+                _edge(s_b, block.shift).zero_()  # garbage or never written; masked below (its keys are not valid)
+                keys_valid = valid_pad[:, lookback - block.shift : lookback - block.shift + chunks]
+                allowed = block.in_window & keys_valid[:, :, None, :]  # (B, N, C, C): a pass 1/H the scores' size
+                s_b.add_(torch.where(allowed, 0.0, -torch.inf).to(q.dtype).unsqueeze(1))
+                block_max = s_b.amax(-1, keepdim=True)
+                row_max = block_max if row_max is None else torch.maximum(row_max, block_max)
+            else:
+                s_b = None
+            if block.outside:
+                a_b = q.new_empty(batch, heads, chunks, c, c)
+                torch.bmm(flat(phi_q)[rows], flat(phi_k)[cols].transpose(1, 2), out=flat(a_b)[rows])
+                _edge(a_b, block.shift).zero_()  # pad keys hold phi(k) = 0
+                if not block.all_outside:
+                    a_b.masked_fill_(~block.beyond, 0.0)
+                block_sum = a_b.sum(-1, keepdim=True)
+                linear_sum = block_sum if linear_sum is None else linear_sum + block_sum
+            else:
+                a_b = None
+            scores.append(s_b)
+            linear.append(a_b)
+
+        far = None
+        if chunks > lookback + 1 or far_state is not None:
+            chunk_states = torch.matmul(phi_k.transpose(-1, -2), v1)  # (B, H, N, m, d_v + 1)
+            far = _prefix_beyond(chunk_states, lookback, False)
+            if not causal:
+                far = far + _prefix_beyond(chunk_states, lookback, True)
+            if far_state is not None:
+                far = far + far_state.unsqueeze(2)
+            far_out = torch.matmul(phi_q, far)  # (B, H, N, C, d_v + 1)
+            linear_sum = far_out[..., -1:] if linear_sum is None else linear_sum + far_out[..., -1:]
+        if linear_sum is None:
+            linear_sum = q.new_zeros(batch, heads, chunks, c, 1)
+        stabiliser = torch.maximum(row_max + theta, torch.log(linear_sum + eps))
+        stabiliser = torch.where(torch.isfinite(stabiliser), stabiliser, 0.0)  # a pad query with eps = 0
+        scale = torch.exp(-stabiliser)
+        out = far_out.mul_(scale) if far is not None else q.new_zeros(batch, heads, chunks, c, v1.shape[-1])
+
+        weights = []
+        for block, s_b, a_b in zip(blocks, scores, linear):
+            if s_b is not None:
+                p_b = s_b.sub_(stabiliser - theta).exp_()  # theta enters through c: exp(S + theta - c)
+                if a_b is not None:
+                    p_b.addcmul_(a_b, scale)
+            else:
+                p_b = a_b.mul_(scale)
+            rows, cols = _pairs(block.shift, total)
+            flat(out)[rows].baddbmm_(flat(p_b)[rows], flat(v1)[cols])
+            weights.append(p_b)
+        denominator = out[..., -1:] + eps * scale
+        y = out[..., :-1] / denominator
+        if any(ctx.needs_input_grad):
+            ctx.save_for_backward(q_s, k, v1, phi_q, phi_k, far, scale, denominator, y, *weights)
+            ctx.blocks, ctx.lookback, ctx.causal = blocks, lookback, causal
+            ctx.theta_dtype = None if log_factor is None else log_factor.dtype
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, d_y):
+        q_s, k, v1, phi_q, phi_k, far, scale, denominator, y, *weights = ctx.saved_tensors
+        batch, heads, chunks, c, d = q_s.shape
+        total = batch * heads * chunks
+        flat = lambda t: t.view(total, c, t.shape[-1])  # noqa: E731
+        d_numerator = d_y / denominator
+        g = torch.cat([d_numerator, -(d_numerator * y).sum(-1, keepdim=True)], dim=-1)  # (B, H, N, C, d_v + 1)
+        d_q, d_k = torch.zeros_like(q_s), torch.zeros_like(k)
+        d_v1, d_phi_k = torch.zeros_like(v1), torch.zeros_like(phi_k)
+        d_theta = q_s.new_zeros(heads) if ctx.needs_input_grad[6] else None
+        if far is not None:
+            g_scaled = g * scale
+            d_phi_q = torch.matmul(g_scaled, far.transpose(-1, -2))
+            d_far = torch.matmul(phi_q.transpose(-1, -2), g_scaled)  # (B, H, N, m, d_v + 1)
+        else:
+            d_phi_q = torch.zeros_like(phi_q)
+        for block, p_b in zip(ctx.blocks, weights):
+            rows, cols = _pairs(block.shift, total)
+            d_p = torch.empty_like(p_b)
+            torch.bmm(flat(g)[rows], flat(v1)[cols].transpose(1, 2), out=flat(d_p)[rows])
+            _edge(d_p, block.shift).zero_()  # pairs across heads: their weights are 0, their gradients must be too
+            flat(d_v1)[cols].baddbmm_(flat(p_b)[rows].transpose(1, 2), flat(g)[rows])
+            if block.window:
+                d_s = d_p * p_b  # P_b = exp(S_b - c) inside the window (0 at masked keys)
+                if block.outside:
+                    d_s.masked_fill_(~block.in_window, 0.0)
+                if d_theta is not None:
+                    d_theta += d_s.sum((0, 2, 3, 4))
+                flat(d_q)[rows].baddbmm_(flat(d_s)[rows], flat(k)[cols])
+                flat(d_k)[cols].baddbmm_(flat(d_s)[rows].transpose(1, 2), flat(q_s)[rows])
+            if block.outside:
+                d_a = d_p.mul_(scale)
+                if not block.all_outside:
+                    d_a.masked_fill_(~block.beyond, 0.0)
+                flat(d_phi_q)[rows].baddbmm_(flat(d_a)[rows], flat(phi_k)[cols])
+                flat(d_phi_k)[cols].baddbmm_(flat(d_a)[rows].transpose(1, 2), flat(phi_q)[rows])
+        d_far_state = None
+        if far is not None:
+            d_states = _prefix_beyond(d_far, ctx.lookback, True)  # chunk k's state reaches chunks n >= k + L + 1
+            if not ctx.causal:
+                d_states = d_states + _prefix_beyond(d_far, ctx.lookback, False)
+            d_phi_k += torch.matmul(v1, d_states.transpose(-1, -2))
+            d_v1 += torch.matmul(phi_k, d_states)
+            if ctx.needs_input_grad[5]:
+                d_far_state = d_far.sum(2)
+        if d_theta is not None:
+            d_theta = d_theta.to(ctx.theta_dtype)
+        return d_q.mul_(d**-0.5), d_k, d_v1, d_phi_q, d_phi_k, d_far_state, d_theta, None, None, None, None
+
+
 def _chunked_form(q, k, v1, phi_q, phi_k, valid, window, causal, log_factor, eps, chunk, far_state=None):
     """Outputs (B, H, P, d_v) of the combination for every position, in chunks (see the module docstring).
 
     q, k (B, H, P, d); v1 = [V, 1] (B, H, P, d_v + 1); phi_q, phi_k (B, H, P, m) with pad rows of phi(K) zeroed;
     valid (B, P); far_state (B, H, m, d_v + 1): [S, z] of keys before position 0, linear for every query (causal).
     """
-    batch, heads, p, d = q.shape
-    dv1 = v1.shape[-1]
+    batch, heads, p, _ = q.shape
     c = max(1, min(chunk, p))
-    lookback = -(-(window - 1) // c)  # L chunks on each side can hold window keys
     back = -p % c
     chunks = (p + back) // c
-    front, tail = lookback * c, back + (0 if causal else lookback * c)
 
-    def pad(t, before, after):
-        return torch.nn.functional.pad(t, (0, 0, before, after))
+    def in_chunks(t):
+        # contiguous: the kernel pairs chunks as slices of one flat (B H N) axis (heads may come in transposed)
+        return torch.nn.functional.pad(t, (0, 0, 0, back)).contiguous().view(batch, heads, chunks, c, t.shape[-1])
 
-    span = lookback + 1 if causal else 2 * lookback + 1
-
-    def local(t):
-        """(B, H, P, x) -> (B, H, N, span * C, x): the keys of chunks c - L .. c (+ L) for every chunk c."""
-        padded = pad(t, front, tail).view(batch, heads, chunks + span - 1, c, t.shape[-1])
-        return torch.cat([padded[:, :, i : i + chunks] for i in range(span)], dim=3)
-
-    q_c = pad(q, 0, back).view(batch, heads, chunks, c, d)
-    phi_q_c = pad(phi_q, 0, back).view(batch, heads, chunks, c, phi_q.shape[-1])
-    k_loc, v_loc, phi_k_loc = local(k), local(v1), local(phi_k)
-    valid_loc = torch.nn.functional.pad(valid, (front, tail)).view(batch, chunks + span - 1, c)
-    valid_loc = torch.cat([valid_loc[:, i : i + chunks] for i in range(span)], dim=2)[:, None, :, None, :]
-
-    # i - j for query a of chunk c and local key b: L C + a - b, the same for every chunk.
-    rel = lookback * c + torch.arange(c, device=q.device)[:, None] - torch.arange(span * c, device=q.device)
-    in_window = ((rel >= 0) & (rel < window)) if causal else (rel.abs() < window)
-    outside = (rel >= window) if causal else (rel.abs() >= window)
-
-    scores = torch.matmul(q_c, k_loc.transpose(-1, -2)) * d**-0.5 + _head_bias(log_factor, heads, 5, q)
-    scores = scores.masked_fill(~(in_window & valid_loc), -torch.inf)
-    linear = torch.where(outside, torch.matmul(phi_q_c, phi_k_loc.transpose(-1, -2)), 0.0)
-
-    # Keys of chunks beyond the local ones: per-chunk states, summed over chunks < c - L (and > c + L).
-    chunk_states = torch.matmul(
-        pad(phi_k, 0, back).view(batch, heads, chunks, c, -1).transpose(-1, -2),
-        pad(v1, 0, back).view(batch, heads, chunks, c, dv1),
-    )  # (B, H, N, m, d_v + 1)
-    zeros = chunk_states.new_zeros(batch, heads, lookback + 1, *chunk_states.shape[-2:])
-    # exclusive prefix sums, summed directly (an inclusive sum minus a chunk's own state would cancel catastrophically)
-    far = torch.cumsum(torch.cat([zeros, chunk_states], dim=2), dim=2)[:, :, :chunks]
-    if not causal:
-        after = torch.cumsum(torch.cat([zeros, chunk_states.flip(2)], dim=2), dim=2)[:, :, :chunks].flip(2)
-        far = far + after
+    valid_c = torch.nn.functional.pad(valid, (0, back)).view(batch, chunks, c)
     if far_state is not None:
-        far = far + far_state.float().unsqueeze(2)
-    linear_normaliser = linear.sum(-1, keepdim=True) + torch.matmul(phi_q_c, far[..., -1:])
-    stabiliser = _stabiliser(scores, linear_normaliser, eps)
-    scale = torch.exp(-stabiliser)
-    weights = torch.exp(scores - stabiliser) + linear * scale
-    out = torch.matmul(weights, v_loc) + torch.matmul(phi_q_c, far) * scale  # (B, H, N, C, d_v + 1)
-    y = out[..., :-1] / (out[..., -1:] + eps * scale)
-    return y.reshape(batch, heads, chunks * c, dv1 - 1)[:, :, :p]
+        far_state = far_state.to(q.dtype)
+    y = _WindowChunks.apply(
+        in_chunks(q), in_chunks(k), in_chunks(v1), in_chunks(phi_q), in_chunks(phi_k), far_state, log_factor, valid_c,
+        window, causal, eps,
+    )
+    return y.reshape(batch, heads, chunks * c, -1)[:, :, :p]
 
 
 def _quadratic_form(q, k, v1, phi_q, phi_k, valid, window, causal, log_factor, eps, far_state=None):

@@ -244,3 +244,34 @@ def test_quadratic_form_taken_under_export_equals_the_chunked_form_with_a_state(
     torch.testing.assert_close(quadratic[0], chunked[0], atol=1e-5, rtol=1e-5)
     for a, b in zip(quadratic[1], chunked[1]):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "causal, window, chunk, far",
+    [(True, 3, 4, False), (True, 4, 4, True), (True, 9, 4, True), (True, 1, 4, False), (True, 20, 4, True),
+     (False, 4, 4, False), (False, 6, 4, False), (False, 1, 4, False)],
+)
+def test_written_out_backward_passes_gradcheck_in_float64(causal, window, chunk, far):
+    """The chunked form's hand-written backward against finite differences: every input, the factor theta and the
+    state from before position 0, with pads (left pads in row 1, a last chunk cut short) and windows shorter than,
+    equal to and longer than a chunk."""
+    from hf_linear_attn.sliding_window_attention import _chunked_form
+
+    gen = torch.Generator().manual_seed(9)
+    batch, heads, n, d, m = 2, 2, 13, 3, 4
+    q, k, v = (torch.randn(batch, heads, n, d, generator=gen, dtype=torch.float64) for _ in range(3))
+    phi_q, phi_k = (torch.rand(batch, heads, n, m, generator=gen, dtype=torch.float64) + 0.1 for _ in range(2))
+    theta = torch.randn(heads, generator=gen, dtype=torch.float64)
+    far_state = torch.rand(batch, heads, m, d + 1, generator=gen, dtype=torch.float64)
+    valid = torch.ones(batch, n, dtype=torch.bool)
+    valid[1, :3] = False
+    keep = valid[:, None, :, None]
+
+    def form(q, k, v, phi_q, phi_k, theta, far_state):
+        v1 = torch.where(keep, torch.cat([v, torch.ones_like(v[..., :1])], -1), 0.0)
+        phi_k = torch.where(keep, phi_k, 0.0)
+        far_state = far_state if far else None
+        return _chunked_form(q, k, v1, phi_q, phi_k, valid, window, causal, theta, 1e-6, chunk, far_state)
+
+    leaves = [t.requires_grad_() for t in (q, k, v, phi_q, phi_k, theta, far_state)]
+    assert torch.autograd.gradcheck(form, leaves)
