@@ -185,11 +185,21 @@ def _edge(t: torch.Tensor, shift: int) -> torch.Tensor:
 def _prefix_beyond(states: torch.Tensor, lookback: int, reverse: bool) -> torch.Tensor:
     """sum_{k <= n - L - 1} states[k] for every chunk n (``reverse``: sum_{k >= n + L + 1}), along dim 2.
 
-    Summed directly: an inclusive sum minus the nearby chunks' states would cancel catastrophically."""
+    One add per chunk, each over contiguous (m, d_v + 1) rows: torch.cumsum along a middle axis (plus the cat of
+    leading zeros and the flips of a suffix sum) took several times as long. Summed directly: an inclusive sum
+    minus the nearby chunks' states would cancel catastrophically."""
+    chunks = states.shape[2]
+    out = torch.empty_like(states)
+    reach = min(lookback + 1, chunks)  # chunks with nothing beyond their blocks on this side
     if reverse:
-        return _prefix_beyond(states.flip(2), lookback, False).flip(2)
-    zeros = states.new_zeros(*states.shape[:2], lookback + 1, *states.shape[3:])
-    return torch.cumsum(torch.cat([zeros, states], dim=2), dim=2)[:, :, : states.shape[2]]
+        out[:, :, chunks - reach :].zero_()
+        for i in range(chunks - reach - 1, -1, -1):
+            torch.add(out[:, :, i + 1], states[:, :, i + lookback + 1], out=out[:, :, i])
+    else:
+        out[:, :, :reach].zero_()
+        for i in range(reach, chunks):
+            torch.add(out[:, :, i - 1], states[:, :, i - lookback - 1], out=out[:, :, i])
+    return out
 
 
 class _WindowChunks(torch.autograd.Function):
@@ -299,8 +309,9 @@ class _WindowChunks(torch.autograd.Function):
         batch, heads, chunks, c, d = q_s.shape
         total = batch * heads * chunks
         flat = lambda t: t.view(total, c, t.shape[-1])  # noqa: E731
-        d_numerator = d_y / denominator
-        g = torch.cat([d_numerator, -(d_numerator * y).sum(-1, keepdim=True)], dim=-1)  # (B, H, N, C, d_v + 1)
+        g = y.new_empty(*y.shape[:-1], y.shape[-1] + 1)
+        d_numerator = torch.div(d_y, denominator, out=g[..., :-1])  # (B, H, N, C, d_v + 1), written in place
+        torch.sum(d_numerator * y, -1, keepdim=True, out=g[..., -1:]).neg_()
         d_q, d_k = torch.zeros_like(q_s), torch.zeros_like(k)
         d_v1, d_phi_k = torch.zeros_like(v1), torch.zeros_like(phi_k)
         d_theta = q_s.new_zeros(heads) if ctx.needs_input_grad[6] else None
@@ -357,7 +368,9 @@ def _chunked_form(q, k, v1, phi_q, phi_k, valid, window, causal, log_factor, eps
 
     def in_chunks(t):
         # contiguous: the kernel pairs chunks as slices of one flat (B H N) axis (heads may come in transposed)
-        return torch.nn.functional.pad(t, (0, 0, 0, back)).contiguous().view(batch, heads, chunks, c, t.shape[-1])
+        if back:
+            t = torch.nn.functional.pad(t, (0, 0, 0, back))
+        return t.contiguous().view(batch, heads, chunks, c, t.shape[-1])
 
     valid_c = torch.nn.functional.pad(valid, (0, back)).view(batch, chunks, c)
     if far_state is not None:
