@@ -205,34 +205,37 @@ def _prefix_beyond(states: torch.Tensor, lookback: int, reverse: bool) -> torch.
 class _WindowChunks(torch.autograd.Function):
     """The combination per chunk of C queries (see the module docstring), with a written-out backward.
 
-    Inputs in chunks (B, H, N, C, .): q, k (d), v1 = [V, 1] (d_v + 1), phi_q, phi_k (m); far_state (B, H, m, d_v + 1)
-    or None; theta (H,) or None; valid (B, N, C) bool. For block b (keys of chunk n - s_b, see :class:`_Block`):
+    Inputs in chunks (B, H, N, C, .): q, k (d), v (d_v), phi_q, phi_k (m); far_state [S, z] (B, H, m, d_v + 1) or
+    None; theta (H,) or None; valid (B, N, C) bool. For block b (keys of chunk n - s_b, see :class:`_Block`):
 
         S_b = Q K_b^T / sqrt(d) + theta (-inf outside the window and at pad keys),  A_b = [phi(Q) phi(K_b)^T]_outside,
-        F = [S, z]_far: the states of the chunks beyond the blocks (exclusive prefix / suffix sums of phi(K)^T V1),
+        [S, z]_far: the states of the chunks beyond the blocks (exclusive prefix / suffix sums of phi(K)^T [V, 1]),
         c = max(max_b rowmax S_b, log(rowsum A + phi(Q) z_far + eps)) (detached, it cancels), u = exp(-c),
-        P_b = exp(S_b - c) + u A_b,  out = sum_b P_b V1_b + u phi(Q) F,  y = out[:, :d_v] / (out[:, d_v] + eps u).
+        P_b = exp(S_b - c) + u A_b,  num = sum_b P_b V_b + u phi(Q) S_far,
+        den = sum_b rowsum P_b + u phi(Q) z_far + eps u,  y = num / den.
 
-    Backward, with one (C, d_v + 1) matrix G = [dy / den, -(dy / den) . y] for numerator and normaliser alike:
+    Backward, with G = dy / den and g = -G . y (the gradient of num and of den):
 
-        dP_b = G V1_b^T;  dV1_b += P_b^T G;  dS_b = dP_b * exp(S_b - c) = [dP_b * P_b]_window;  dA_b = u [dP_b]_outside;
-        dQ = sum_b dS_b K_b / sqrt(d);  dK_b += dS_b^T Q / sqrt(d);  dtheta = sum dS;
-        dphi(Q) = sum_b dA_b phi(K_b) + u G F^T;  dphi(K_b) += dA_b^T phi(Q);  dF = phi(Q)^T (u G) per chunk;
-        d(phi(K)^T V1)_k = the sum of dF over the chunks whose far state holds chunk k (suffix / prefix sums),
-        dphi(K) += V1 d(.)_k^T,  dV1 += phi(K) d(.)_k;  dfar_state = sum over chunks of dF.
+        dP_b = G V_b^T + g;  dV_b += P_b^T G;  dS_b = dP_b * exp(S_b - c) = [dP_b * P_b]_window;
+        dA_b = u [dP_b]_outside;  dQ = sum_b dS_b K_b / sqrt(d);  dK_b += dS_b^T Q / sqrt(d);  dtheta = sum dS;
+        dphi(Q) = sum_b dA_b phi(K_b) + u (G S_far^T + g z_far^T);  d[S, z]_far = phi(Q)^T u [G, g] per chunk;
+        dphi(K_b) += dA_b^T phi(Q);  d[S, z]_k = the sum of d[S, z]_far over the chunks whose far state holds chunk k
+        (suffix / prefix sums);  dphi(K) += V dS_k^T + dz_k,  dV += phi(K) dS_k;  dfar_state = the sum over chunks.
 
     Autograd spent a third of a call copying: gathering each chunk's neighbours (and scattering their gradients
     back), masked_fill / where on every score and its gradient; here every block is one product over contiguous
     slices (:func:`_pairs`), masks apply only to blocks that mix window and history, and phi(q).phi(k) is formed only
-    for blocks holding keys outside the window.
+    for blocks holding keys outside the window. The normaliser's column of ones is kept apart from V (row sums
+    instead): products with d_v + 1 = 65 columns, accumulated ones most, ran far slower than with 64.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v1, phi_q, phi_k, far_state, log_factor, valid, window, causal, eps):
+    def forward(ctx, q, k, v, phi_q, phi_k, far_state, log_factor, valid, window, causal, eps):
         batch, heads, chunks, c, d = q.shape
         total = batch * heads * chunks
         lookback = -(-(window - 1) // c)
-        blocks = _local_blocks(window, c, causal, chunks, q.device)
+        # shift 0 first: its pairs cover every chunk, so it writes the accumulators (bmm) and the others add to them
+        blocks = sorted(_local_blocks(window, c, causal, chunks, q.device), key=lambda block: abs(block.shift))
         theta = q.new_zeros(()) if log_factor is None else log_factor.to(q.dtype).view(1, heads, 1, 1, 1)
         q_s = q * d**-0.5
         flat = lambda t: t.view(total, c, t.shape[-1])  # noqa: E731
@@ -266,38 +269,46 @@ class _WindowChunks(torch.autograd.Function):
             scores.append(s_b)
             linear.append(a_b)
 
-        far = None
+        far_s = far_z = None
         if chunks > lookback + 1 or far_state is not None:
-            chunk_states = torch.matmul(phi_k.transpose(-1, -2), v1)  # (B, H, N, m, d_v + 1)
-            far = _prefix_beyond(chunk_states, lookback, False)
+            chunk_s = torch.matmul(phi_k.transpose(-1, -2), v)  # (B, H, N, m, d_v)
+            chunk_z = phi_k.sum(-2)  # (B, H, N, m)
+            far_s, far_z = _prefix_beyond(chunk_s, lookback, False), _prefix_beyond(chunk_z, lookback, False)
             if not causal:
-                far = far + _prefix_beyond(chunk_states, lookback, True)
+                far_s += _prefix_beyond(chunk_s, lookback, True)
+                far_z += _prefix_beyond(chunk_z, lookback, True)
             if far_state is not None:
-                far = far + far_state.unsqueeze(2)
-            far_out = torch.matmul(phi_q, far)  # (B, H, N, C, d_v + 1)
-            linear_sum = far_out[..., -1:] if linear_sum is None else linear_sum + far_out[..., -1:]
+                far_s += far_state[..., :-1].unsqueeze(2)
+                far_z += far_state[..., -1].unsqueeze(2)
+            far_linear = torch.matmul(phi_q, far_z.unsqueeze(-1))  # (B, H, N, C, 1)
+            linear_sum = far_linear if linear_sum is None else linear_sum + far_linear
         if linear_sum is None:
             linear_sum = q.new_zeros(batch, heads, chunks, c, 1)
         stabiliser = torch.maximum(row_max + theta, torch.log(linear_sum + eps))
         stabiliser = torch.where(torch.isfinite(stabiliser), stabiliser, 0.0)  # a pad query with eps = 0
         scale = torch.exp(-stabiliser)
-        out = far_out.mul_(scale) if far is not None else q.new_zeros(batch, heads, chunks, c, v1.shape[-1])
 
-        weights = []
+        weights, numerator = [], None
+        denominator = (linear_sum + eps) * scale
         for block, s_b, a_b in zip(blocks, scores, linear):
             if s_b is not None:
                 p_b = s_b.sub_(stabiliser - theta).exp_()  # theta enters through c: exp(S + theta - c)
+                denominator += p_b.sum(-1, keepdim=True)  # the feature-map terms are in linear_sum already
                 if a_b is not None:
                     p_b.addcmul_(a_b, scale)
             else:
                 p_b = a_b.mul_(scale)
             rows, cols = _pairs(block.shift, total)
-            flat(out)[rows].baddbmm_(flat(p_b)[rows], flat(v1)[cols])
+            if numerator is None:  # shift 0
+                numerator = torch.bmm(flat(p_b), flat(v)).view(*q.shape[:-1], v.shape[-1])
+            else:
+                flat(numerator)[rows].baddbmm_(flat(p_b)[rows], flat(v)[cols])
             weights.append(p_b)
-        denominator = out[..., -1:] + eps * scale
-        y = out[..., :-1] / denominator
+        if far_s is not None:
+            numerator.addcmul_(torch.matmul(phi_q, far_s), scale)
+        y = numerator / denominator
         if any(ctx.needs_input_grad):
-            ctx.save_for_backward(q_s, k, v1, phi_q, phi_k, far, scale, denominator, y, *weights)
+            ctx.save_for_backward(q_s, k, v, phi_q, phi_k, far_s, far_z, scale, denominator, y, *weights)
             ctx.blocks, ctx.lookback, ctx.causal = blocks, lookback, causal
             ctx.theta_dtype = None if log_factor is None else log_factor.dtype
         return y
@@ -305,61 +316,73 @@ class _WindowChunks(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, d_y):
-        q_s, k, v1, phi_q, phi_k, far, scale, denominator, y, *weights = ctx.saved_tensors
+        q_s, k, v, phi_q, phi_k, far_s, far_z, scale, denominator, y, *weights = ctx.saved_tensors
         batch, heads, chunks, c, d = q_s.shape
         total = batch * heads * chunks
         flat = lambda t: t.view(total, c, t.shape[-1])  # noqa: E731
-        g = y.new_empty(*y.shape[:-1], y.shape[-1] + 1)
-        d_numerator = torch.div(d_y, denominator, out=g[..., :-1])  # (B, H, N, C, d_v + 1), written in place
-        torch.sum(d_numerator * y, -1, keepdim=True, out=g[..., -1:]).neg_()
-        d_q, d_k = torch.zeros_like(q_s), torch.zeros_like(k)
-        d_v1, d_phi_k = torch.zeros_like(v1), torch.zeros_like(phi_k)
-        d_theta = q_s.new_zeros(heads) if ctx.needs_input_grad[6] else None
-        if far is not None:
-            g_scaled = g * scale
-            d_phi_q = torch.matmul(g_scaled, far.transpose(-1, -2))
-            d_far = torch.matmul(phi_q.transpose(-1, -2), g_scaled)  # (B, H, N, m, d_v + 1)
+        g = (d_y / denominator).contiguous()  # (B, H, N, C, d_v): the numerator's gradient
+        g_den = -(g * y).sum(-1, keepdim=True)  # (B, H, N, C, 1): the normaliser's
+        d_far_state = d_q = d_k = d_v = d_phi_k = None
+        if far_s is not None:
+            g_scaled, g_den_scaled = g * scale, g_den * scale
+            d_phi_q = torch.matmul(g_scaled, far_s.transpose(-1, -2)).addcmul_(g_den_scaled, far_z.unsqueeze(-2))
+            d_far_s = torch.matmul(phi_q.transpose(-1, -2), g_scaled)  # (B, H, N, m, d_v)
+            d_far_z = (phi_q * g_den_scaled).sum(-2)  # (B, H, N, m)
         else:
             d_phi_q = torch.zeros_like(phi_q)
+        d_theta = q_s.new_zeros(heads) if ctx.needs_input_grad[6] else None
         for block, p_b in zip(ctx.blocks, weights):
             rows, cols = _pairs(block.shift, total)
             d_p = torch.empty_like(p_b)
-            torch.bmm(flat(g)[rows], flat(v1)[cols].transpose(1, 2), out=flat(d_p)[rows])
+            torch.bmm(flat(g)[rows], flat(v)[cols].transpose(1, 2), out=flat(d_p)[rows])
+            d_p.add_(g_den)
             _edge(d_p, block.shift).zero_()  # pairs across heads: their weights are 0, their gradients must be too
-            flat(d_v1)[cols].baddbmm_(flat(p_b)[rows].transpose(1, 2), flat(g)[rows])
+            if d_v is None:  # shift 0, first: every key chunk
+                d_v = torch.bmm(flat(p_b).transpose(1, 2), flat(g)).view_as(v)
+            else:
+                flat(d_v)[cols].baddbmm_(flat(p_b)[rows].transpose(1, 2), flat(g)[rows])
             if block.window:
                 d_s = d_p * p_b  # P_b = exp(S_b - c) inside the window (0 at masked keys)
                 if block.outside:
                     d_s.masked_fill_(~block.in_window, 0.0)
                 if d_theta is not None:
                     d_theta += d_s.sum((0, 2, 3, 4))
-                flat(d_q)[rows].baddbmm_(flat(d_s)[rows], flat(k)[cols])
-                flat(d_k)[cols].baddbmm_(flat(d_s)[rows].transpose(1, 2), flat(q_s)[rows])
+                if d_q is None:  # shift 0
+                    d_q = torch.bmm(flat(d_s), flat(k)).view_as(q_s)
+                    d_k = torch.bmm(flat(d_s).transpose(1, 2), flat(q_s)).view_as(k)
+                else:
+                    flat(d_q)[rows].baddbmm_(flat(d_s)[rows], flat(k)[cols])
+                    flat(d_k)[cols].baddbmm_(flat(d_s)[rows].transpose(1, 2), flat(q_s)[rows])
             if block.outside:
                 d_a = d_p.mul_(scale)
                 if not block.all_outside:
                     d_a.masked_fill_(~block.beyond, 0.0)
                 flat(d_phi_q)[rows].baddbmm_(flat(d_a)[rows], flat(phi_k)[cols])
+                if d_phi_k is None:
+                    d_phi_k = torch.zeros_like(phi_k)
                 flat(d_phi_k)[cols].baddbmm_(flat(d_a)[rows].transpose(1, 2), flat(phi_q)[rows])
-        d_far_state = None
-        if far is not None:
-            d_states = _prefix_beyond(d_far, ctx.lookback, True)  # chunk k's state reaches chunks n >= k + L + 1
+        if d_phi_k is None:
+            d_phi_k = torch.zeros_like(phi_k)
+        if far_s is not None:
+            d_states_s = _prefix_beyond(d_far_s, ctx.lookback, True)  # chunk k's state reaches chunks n >= k + L + 1
+            d_states_z = _prefix_beyond(d_far_z, ctx.lookback, True)
             if not ctx.causal:
-                d_states = d_states + _prefix_beyond(d_far, ctx.lookback, False)
-            d_phi_k += torch.matmul(v1, d_states.transpose(-1, -2))
-            d_v1 += torch.matmul(phi_k, d_states)
+                d_states_s += _prefix_beyond(d_far_s, ctx.lookback, False)
+                d_states_z += _prefix_beyond(d_far_z, ctx.lookback, False)
+            d_phi_k.add_(torch.matmul(v, d_states_s.transpose(-1, -2))).add_(d_states_z.unsqueeze(-2))
+            d_v.add_(torch.matmul(phi_k, d_states_s))
             if ctx.needs_input_grad[5]:
-                d_far_state = d_far.sum(2)
+                d_far_state = torch.cat([d_far_s.sum(2), d_far_z.sum(2).unsqueeze(-1)], dim=-1)
         if d_theta is not None:
             d_theta = d_theta.to(ctx.theta_dtype)
-        return d_q.mul_(d**-0.5), d_k, d_v1, d_phi_q, d_phi_k, d_far_state, d_theta, None, None, None, None
+        return d_q.mul_(d**-0.5), d_k, d_v, d_phi_q, d_phi_k, d_far_state, d_theta, None, None, None, None
 
 
-def _chunked_form(q, k, v1, phi_q, phi_k, valid, window, causal, log_factor, eps, chunk, far_state=None):
+def _chunked_form(q, k, v, phi_q, phi_k, valid, window, causal, log_factor, eps, chunk, far_state=None):
     """Outputs (B, H, P, d_v) of the combination for every position, in chunks (see the module docstring).
 
-    q, k (B, H, P, d); v1 = [V, 1] (B, H, P, d_v + 1); phi_q, phi_k (B, H, P, m) with pad rows of phi(K) zeroed;
-    valid (B, P); far_state (B, H, m, d_v + 1): [S, z] of keys before position 0, linear for every query (causal).
+    q, k (B, H, P, d); v (B, H, P, d_v); phi_q, phi_k (B, H, P, m) with pad rows of phi(K) and V zeroed; valid (B, P);
+    far_state (B, H, m, d_v + 1): [S, z] of keys before position 0, linear for every query (causal).
     """
     batch, heads, p, _ = q.shape
     c = max(1, min(chunk, p))
@@ -376,7 +399,7 @@ def _chunked_form(q, k, v1, phi_q, phi_k, valid, window, causal, log_factor, eps
     if far_state is not None:
         far_state = far_state.to(q.dtype)
     y = _WindowChunks.apply(
-        in_chunks(q), in_chunks(k), in_chunks(v1), in_chunks(phi_q), in_chunks(phi_k), far_state, log_factor, valid_c,
+        in_chunks(q), in_chunks(k), in_chunks(v), in_chunks(phi_q), in_chunks(phi_k), far_state, log_factor, valid_c,
         window, causal, eps,
     )
     return y.reshape(batch, heads, chunks * c, -1)[:, :, :p]
@@ -473,7 +496,7 @@ def _causal_forward(q, k, v, phi_q, phi_k, window, key_mask, log_factor, eps, ch
     if quadratic:
         y = _quadratic_form(q, k, v1, phi_q, phi_k, valid, window, True, log_factor, eps, far_state)
     else:
-        y = _chunked_form(q, k, v1, phi_q, phi_k, valid, window, True, log_factor, eps, chunk_size, far_state)
+        y = _chunked_form(q, k, v, phi_q, phi_k, valid, window, True, log_factor, eps, chunk_size, far_state)
     y = y[:, :, y.shape[2] - n :]
     # Final state: every key but the last W leaves the window (a mask, not a slice: no shape condition on n).
     p = k.shape[2]
@@ -539,7 +562,7 @@ def banded_sliding_window_attention(
     out_dtype = v.dtype
     with _no_autocast(v):
         q, k, v, phi_q, phi_k, valid = _masked_inputs(q, k, v, phi_q, phi_k, key_mask)
-        y = _chunked_form(q, k, _with_ones(v), phi_q, phi_k, valid, window, False, log_factor, eps, chunk_size)
+        y = _chunked_form(q, k, v, phi_q, phi_k, valid, window, False, log_factor, eps, chunk_size)
     return y.to(out_dtype)
 
 
