@@ -183,12 +183,18 @@ def _edge(t: torch.Tensor, shift: int) -> torch.Tensor:
 
 
 def _prefix_beyond(states: torch.Tensor, lookback: int, reverse: bool) -> torch.Tensor:
-    """sum_{k <= n - L - 1} states[k] for every chunk n (``reverse``: sum_{k >= n + L + 1}), along dim 2.
+    """sum_{k <= n - L - 1} states[k] for every chunk n (``reverse``: sum_{k >= n + L + 1}) along dim 2, of states
+    (B, H, N, ...). Summed directly: an inclusive sum minus the nearby chunks' states would cancel catastrophically.
 
-    One add per chunk, each over contiguous (m, d_v + 1) rows: torch.cumsum along a middle axis (plus the cat of
-    leading zeros and the flips of a suffix sum) took several times as long. Summed directly: an inclusive sum
-    minus the nearby chunks' states would cancel catastrophically."""
+    Matrices (B, H, N, m, d_v) take one add per chunk, each over contiguous rows: torch.cumsum along a middle axis
+    (plus the cat of leading zeros and the flips of a suffix sum) took several times as long. Vectors (B, H, N, m) are
+    too small for that: there the per-call overhead of N adds dominates, and torch.cumsum is the faster one."""
     chunks = states.shape[2]
+    if states.dim() == 4:
+        if reverse:
+            return _prefix_beyond(states.flip(2), lookback, False).flip(2)
+        zeros = states.new_zeros(*states.shape[:2], lookback + 1, *states.shape[3:])
+        return torch.cumsum(torch.cat([zeros, states], dim=2), dim=2)[:, :, :chunks]
     out = torch.empty_like(states)
     reach = min(lookback + 1, chunks)  # chunks with nothing beyond their blocks on this side
     if reverse:
@@ -342,9 +348,11 @@ class _WindowChunks(torch.autograd.Function):
             else:
                 flat(d_v)[cols].baddbmm_(flat(p_b)[rows].transpose(1, 2), flat(g)[rows])
             if block.window:
-                d_s = d_p * p_b  # P_b = exp(S_b - c) inside the window (0 at masked keys)
+                # P_b = exp(S_b - c) inside the window (0 at masked keys); in place unless dA_b needs dP_b too
                 if block.outside:
-                    d_s.masked_fill_(~block.in_window, 0.0)
+                    d_s = (d_p * p_b).masked_fill_(~block.in_window, 0.0)
+                else:
+                    d_s = d_p.mul_(p_b)
                 if d_theta is not None:
                     d_theta += d_s.sum((0, 2, 3, 4))
                 if d_q is None:  # shift 0
