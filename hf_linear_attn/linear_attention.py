@@ -520,8 +520,7 @@ class _ChunkwiseParallelBF16(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, d_y, d_s_n, d_z_n):
         q_c, k_c, v_c, scores, before, normaliser, y = ctx.saved_tensors
-        low, d = q_c.dtype, v_c.shape[-1]
-        d_y = torch.zeros_like(y) if d_y is None else d_y
+        low, d = q_c.dtype, v_c.shape[-1]  # unused outputs' gradients arrive as zeros (materialised), never None
         d_numerator = d_y / normaliser
         d_normaliser = -(d_numerator * y).sum(-1, keepdim=True)
         g1 = torch.cat([d_numerator, d_normaliser], dim=-1).to(low)  # (B, H, N, C, d + 1)
@@ -531,11 +530,7 @@ class _ChunkwiseParallelBF16(torch.autograd.Function):
         d_k = torch.matmul(d_scores.transpose(-1, -2), q_c)
         d_v = torch.matmul(scores.transpose(-1, -2), g1[..., :d])
         d_before = torch.matmul(q_c.transpose(-1, -2), g1).float()  # (B, H, N, m, d + 1)
-        batch, heads, _, m, _ = d_before.shape
-        d_final = torch.cat([
-            d_before.new_zeros(batch, heads, m, d) if d_s_n is None else d_s_n.float(),
-            d_before.new_zeros(batch, heads, m, 1) if d_z_n is None else d_z_n.float().unsqueeze(-1),
-        ], dim=-1)
+        d_final = torch.cat([d_s_n.float(), d_z_n.float().unsqueeze(-1)], dim=-1)
         d_chunk, d_first = exclusive_chunk_suffix(d_before, d_final)
         d_chunk_low = d_chunk.to(low)
         d_k.add_(torch.matmul(v1, d_chunk_low.transpose(-1, -2)))
