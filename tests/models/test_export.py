@@ -329,11 +329,12 @@ def test_greedy_decoding_on_onnxruntime_equals_generate(onnx_programs):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", ["linear-window-conv", "linear-hybrid-conv"])
+@pytest.mark.parametrize("variant", ["linear-window-conv", "linear-hybrid-conv", "gpt2-conv"])
 def test_window_hybrid_and_short_conv_decoders_greedy_on_onnxruntime_equal_generate(variant, tmp_path):
     """Window + linear attention (W = 5), or a full-attention layer (its keys and values in slots) before a linear
-    one, each with a short convolution on q, k, v (K = 4): the prompt pass (the window's quadratic form under export)
-    and the step (the window and the convolution's buffer shifting by one slot; the full layer's next slot) in ONNX;
+    one, or GPT-2 + conv (every layer full attention, the convolution on it too), each with a short convolution on
+    q, k, v (K = 4): the prompt pass (the window's quadratic form under export) and the step (the window and the
+    convolution's buffer shifting by one slot; the full layer's next slot) in ONNX;
     the documented greedy loop on a left-padded batch gives generate()'s tokens, with prompts shorter than the
     convolution, shorter and longer than the window. (One export for both: each costs ~20 s.)"""
     model, _, _, prefill_session, step_session = export_to_onnx(variant, tmp_path)
