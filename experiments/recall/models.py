@@ -11,23 +11,27 @@ from experiments.long_range.models import DECODERS, Dims, build_decoder
 from hf_linear_attn.training.errors import UsageError
 
 # linear_gpt2 with other settings than the long-range suite's elu + 1: name -> config overrides (a callable of the
-# number of layers where the setting depends on it). Feature maps; a decaying state (issue 41: RetNet's fixed
-# per-head decay, GLA's per-feature gate from the input); a hybrid schedule whose first layer is GPT-2's softmax
-# attention (its key/value cache grows with n, the linear layers' states do not); a short causal convolution on q,
-# k, v (fla's use_short_conv, width 4: the previous-token shift an induction head needs, which lets 2-layer models
-# learn MQAR in Zoology / Based), on elu + 1 and on the gated state; and the same convolution on GPT-2's softmax
-# attention (every layer full_attention, short_conv_on_full_attention), the equal-architecture baseline of the
-# convolution models: the dims, the convolution and everything but the attention are theirs.
+# number of layers and the length where the setting depends on them). Feature maps; a decaying state (issue 41:
+# RetNet's fixed per-head decay, GLA's per-feature gate from the input); a hybrid schedule whose first layer is
+# GPT-2's softmax attention (its key/value cache grows with n, the linear layers' states do not); a short causal
+# convolution on q, k, v (fla's use_short_conv, width 4: the previous-token shift an induction head needs, which lets
+# 2-layer models learn MQAR in Zoology / Based), on elu + 1, on the gated state and on the sliding window + linear
+# attention (Based's recipe: exact softmax over the last 64 keys, linear attention beyond, the convolution before
+# both); and the same convolution on GPT-2's softmax attention (every layer full_attention,
+# short_conv_on_full_attention), the equal-architecture baseline of the convolution models: the dims, the convolution
+# and everything but the attention are theirs.
 LINEAR_VARIANTS = {
     "linear_gpt2_relu": {"feature_map": "relu"},
     "linear_gpt2_hedgehog": {"feature_map": "hedgehog"},
     "linear_gpt2_favor": {"feature_map": "favor"},
     "linear_gpt2_decay": {"state_decay": "fixed"},
     "linear_gpt2_gated": {"state_decay": "gated"},
-    "linear_gpt2_hybrid": lambda layers: {"layer_types": ["full_attention"] + ["linear_attention"] * (layers - 1)},
+    "linear_gpt2_hybrid": lambda layers, n: {"layer_types": ["full_attention"] + ["linear_attention"] * (layers - 1)},
     "linear_gpt2_conv": {"use_short_conv": True},
     "linear_gpt2_gated_conv": {"state_decay": "gated", "use_short_conv": True},
-    "gpt2_conv": lambda layers: {"layer_types": ["full_attention"] * layers, "use_short_conv": True,
+    "linear_gpt2_window_conv": lambda layers, n: {"attention_window": min(64, n),
+                                                  "linear_attention_chunk_size": min(64, n), "use_short_conv": True},
+    "gpt2_conv": lambda layers, n: {"layer_types": ["full_attention"] * layers, "use_short_conv": True,
                                  "short_conv_on_full_attention": True},
 }
 MODELS = (*DECODERS, *(name for name in LINEAR_VARIANTS if name not in DECODERS))  # names shared by both
@@ -39,6 +43,7 @@ LABELS = {"gpt2_sdpa": "GPT-2 (softmax)", "reformer_lsh": "Reformer (LSH)", "lin
           "linear_gpt2_hybrid": "linear_gpt2, softmax layer 1 + linear",
           "linear_gpt2_conv": "linear_gpt2 (elu+1), short conv",
           "linear_gpt2_gated_conv": "linear_gpt2, gated (GLA), short conv",
+          "linear_gpt2_window_conv": "linear_gpt2, sliding window 64 + linear, short conv (Based's recipe)",
           "gpt2_conv": "GPT-2 (softmax), short conv"}
 
 
@@ -56,7 +61,7 @@ def build_recall_model(name: str, dims: Dims, n: int, vocab_size: int):
 
         base = build_decoder("linear_gpt2", dims, n, vocab_size)
         overrides = LINEAR_VARIANTS[name]
-        overrides = overrides(dims.num_layers) if callable(overrides) else overrides
+        overrides = overrides(dims.num_layers, n) if callable(overrides) else overrides
         return ours.LinearGPT2ForCausalLM(ours.LinearGPT2Config(**{**base.config.to_dict(), **overrides}))
     return build_decoder(name, dims, n, vocab_size)
 

@@ -80,7 +80,8 @@ def test_decoding_state_bytes_constant_for_recurrent_models_and_growing_for_soft
     dims = Dims(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64)
     vocab = mqar_vocab_size(16, 16)
     sizes = {}
-    for name in ("gpt2_sdpa", "linear_gpt2", "linear_gpt2_hedgehog", "linear_gpt2_conv", "gpt2_conv"):
+    for name in ("gpt2_sdpa", "linear_gpt2", "linear_gpt2_hedgehog", "linear_gpt2_conv", "gpt2_conv",
+                 "linear_gpt2_window", "linear_gpt2_window_conv"):
         torch.manual_seed(0)
         model = build_recall_model(name, dims, 128, vocab)
         sizes[name] = [decoding_state_bytes(model, n, vocab) for n in (32, 64, 128)]
@@ -97,6 +98,12 @@ def test_decoding_state_bytes_constant_for_recurrent_models_and_growing_for_soft
     gpt2_conv = build_recall_model("gpt2_conv", dims, 64, vocab)
     assert gpt2_conv.config.layer_types == ["full_attention"] * 2 and gpt2_conv.config.short_conv_on_full_attention
     assert gpt2_conv.num_parameters() == build_recall_model("linear_gpt2_conv", dims, 64, vocab).num_parameters()
+    # Based's recipe: the window's ring of keys and values (fixed, not growing with n) plus the same buffers
+    assert len(set(sizes["linear_gpt2_window_conv"])) == 1
+    assert sizes["linear_gpt2_window_conv"][0] == sizes["linear_gpt2_window"][0] + 2 * 3 * 3 * 32 * 4
+    window_conv = build_recall_model("linear_gpt2_window_conv", dims, 128, vocab).config
+    assert window_conv.attention_window == 64 and window_conv.use_short_conv and window_conv.feature_map == "elu"
+    assert build_recall_model("linear_gpt2_window_conv", dims, 32, vocab).config.attention_window == 32
     gated_conv = build_recall_model("linear_gpt2_gated_conv", dims, 64, vocab).config
     assert gated_conv.use_short_conv and gated_conv.state_decay == "gated" and gated_conv.feature_map == "elu"
 
