@@ -122,7 +122,27 @@ def _generation(spec, device):
                 per_token.append(time.perf_counter() - start)
                 cache = out.past_key_values
     seconds = statistics.median(per_token[1:])  # the first step after a prefill is the warm-up
-    return {"seconds_per_token": seconds, "tokens_per_second": 1 / seconds, "cache_bytes": cache_bytes(cache)}
+    return {"seconds_per_token": seconds, "tokens_per_second": 1 / seconds, "cache_bytes": cache_bytes(cache),
+            "output_layer_seconds": _output_layer_seconds(model, new, device)}
+
+
+def _output_layer_seconds(model, repeats: int, device: str) -> float:
+    """The output layer alone on one token's hidden state (median of ``repeats``): the part of a decoding step that no
+    attention design changes. At batch 1 it reads every weight of a (vocabulary x width) matrix once per token, so
+    its time is the floor a constant-size state leaves, and what caps a state's speed-up over a key/value cache."""
+    head = model.get_output_embeddings()
+    hidden = torch.randn(1, 1, head.in_features, dtype=head.weight.dtype, device=device)
+    times = []
+    with torch.no_grad():
+        for _ in range(repeats + 1):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            head(hidden)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
 
 
 def linear_attention_flops(form: str, n: int, heads: int, d: int, chunk: int) -> float:
@@ -383,7 +403,8 @@ def tables(results: list[dict]) -> str:
           ("profiler_bytes", "tensor peak MB", mb))),
         ("generation", "Generation, batch 1 (per token after a prompt of `context` tokens)",
          (("seconds_per_token", "ms / token", lambda v: f"{1000 * v:.2f}"),
-          ("tokens_per_second", "tokens / s", lambda v: f"{v:.1f}"), ("cache_bytes", "cache MB", mb))),
+          ("tokens_per_second", "tokens / s", lambda v: f"{v:.1f}"), ("cache_bytes", "cache MB", mb),
+          ("output_layer_seconds", "of which the output layer, ms", lambda v: f"{1000 * v:.2f}"))),
         ("kernel", "Linear-attention kernels and peers (B 1, H 12, d 64; forward, or forward + backward where named; "
                    "bf16 inputs take bf16 products where the CPU has them natively, else float32), against the "
                    "matmul peak of that dtype measured in the same process; error: relative L2 against float64 on "

@@ -60,6 +60,9 @@ def test_smoke_preset_writes_complete_tables_json_and_plots(tmp_path):
     element = torch.finfo(getattr(torch, report["dtype"])).bits // 8
     assert generation[("linear attention (state)", 32)]["cache_bytes"] == generation[
         ("linear attention (state)", 96)]["cache_bytes"]
+    for row in generation.values():  # the output layer alone is part of each step, so it takes less time
+        assert 0 < row["output_layer_seconds"] < row["seconds_per_token"]
+    assert "| of which the output layer, ms |" in markdown
     for context in (32, 96):
         assert generation[("gpt2 (key/value cache)", context)]["cache_bytes"] == (
             dims["n_layer"] * 2 * (context + new) * dims["n_embd"] * element)
