@@ -328,7 +328,8 @@ class _WindowChunks(torch.autograd.Function):
         flat = lambda t: t.view(total, c, t.shape[-1])  # noqa: E731
         g = (d_y / denominator).contiguous()  # (B, H, N, C, d_v): the numerator's gradient
         g_den = -(g * y).sum(-1, keepdim=True)  # (B, H, N, C, 1): the normaliser's
-        d_far_state = d_q = d_k = d_v = d_phi_k = None
+        d_far_state = d_q = d_k = d_v = None
+        d_phi_k = torch.zeros_like(phi_k)
         if far_s is not None:
             g_scaled, g_den_scaled = g * scale, g_den * scale
             d_phi_q = torch.matmul(g_scaled, far_s.transpose(-1, -2)).addcmul_(g_den_scaled, far_z.unsqueeze(-2))
@@ -366,11 +367,7 @@ class _WindowChunks(torch.autograd.Function):
                 if not block.all_outside:
                     d_a.masked_fill_(~block.beyond, 0.0)
                 flat(d_phi_q)[rows].baddbmm_(flat(d_a)[rows], flat(phi_k)[cols])
-                if d_phi_k is None:
-                    d_phi_k = torch.zeros_like(phi_k)
                 flat(d_phi_k)[cols].baddbmm_(flat(d_a)[rows].transpose(1, 2), flat(phi_q)[rows])
-        if d_phi_k is None:
-            d_phi_k = torch.zeros_like(phi_k)
         if far_s is not None:
             d_states_s = _prefix_beyond(d_far_s, ctx.lookback, True)  # chunk k's state reaches chunks n >= k + L + 1
             d_states_z = _prefix_beyond(d_far_z, ctx.lookback, True)
@@ -500,21 +497,21 @@ def _causal_forward(q, k, v, phi_q, phi_k, window, key_mask, log_factor, eps, ch
         phi_q = torch.cat([phi_q.new_zeros(batch, heads, past, phi_q.shape[-1]), phi_q], dim=2)
         valid = torch.cat([valid_w.bool(), valid], dim=1)
         far_state = torch.cat([s0.float(), z0.float().unsqueeze(-1)], dim=-1)
-    v1 = _with_ones(v)
     if quadratic:
-        y = _quadratic_form(q, k, v1, phi_q, phi_k, valid, window, True, log_factor, eps, far_state)
+        y = _quadratic_form(q, k, _with_ones(v), phi_q, phi_k, valid, window, True, log_factor, eps, far_state)
     else:
         y = _chunked_form(q, k, v, phi_q, phi_k, valid, window, True, log_factor, eps, chunk_size, far_state)
     y = y[:, :, y.shape[2] - n :]
     # Final state: every key but the last W leaves the window (a mask, not a slice: no shape condition on n).
     p = k.shape[2]
     leaving = (torch.arange(p, device=k.device) < p - window)[None, None, :, None]
-    final = torch.matmul(torch.where(leaving, phi_k, 0.0).transpose(-1, -2), v1)
+    phi_leaving = torch.where(leaving, phi_k, 0.0)
+    final_s, final_z = torch.matmul(phi_leaving.transpose(-1, -2), v), phi_leaving.sum(-2)  # as the kernel: no [V, 1]
     if far_state is not None:
-        final = final + far_state
+        final_s, final_z = final_s + far_state[..., :-1], final_z + far_state[..., -1]
     new_state = (
-        final[..., :-1].contiguous(),
-        final[..., -1].contiguous(),
+        final_s,
+        final_z,
         _last_window(k, window, 2),
         _last_window(phi_k, window, 2),
         _last_window(v, window, 2),
