@@ -54,12 +54,25 @@ PRESETS = {
                         kernel_forms=[("parallel", 64)], image_lengths={784: 8, 3072: 16},
                         image_dims=dict(n_embd=256, n_head=8, n_inner=1024),
                         image_batches={784: {"linear_gpt2": [4096, 16384]}, 3072: {"linear_gpt2": [16384]}}),
+    # one 15-minute lease (its start and the CUDA tests included): every section, the torch fallback as the one torch
+    # form beside the default, and each image run stopped after image_seconds_cap seconds of generation and
+    # extrapolated to the whole image (the first GPU run spent 94 s on GPT-2's 784-token rows alone)
+    "lease": dict(kernel_n=[4096, 8192, 16384, 32768, 65536], kernel_batch=4, kernel_heads=12, kernel_head_dim=64,
+                  kernel_forms=[("parallel", 64)], kernel_profile=True,
+                  encoder_n=[4096, 16384, 65536], encoder_dims=ROBERTA_BASE, linformer_k=128,
+                  image_lengths={784: 8, 3072: 16}, image_dims=dict(n_embd=256, n_head=8, n_inner=1024),
+                  image_batches={784: {"gpt2": [2048], "linear_gpt2": [4096, 16384]},
+                                 3072: {"gpt2": [512], "linear_gpt2": [16384, 65536]}},
+                  image_seconds_cap=15.0,
+                  decoder_dims=GPT2_SMALL, linformer_block=256, train_batch=8, train_n=4096,
+                  decode_batches=[1, 16, 64, 256], decode_context=4096, decode_steps=32),
     # a seconds-long run of every code path (CPU or GPU): what the tests run
     "smoke": dict(kernel_n=[64, 128], kernel_batch=1, kernel_heads=2, kernel_head_dim=16, encoder_n=[64],
                   encoder_dims=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
                                     vocab_size=300), linformer_k=8,
                   image_lengths={16: 2}, image_dims=dict(n_embd=32, n_head=2, n_inner=64),
-                  image_batches={16: {"gpt2": [2, 4], "linear_gpt2": [2, 4]}},
+                  image_batches={16: {"gpt2": [2, 4], "linear_gpt2": [2, 4]}}, image_seconds_cap=None,
+                  kernel_profile=True,
                   decoder_dims=dict(vocab_size=300, n_embd=32, n_head=2, n_inner=64, n_layer=2), linformer_block=16,
                   train_batch=1, train_n=64, decode_batches=[1, 2], decode_context=16, decode_steps=4),
 }
@@ -220,9 +233,35 @@ def kernel(device, preset):
                         row["errors"][name] = ((out.double() - reference).norm() / reference.norm()).item()
                 except Exception as error:  # noqa: BLE001  (a method that fails is a row of the table)
                     row["failed"][name] = failure(error)
+                if (preset.get("kernel_profile") and n == preset["kernel_n"][0] and name == "ours: default (auto)"
+                        and name in row["seconds"]):
+                    try:
+                        row["profile"] = profile_ops(call, device)
+                    except Exception as error:  # noqa: BLE001  (a profiler that fails must not cost the timings)
+                        row["profile_failed"] = failure(error)
                 free_memory(device)
             rows.append(row)
             yield row
+
+
+def profile_ops(fn, device, top=12):
+    """Where one call's device time goes (torch.profiler, after the timed runs warmed it up): the ops with the most
+    self time on the device (CPU time on a CPU), with their share of the total, in ms per call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activity = ProfilerActivity.CUDA if device.type == "cuda" else ProfilerActivity.CPU
+    repeats = 5
+    with profile(activities=[activity]) as prof:
+        for _ in range(repeats):
+            fn()
+        synchronize(device)
+    attribute = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    events = [e for e in prof.key_averages() if getattr(e, attribute, 0) > 0]
+    total = sum(getattr(e, attribute) for e in events)
+    events.sort(key=lambda e: getattr(e, attribute), reverse=True)
+    return {"total_ms": total / 1e3 / repeats,
+            "ops": [{"op": e.key[:90], "ms": getattr(e, attribute) / 1e3 / repeats, "calls": e.count // repeats,
+                     "share": getattr(e, attribute) / total} for e in events[:top]]}
 
 
 # -------------------------------------------------------------------------------------------------------- encoder
@@ -294,7 +333,20 @@ def decoder(name, device, n_positions, dtype=torch.bfloat16, **dims):
     return model.to(dtype=dtype).eval()
 
 
+def projected_cache_bytes(name, batch, n, layers, n_embd, element_size=2):
+    """GPT-2's key/value cache after a whole n-token image (a key and a value row per token, layer and sequence); the
+    recurrent decoders' state does not grow with n (None)."""
+    return 2 * layers * batch * n * n_embd * element_size if name == "gpt2" else None
+
+
 def images(device, preset, deadline):
+    """Images / s at each batch of the preset, smallest first, until one fails. With ``image_seconds_cap`` a run that
+    has not finished its image by then is stopped (generate's ``max_time``) and its seconds per token extrapolated to
+    the whole image: exact in expectation for the recurrent decoders, whose step costs the same at every position, and
+    an upper bound on GPT-2's images / s, whose later steps read a longer cache (so a ratio against it is a lower
+    bound). A batch whose whole-image cache would not fit in 90% of the device's memory is not tried."""
+    cap = preset.get("image_seconds_cap")
+    total_memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
     for n, layers in preset["image_lengths"].items():
         for name in preset["image_batches"][n]:
             row = {"section": "images", "n": n, "model": name, "layers": layers, **preset["image_dims"], "runs": []}
@@ -304,9 +356,16 @@ def images(device, preset, deadline):
                 if time.time() > deadline:
                     row["runs"].append({"batch": batch, "stopped": "run deadline"})
                     break
+                cache = projected_cache_bytes(name, batch, n, layers, preset["image_dims"]["n_embd"])
+                if cache and total_memory and cache > 0.9 * total_memory:
+                    row["runs"].append({"batch": batch, "stopped": f"its whole-image cache would take "
+                                        f"{cache / 2**30:.0f} GiB of the device's {total_memory / 2**30:.0f}"})
+                    break
                 start = torch.zeros((batch, 1), dtype=torch.long, device=device)
                 kwargs = dict(attention_mask=torch.ones_like(start), do_sample=True, top_k=0, pad_token_id=0,
                               min_new_tokens=n - 1, max_new_tokens=n - 1)
+                if cap is not None:
+                    kwargs["max_time"] = cap
                 try:
                     with torch.no_grad():
                         model.generate(start, **{**kwargs, "min_new_tokens": 4, "max_new_tokens": 4})  # warm-up
@@ -315,8 +374,14 @@ def images(device, preset, deadline):
                         out = model.generate(start, **kwargs)
                         synchronize(device)
                     seconds = time.perf_counter() - began
-                    assert out.shape == (batch, n), out.shape
-                    row["runs"].append({"batch": batch, "seconds": seconds, "images_per_second": batch / seconds})
+                    steps = out.shape[1] - 1
+                    assert out.shape[0] == batch and 1 <= steps <= n - 1, out.shape
+                    run = {"batch": batch, "seconds": seconds, "tokens": steps, "whole": steps == n - 1}
+                    if cache:
+                        run["projected_cache_bytes"] = cache
+                    image_seconds = seconds if run["whole"] else seconds / steps * (n - 1)
+                    run.update(image_seconds=image_seconds, images_per_second=batch / image_seconds)
+                    row["runs"].append(run)
                 except Exception as error:  # noqa: BLE001
                     row["runs"].append({"batch": batch, "stopped": failure(error)})
                     free_memory(device)
@@ -324,7 +389,8 @@ def images(device, preset, deadline):
                 free_memory(device)
             fitted = [r for r in row["runs"] if "images_per_second" in r]
             if fitted:
-                row.update(largest_batch=fitted[-1]["batch"], images_per_second=fitted[-1]["images_per_second"])
+                row.update(largest_batch=fitted[-1]["batch"], images_per_second=fitted[-1]["images_per_second"],
+                           whole=fitted[-1]["whole"])
             model = None
             free_memory(device)
             yield row
@@ -438,6 +504,12 @@ def render(records: list[dict], command: str, preset: str = "gpu") -> str:
             ratio_fla = f"{own / fla:.2f}x" if own and fla else "-"
             ratio_sdpa = f"{sdpa / own:.2f}x" if own and sdpa else "-"
             lines.append(f"| {r['mode']} | {r['n']:,} | " + " | ".join(cells) + f" | {ratio_fla} | {ratio_sdpa} |")
+        for r in (r for r in kernel_rows if r.get("profile")):
+            prof = r["profile"]
+            lines += ["", f"Where the default's time goes, {r['mode']} at n = {r['n']:,} (torch.profiler, device self "
+                      f"time, {prof['total_ms']:.3g} ms a call in all):", "", "| op | ms / call | calls | share |",
+                      "|---|---|---|---|"]
+            lines += [f"| `{o['op']}` | {o['ms']:.3g} | {o['calls']} | {100 * o['share']:.0f}% |" for o in prof["ops"]]
         errors = [r for r in kernel_rows if r["errors"]]
         if errors:
             r = errors[0]
@@ -468,14 +540,20 @@ def render(records: list[dict], command: str, preset: str = "gpu") -> str:
         lines += ["## Image generation, \"Transformers are RNNs\" Tables 1-2 shape: images / s", "",
                   "Whole sequences sampled with `generate()` from a 1-token start, vocabulary 256, width "
                   f"{image_rows[0]['n_embd']}, {image_rows[0]['n_head']} heads, bf16 weights; each model at the largest batch tried that fitted (the batches tried are the preset's "
-                  "list, not a search to the memory limit).", "",
+                  "list, not a search to the memory limit). A run marked *extrapolated* was stopped after the "
+                  "preset's time cap and its seconds per token carried to the whole image: exact in expectation "
+                  "for linear_gpt2 (every step costs the same), an upper bound for GPT-2 (its later steps read a "
+                  "longer cache), so its x GPT-2 is a lower bound.", "",
                   "| n | model | layers | largest batch | images / s | x GPT-2 | runs |", "|---" * 7 + "|"]
         for r in image_rows:
             base = next((x.get("images_per_second") for x in image_rows if x["n"] == r["n"] and x["model"] == "gpt2"),
                         None)
             ips = r.get("images_per_second")
-            runs = "; ".join(f"batch {x['batch']}: " + (f"{x['images_per_second']:.3g}/s" if "images_per_second" in x
-                                                         else x["stopped"]) for x in r["runs"])
+            runs = "; ".join(f"batch {x['batch']}: " + (
+                (f"{x['images_per_second']:.3g}/s" + ("" if x.get("whole", True) else
+                                                      f" ({x['tokens']:,} of {r['n'] - 1:,} tokens in "
+                                                      f"{x['seconds']:.1f} s, extrapolated)"))
+                if "images_per_second" in x else x["stopped"]) for x in r["runs"])
             figure = f"{ips:.3g}" if ips else "-"
             ratio = f"{ips / base:.1f}x" if ips and base else "-"
             lines.append(f"| {r['n']:,} | {r['model']} | {r['layers']} | {r.get('largest_batch', '-')} | {figure} | "

@@ -7,8 +7,9 @@
 #                                          # GPU benchmark rows; logs and results go to OUT (default $OUT, else
 #                                          # outputs/gpu_check)
 #
-# Time: under 8 minutes on an H200 (the tests about 1, the benchmark sections stop starting after
-# GPU_BENCH_DEADLINE_S, default 300 s). Results: OUT/tests.log, OUT/tests.xml, OUT/nvidia-smi.txt, OUT/bench/results.{json,md}.
+# Time: under 8 minutes on an H200 (the tests about 1, the benchmark sections, preset GPU_BENCH_PRESET (default
+# 'lease'), stop starting after GPU_BENCH_DEADLINE_S, default 300 s). Results: OUT/tests.log, OUT/tests.xml,
+# OUT/nvidia-smi.txt, OUT/bench/results.{json,md}.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=.whl
@@ -56,14 +57,17 @@ print("torch", torch.__version__, "cuda", torch.version.cuda, "| transformers", 
 print("fla kernel dispatched by 'auto':", fla_chunk_kernel("cuda") is not None)
 EOF
 
-# 1. the tests whose math depends on the device, on CUDA (their [cuda] instances; the [cpu] ones run in CI)
-timeout "${GPU_TEST_TIMEOUT_S:-180}" python3 -m pytest -q -p no:cacheprovider -k cuda tests/attention \
-  --junitxml="$OUT_DIR/tests.xml" 2>&1 | tee "$OUT_DIR/tests.log" | tail -25
+# 1. the tests whose math depends on the device, on CUDA (their [cuda] instances; the [cpu] ones run in CI), over
+#    GPU_TEST_WORKERS processes (pytest-xdist is in the GPU image; 0 runs them in this process)
+timeout "${GPU_TEST_TIMEOUT_S:-180}" python3 -m pytest -q -p no:cacheprovider -n "${GPU_TEST_WORKERS:-6}" -k cuda \
+  tests/attention tests/models/test_short_conv.py --junitxml="$OUT_DIR/tests.xml" 2>&1 | tee "$OUT_DIR/tests.log" \
+  | tail -25
 tests_rc=${PIPESTATUS[0]}
 
 # 2. the benchmark rows, side by side in one run
 timeout "${GPU_BENCH_TIMEOUT_S:-420}" python3 scripts/gpu_benchmark.py --output_dir "$OUT_DIR/bench" \
-  --deadline_s "${GPU_BENCH_DEADLINE_S:-300}" ${GPU_BENCH_SECTIONS:+--sections "$GPU_BENCH_SECTIONS"} \
+  --preset "${GPU_BENCH_PRESET:-lease}" --deadline_s "${GPU_BENCH_DEADLINE_S:-300}" \
+  ${GPU_BENCH_SECTIONS:+--sections "$GPU_BENCH_SECTIONS"} \
   > "$OUT_DIR/bench.log" 2>&1
 bench_rc=$?
 tail -c 6000 "$OUT_DIR/bench/results.md" 2>/dev/null || tail -40 "$OUT_DIR/bench.log"

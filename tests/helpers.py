@@ -140,6 +140,16 @@ def draw(generator: torch.Generator, *shape, dtype=torch.float32) -> torch.Tenso
     return torch.randn(*shape, generator=generator, device=generator.device).to(torch.get_default_device(), dtype)
 
 
+def normal(generator: torch.Generator, *shape, dtype=torch.float32) -> torch.Tensor:
+    """torch.randn in ``dtype`` from a (CPU) generator, moved to the default device."""
+    return torch.randn(*shape, generator=generator, device=generator.device, dtype=dtype).to(torch.get_default_device())
+
+
+def uniform(generator: torch.Generator, *shape, dtype=torch.float32) -> torch.Tensor:
+    """torch.rand in ``dtype`` from a (CPU) generator, moved to the default device."""
+    return torch.rand(*shape, generator=generator, device=generator.device, dtype=dtype).to(torch.get_default_device())
+
+
 def qkv(b=2, h=3, n=10, d=8, seed=0, dtype=torch.float32):
     """Random queries, keys and values (b, h, n, d), on the default device."""
     g = torch.Generator().manual_seed(seed)

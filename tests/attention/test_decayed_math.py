@@ -3,6 +3,7 @@ recurrent step, the export form and the rollback replay against the float64 recu
 
 import pytest
 import torch
+from helpers import normal, uniform
 
 from hf_linear_attn import (
     causal_decayed_linear_attention,
@@ -19,13 +20,16 @@ from hf_linear_attn.decayed_linear_attention import (
 )
 
 
+pytestmark = pytest.mark.usefixtures("on_each_device")  # every test here on the CPU and on CUDA
+
+
 def inputs(b=2, h=3, n=23, m=6, d=5, per_feature=False, strength=1.0, seed=0):
     """Positive features (as every feature map gives), values, and log decays <= 0, float64."""
     g = torch.Generator().manual_seed(seed)
-    phi_q = torch.rand(b, h, n, m, generator=g, dtype=torch.float64) + 0.05
-    phi_k = torch.rand(b, h, n, m, generator=g, dtype=torch.float64) + 0.05
-    v = torch.randn(b, h, n, d, generator=g, dtype=torch.float64)
-    log_decay = -strength * torch.rand(b, h, n, m if per_feature else 1, generator=g, dtype=torch.float64)
+    phi_q = uniform(g, b, h, n, m, dtype=torch.float64) + 0.05
+    phi_k = uniform(g, b, h, n, m, dtype=torch.float64) + 0.05
+    v = normal(g, b, h, n, d, dtype=torch.float64)
+    log_decay = -strength * uniform(g, b, h, n, m if per_feature else 1, dtype=torch.float64)
     return phi_q, phi_k, v, log_decay
 
 
@@ -129,8 +133,8 @@ def test_pad_keys_add_nothing_and_leave_the_state_undecayed():
 def test_the_export_form_and_the_rollback_replay_equal_the_recurrence(per_feature):
     phi_q, phi_k, v, log_decay = inputs(n=19, per_feature=per_feature)
     g = torch.Generator().manual_seed(1)
-    s0 = torch.rand(2, 3, 6, 5, generator=g, dtype=torch.float64)
-    z0 = torch.rand(2, 3, 6, generator=g, dtype=torch.float64)
+    s0 = uniform(g, 2, 3, 6, 5, dtype=torch.float64)
+    z0 = uniform(g, 2, 3, 6, dtype=torch.float64)
     reference, (s_ref, z_ref) = naive_decayed_linear_attention(phi_q, phi_k, v, log_decay, state=(s0, z0))
     v1 = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1).float()
     out, final = _pairwise_form(phi_q.float(), phi_k.float(), v1, log_decay.float(), torch.cat([s0, z0[..., None]], -1).float())

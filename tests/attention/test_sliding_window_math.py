@@ -3,6 +3,7 @@ against a float64 reference written out query by query (independent of the modul
 
 import pytest
 import torch
+from helpers import normal, uniform
 
 from hf_linear_attn.feature_maps import build_feature_map
 from hf_linear_attn.sliding_window_attention import (
@@ -13,6 +14,9 @@ from hf_linear_attn.sliding_window_attention import (
     sliding_window_attention_step,
     sliding_window_attention_weights,
 )
+
+
+pytestmark = pytest.mark.usefixtures("on_each_device")  # every test here on the CPU and on CUDA
 
 
 def reference(q, k, v, phi_q, phi_k, window, causal, key_mask=None, theta=None, eps=1e-6):
@@ -259,10 +263,10 @@ def test_written_out_backward_passes_gradcheck_in_float64(causal, window, chunk,
 
     gen = torch.Generator().manual_seed(9)
     batch, heads, n, d, m = 2, 2, 13, 3, 4
-    q, k, v = (torch.randn(batch, heads, n, d, generator=gen, dtype=torch.float64) for _ in range(3))
-    phi_q, phi_k = (torch.rand(batch, heads, n, m, generator=gen, dtype=torch.float64) + 0.1 for _ in range(2))
-    theta = torch.randn(heads, generator=gen, dtype=torch.float64)
-    far_state = torch.rand(batch, heads, m, d + 1, generator=gen, dtype=torch.float64)
+    q, k, v = (normal(gen, batch, heads, n, d, dtype=torch.float64) for _ in range(3))
+    phi_q, phi_k = (uniform(gen, batch, heads, n, m, dtype=torch.float64) + 0.1 for _ in range(2))
+    theta = normal(gen, heads, dtype=torch.float64)
+    far_state = uniform(gen, batch, heads, m, d + 1, dtype=torch.float64)
     valid = torch.ones(batch, n, dtype=torch.bool)
     valid[1, :3] = False
     keep = valid[:, None, :, None]

@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from helpers import CONV_VARIANTS, TINY_DECODER, causal_lm, left_padded_batch, random_ids
+from helpers import CONV_VARIANTS, TINY_DECODER, causal_lm, left_padded_batch, normal, random_ids
 from transformers import AutoModelForCausalLM
 
 from hf_linear_attn import LinearGPT2Config, LinearGPT2ForCausalLM
@@ -36,7 +36,7 @@ def per_position_reference(x, weight, buffer=None):
 @pytest.mark.parametrize("kernel", [2, 4, 7])
 def test_the_convolution_equals_the_per_position_loop_whole_in_pieces_and_token_by_token(kernel, on_each_device):
     g = torch.Generator().manual_seed(kernel)
-    x, weight = torch.randn(2, 11, 6, generator=g), torch.randn(6, 1, kernel, generator=g)
+    x, weight = normal(g, 2, 11, 6), normal(g, 6, 1, kernel)
     want = per_position_reference(x, weight)
     got, buffer = causal_short_convolution(x.to(on_each_device), weight.to(on_each_device))
     torch.testing.assert_close(got.double().cpu(), want, atol=1e-5, rtol=1e-5)
@@ -47,7 +47,7 @@ def test_the_convolution_equals_the_per_position_loop_whole_in_pieces_and_token_
         pieces.append(y.double().cpu())
     torch.testing.assert_close(torch.cat(pieces, dim=1), want, atol=1e-5, rtol=1e-5)
     # the one-token step on its own, from a random buffer, against the loop continuing from that buffer
-    history = torch.randn(2, kernel - 1, 6, generator=g)
+    history = normal(g, 2, kernel - 1, 6)
     y, new = short_convolution_step(x[:, :1], weight, history)
     torch.testing.assert_close(y.double(), per_position_reference(x[:, :1], weight, history), atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(new, torch.cat([history, x[:, :1]], dim=1)[:, 1:])
@@ -55,7 +55,7 @@ def test_the_convolution_equals_the_per_position_loop_whole_in_pieces_and_token_
 
 def test_pads_are_zeroed_so_a_left_padded_row_is_convolved_as_the_row_alone():
     g = torch.Generator().manual_seed(0)
-    x, weight = torch.randn(1, 5, 4, generator=g), torch.randn(4, 1, 4, generator=g)
+    x, weight = normal(g, 1, 5, 4), normal(g, 4, 1, 4)
     padded = torch.cat([torch.full((1, 3, 4), 7.0), x], dim=1)  # three pad rows of garbage before the row
     mask = torch.tensor([[False] * 3 + [True] * 5])
     y, buffer = causal_short_convolution(mask_pad_inputs(padded, mask), weight)
