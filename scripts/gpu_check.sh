@@ -59,10 +59,14 @@ EOF
 
 # 1. the tests whose math depends on the device, on CUDA (their [cuda] instances; the [cpu] ones run in CI), over
 #    GPU_TEST_WORKERS processes (pytest-xdist is in the GPU image; 0 runs them in this process)
-timeout "${GPU_TEST_TIMEOUT_S:-180}" python3 -m pytest -q -p no:cacheprovider -n "${GPU_TEST_WORKERS:-6}" -k cuda \
-  tests/attention tests/models/test_short_conv.py --junitxml="$OUT_DIR/tests.xml" 2>&1 | tee "$OUT_DIR/tests.log" \
-  | tail -25
-tests_rc=${PIPESTATUS[0]}
+#    (-v: each result is logged as it comes, so a run stopped by the timeout still names its failures)
+timeout "${GPU_TEST_TIMEOUT_S:-180}" python3 -m pytest -v -rf -p no:cacheprovider -p no:benchmark \
+  -n "${GPU_TEST_WORKERS:-12}" --timeout "${GPU_TEST_EACH_S:-120}" -k cuda tests/attention \
+  tests/models/test_short_conv.py --junitxml="$OUT_DIR/tests.xml" > "$OUT_DIR/tests.log" 2>&1
+tests_rc=$?
+grep -E "FAILED|ERROR|passed|failed" "$OUT_DIR/tests.log" | tail -25
+# the timeout stops pytest, not its xdist workers (execnet children): stop them before anything is timed
+pkill -9 -f "sys.stdin.readline" 2>/dev/null
 
 # 2. the benchmark rows, side by side in one run
 timeout "${GPU_BENCH_TIMEOUT_S:-420}" python3 scripts/gpu_benchmark.py --output_dir "$OUT_DIR/bench" \
