@@ -52,8 +52,9 @@ def reference(q, k, v, phi_q, phi_k, window, causal, key_mask=None, theta=None, 
 
 
 def inputs(n, batch=2, heads=3, d=8, seed=0, scale=1.0):
-    torch.manual_seed(seed)
-    q, k, v = (torch.randn(batch, heads, n, d) * scale for _ in range(3))
+    """The same numbers on every device (a CPU generator; CUDA's own draws other numbers from the same seed)."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (normal(g, batch, heads, n, d) * scale for _ in range(3))
     return q, k, v
 
 

@@ -37,14 +37,15 @@ def per_position_reference(x, weight, buffer=None):
 def test_the_convolution_equals_the_per_position_loop_whole_in_pieces_and_token_by_token(kernel, on_each_device):
     g = torch.Generator().manual_seed(kernel)
     x, weight = normal(g, 2, 11, 6), normal(g, 6, 1, kernel)
+    assert x.device.type == on_each_device.type  # drawn on the CPU, moved to the device under test
     want = per_position_reference(x, weight)
-    got, buffer = causal_short_convolution(x.to(on_each_device), weight.to(on_each_device))
-    torch.testing.assert_close(got.double().cpu(), want, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(buffer.cpu(), x[:, -(kernel - 1):])  # the last K-1 inputs, carried as they are
+    got, buffer = causal_short_convolution(x, weight)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(buffer, x[:, -(kernel - 1):])  # the last K-1 inputs, carried as they are
     pieces, buffer = [], None
     for start, stop in ((0, 2), (2, 3), (3, 9), (9, 10), (10, 11)):  # pieces shorter and longer than the kernel
-        y, buffer = causal_short_convolution(x[:, start:stop].to(on_each_device), weight.to(on_each_device), buffer)
-        pieces.append(y.double().cpu())
+        y, buffer = causal_short_convolution(x[:, start:stop], weight, buffer)
+        pieces.append(y.double())
     torch.testing.assert_close(torch.cat(pieces, dim=1), want, atol=1e-5, rtol=1e-5)
     # the one-token step on its own, from a random buffer, against the loop continuing from that buffer
     history = normal(g, 2, kernel - 1, 6)
