@@ -122,6 +122,19 @@ def test_prefill_then_recurrent_steps_equal_one_full_pass():
     torch.testing.assert_close(full[1:, :, 4:], alone, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("by_matmul", [False, True], ids=["broadcast", "matmul"])
+def test_both_forms_of_the_steps_query_state_product_equal_float64(by_matmul):
+    """The recurrent step's phi(q) S: a broadcast product and sum on CPUs, a batched matmul elsewhere (which the CPU
+    run would never reach by itself, so both are forced here), against float64."""
+    from hf_linear_attn.linear_attention import _query_state_product
+
+    g = torch.Generator().manual_seed(5)
+    phi_q, s = draw(g, 3, 4, 1, 8).exp(), draw(g, 3, 4, 8, 6)
+    got = _query_state_product(phi_q, s, by_matmul=by_matmul)
+    assert got.shape == (3, 4, 1, 6) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), phi_q.double() @ s.double(), atol=1e-5, rtol=1e-5)
+
+
 def test_causal_form_accumulates_in_float32_under_bf16():
     phi = build_feature_map("elu", 2, 16)
     q, k, v = qkv(b=1, h=2, n=2048, d=16, dtype=torch.bfloat16)
