@@ -49,6 +49,21 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 nvidia-smi > "$OUT_DIR/nvidia-smi.txt" 2>&1
+# Triton's cache (compiled kernels, and fla's autotuning results: fla autotunes with cache_results): a lease's first
+# call spends 2-3 minutes compiling and autotuning fla's kernels. The cache this call leaves comes back as
+# OUT/triton-cache.tgz; saved as .triton-cache.tgz in the checkout (ignored) and carried, the next call starts with it.
+export TRITON_CACHE_DIR=/tmp/triton-cache
+mkdir -p "$TRITON_CACHE_DIR"
+if [ -f .triton-cache.tgz ]; then
+  tar -C "$TRITON_CACHE_DIR" -xzf .triton-cache.tgz && echo "Triton cache: $(find "$TRITON_CACHE_DIR" -type f | wc -l) files carried"
+fi
+save_triton_cache() {
+  # the whole cache if it fits what a call brings back (16 MB a file), else only the autotuning results
+  tar -C "$TRITON_CACHE_DIR" -czf "$OUT_DIR/triton-cache.tgz" . 2>/dev/null
+  if [ "$(stat -c %s "$OUT_DIR/triton-cache.tgz" 2>/dev/null || echo 0)" -gt 15000000 ]; then
+    (cd "$TRITON_CACHE_DIR" && find . -name "*.autotune.json" -print0 | tar --null -czf "$OUT_DIR/triton-cache.tgz" -T -)
+  fi
+}
 python3 - <<'EOF' 2>&1 | tee "$OUT_DIR/versions.txt"
 import torch, transformers, triton, fla, hf_linear_attn
 from hf_linear_attn.linear_attention import fla_chunk_kernel
@@ -75,5 +90,6 @@ timeout "${GPU_BENCH_TIMEOUT_S:-420}" python3 scripts/gpu_benchmark.py --output_
   > "$OUT_DIR/bench.log" 2>&1
 bench_rc=$?
 tail -c 6000 "$OUT_DIR/bench/results.md" 2>/dev/null || tail -40 "$OUT_DIR/bench.log"
+save_triton_cache
 echo "tests exit $tests_rc, benchmark exit $bench_rc"
 [ "$tests_rc" = 0 ] && [ "$bench_rc" = 0 ]
