@@ -366,7 +366,8 @@ def _causal_bf16(phi_q, phi_k, v, key_mask, eps, c, state, form):
         y, final = _chunkwise_parallel_bf16(phi_q, phi_k, v, s0, z0.squeeze(2), c, eps)
         return y.to(v.dtype), final
     normaliser, z_n = _float32_normaliser(phi_q, phi_k, z0.squeeze(2), c)
-    y = numerator / (normaliser + eps)
+    normaliser += eps
+    y = numerator / normaliser  # fla's bf16 numerator is divided as it is read: no float32 copy of it first
     return y.to(v.dtype), (s_n, z_n)
 
 
@@ -386,17 +387,20 @@ def _float32_normaliser(phi_q, phi_k, z0, c: int):
     if n == 0:
         return phi_q.new_zeros(batch, heads, 0, 1, dtype=torch.float32), z0.float()
     padded = -n % c
-    q, k = phi_q.float(), phi_k.float()
+    q, k = phi_q, phi_k
     if padded:  # zero keys add nothing; the padded query rows are dropped at the end
         q, k = (torch.nn.functional.pad(t, (0, 0, 0, padded)) for t in (q, k))
     chunks = (n + padded) // c
     q_c, k_c = q.view(batch, heads, chunks, c, m), k.view(batch, heads, chunks, c, m)
-    within = torch.cumsum(k_c, dim=3)  # (B, H, N, C, m): prefix sums inside each chunk
+    # float32 from here on without a float32 copy of q or k: cumsum upcasts as it reads (dtype=float32), and the
+    # bf16 x float32 product below computes in float32; each copy saved is a pass over the (B, H, n, m) features
+    within = torch.cumsum(k_c, dim=3, dtype=torch.float32)  # (B, H, N, C, m): prefix sums inside each chunk
     totals = within[:, :, :, -1]  # (B, H, N, m)
     before = torch.cat([z0.float().unsqueeze(2), totals[:, :, :-1]], dim=2)  # z_0, then each chunk's own sum
     before = torch.cumsum(before.transpose(2, 3).contiguous(), dim=3).transpose(2, 3)  # what precedes each chunk
-    normaliser = (q_c * (within + before.unsqueeze(3))).sum(-1)  # (B, H, N, C)
-    z_n = before[:, :, -1] + totals[:, :, -1]
+    z_n = before[:, :, -1] + totals[:, :, -1]  # before the in-place add below, which changes totals (a view)
+    within += before.unsqueeze(3)  # in place: the inclusive prefix z_t of every position
+    normaliser = (q_c * within).sum(-1)  # (B, H, N, C), in float32
     return normaliser.reshape(batch, heads, -1)[:, :, :n, None], z_n
 
 
@@ -421,7 +425,8 @@ def fla_chunk_kernel(device_type: str):
 
 def _causal_fla(phi_q, phi_k, v, s0):
     """Numerator tril(phi(Q) phi(K)^T) V + phi(Q) S_0 and S_n by fla's Triton chunk kernel (bf16 products, float32
-    state), the same function as the torch forms of the bf16 path: (B, H, n, d_v) float32 and (B, H, m, d_v).
+    state), the same function as the torch forms of the bf16 path: (B, H, n, d_v) in fla's output dtype (bf16: it
+    rounds its float32 accumulator once, on writing) and (B, H, m, d_v) float32.
 
     fla is called without its own normalisation (``normalize=False``) and with ``scale=1``: phi(Q), phi(K) are
     already features, pads already zeroed in phi(K) and V (so fla's own masking, which covers only V, is not relied
@@ -432,7 +437,7 @@ def _causal_fla(phi_q, phi_k, v, s0):
     q, k, val = (t.transpose(1, 2).contiguous() for t in (phi_q, phi_k, v))
     out, s_n = kernel(q, k, val, scale=1.0, initial_state=s0.float().contiguous(), output_final_state=True,
                       normalize=False)
-    return out.transpose(1, 2).float(), s_n.float()
+    return out.transpose(1, 2), s_n.float()
 
 
 def _chunkwise_parallel(q, k, v, state, c: int):
