@@ -63,7 +63,7 @@ PRESETS = {
                   image_lengths={784: 8, 3072: 16}, image_dims=dict(n_embd=256, n_head=8, n_inner=1024),
                   image_batches={784: {"gpt2": [2048], "linear_gpt2": [4096, 16384]},
                                  3072: {"gpt2": [512], "linear_gpt2": [16384, 65536]}},
-                  image_seconds_cap=15.0,
+                  image_seconds_cap=15.0, image_profile=True,
                   decoder_dims=GPT2_SMALL, linformer_block=256, train_batch=8, train_n=4096,
                   decode_batches=[1, 16, 64, 256], decode_context=4096, decode_steps=32),
     # a seconds-long run of every code path (CPU or GPU): what the tests run
@@ -72,7 +72,7 @@ PRESETS = {
                                     vocab_size=300), linformer_k=8,
                   image_lengths={16: 2}, image_dims=dict(n_embd=32, n_head=2, n_inner=64),
                   image_batches={16: {"gpt2": [2, 4], "linear_gpt2": [2, 4]}}, image_seconds_cap=None,
-                  kernel_profile=True,
+                  kernel_profile=True, image_profile=True,
                   decoder_dims=dict(vocab_size=300, n_embd=32, n_head=2, n_inner=64, n_layer=2), linformer_block=16,
                   train_batch=1, train_n=64, decode_batches=[1, 2], decode_context=16, decode_steps=4),
 }
@@ -391,9 +391,41 @@ def images(device, preset, deadline):
             if fitted:
                 row.update(largest_batch=fitted[-1]["batch"], images_per_second=fitted[-1]["images_per_second"],
                            whole=fitted[-1]["whole"])
+                if preset.get("image_profile") and time.time() < deadline:
+                    try:
+                        row["step_profile"] = profile_step(model, fitted[-1]["batch"], device,
+                                                           prompt=max(1, min(16, n - 12)))
+                    except Exception as error:  # noqa: BLE001  (a profiler that fails must not cost the row)
+                        row["step_profile_failed"] = failure(error)
+                    free_memory(device)
             model = None
             free_memory(device)
             yield row
+
+
+def profile_step(model, batch, device, prompt=16, steps=3):
+    """Where one decoding step of an image model goes, at the batch it was timed at: a cache from a ``prompt``-token
+    prompt, then ``steps`` one-token forwards (wall time), then 5 more under torch.profiler (device self time by op,
+    as :func:`profile_ops`)."""
+    ids = torch.zeros((batch, prompt), dtype=torch.long, device=device)
+    with torch.no_grad():
+        out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+        cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+
+        def step():
+            nonlocal cache, token
+            out = model(input_ids=token, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+
+        step()  # warm
+        synchronize(device)
+        began = time.perf_counter()
+        for _ in range(steps):
+            step()
+        synchronize(device)
+        wall = (time.perf_counter() - began) / steps
+        profile = profile_ops(step, device)
+    return {"batch": batch, "wall_ms": wall * 1e3, **profile}
 
 
 # ---------------------------------------------------------------------------------------------- train and decode
@@ -558,6 +590,13 @@ def render(records: list[dict], command: str, preset: str = "gpu") -> str:
             ratio = f"{ips / base:.1f}x" if ips and base else "-"
             lines.append(f"| {r['n']:,} | {r['model']} | {r['layers']} | {r.get('largest_batch', '-')} | {figure} | "
                          f"{ratio} | {runs} |")
+        for r in (r for r in image_rows if r.get("step_profile")):
+            prof = r["step_profile"]
+            lines += ["", f"One decoding step of {r['model']} at n = {r['n']:,}, batch {prof['batch']:,}: "
+                      f"{prof['wall_ms']:.3g} ms of wall time, {prof['total_ms']:.3g} ms of device time "
+                      "(torch.profiler, device self time by op):", "", "| op | ms / step | calls | share |",
+                      "|---|---|---|---|"]
+            lines += [f"| `{o['op']}` | {o['ms']:.3g} | {o['calls']} | {100 * o['share']:.0f}% |" for o in prof["ops"]]
         lines.append("")
     for r in (r for r in records if r.get("section") == "train"):
         lines += [f"## Training step, decoders of the preset's size, batch {r['batch']}, n {r['n']:,}, bf16 autocast", "",

@@ -35,6 +35,9 @@ def test_smoke_preset_runs_every_section_and_renders_every_table(tmp_path):
     images = [r for r in data["records"] if r["section"] == "images"]
     assert {r["model"] for r in images} == {"gpt2", "linear_gpt2"}
     assert all(r.get("images_per_second", 0) > 0 for r in images), images
+    # where the default kernel call's and each image model's decoding step's time goes, by op, summing to under 100%
+    for profile in [next(r["profile"] for r in kernel if r.get("profile")), *(r["step_profile"] for r in images)]:
+        assert profile["ops"] and profile["total_ms"] > 0 and 0 < sum(o["share"] for o in profile["ops"]) <= 1 + 1e-9
     decode = [r for r in data["records"] if r["section"] == "decode"]
     assert decode and all(r.get("tokens_per_second", 0) > 0 and r["cache_bytes"] > 0 for r in decode), decode
     # the recurrent state is the same size at every batch's context; GPT-2's cache grows with the batch
@@ -43,7 +46,8 @@ def test_smoke_preset_runs_every_section_and_renders_every_table(tmp_path):
     train = next(r for r in data["records"] if r["section"] == "train")
     assert set(train["seconds"]) == {"gpt2", "linear_gpt2", "linformer_gpt2"} and not train["failed"]
     report = (tmp_path / "results.md").read_text()
-    for heading in ("Causal attention kernel", "Encoder forward", "Image generation", "Training step", "Decoding"):
+    for heading in ("Causal attention kernel", "Encoder forward", "Image generation", "Training step", "Decoding",
+                    "Where the default's time goes", "One decoding step of linear_gpt2"):
         assert heading in report
     # the report re-renders from its records alone, byte for byte
     before = report
