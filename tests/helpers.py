@@ -325,3 +325,21 @@ print(json.dumps({{"class": type(model).__name__, "module": type(model).__module
                           capture_output=True, text=True, timeout=300, env=env, cwd=folder, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def fla_stand_in(calls):
+    """A stand-in for fla.ops.linear_attn.chunk_linear_attn with its interface ((B, T, H, K) layout, scale,
+    initial_state, output_final_state, normalize), computed by this package's parallel form: the dispatch (layouts,
+    state, masking, normaliser) is tested wherever the real kernel cannot run."""
+    import hf_linear_attn.linear_attention as la
+
+    def kernel(q, k, v, scale=None, initial_state=None, output_final_state=False, normalize=True):
+        calls.append(dict(shape=tuple(q.shape), scale=scale, normalize=normalize, dtype=q.dtype,
+                          state_dtype=None if initial_state is None else initial_state.dtype,
+                          keys=k.detach().clone(), values=v.detach().clone()))
+        if initial_state is None:  # fla starts from a zero state
+            initial_state = q.new_zeros(q.shape[0], q.shape[2], q.shape[3], v.shape[3], dtype=torch.float32)
+        out, s_n = la._chunkwise_parallel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), initial_state, 16)
+        return out.transpose(1, 2).to(v.dtype), (s_n if output_final_state else None)
+
+    return kernel

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from helpers import REPO_ROOT
 
 SCRIPT = REPO_ROOT / "scripts" / "gpu_benchmark.py"
@@ -90,3 +91,27 @@ def test_the_shell_script_refuses_a_machine_without_cuda_and_names_the_cpu_comma
     assert "torch sees no CUDA device here" in result.stderr and "scripts/test.sh" in result.stderr
     help_text = run("--help", script=REPO_ROOT / "scripts" / "gpu_check.sh").stdout
     assert "--download" in help_text and "/tmp/site" in help_text
+
+
+def test_the_fla_twice_candidate_computes_causal_linear_attention():
+    """The dispatch candidate the lease times beside the default (numerator and normaliser both from fla's kernel, the
+    normaliser as the numerator of a block of ones), with fla stood in for by this package's parallel form: against
+    the quadratic form in float64, to bf16 rounding, and gradients reach every input."""
+    from helpers import fla_stand_in
+
+    from benchmarks.gpu import fla_normalised_by_fla
+
+    calls = []
+    candidate = fla_normalised_by_fla(fla_stand_in(calls))
+    g = torch.Generator().manual_seed(3)
+    phi_q, phi_k = (torch.rand(2, 3, 40, 8, generator=g) + 0.1 for _ in range(2))
+    v = torch.randn(2, 3, 40, 8, generator=g)
+    leaves = [t.bfloat16().transpose(1, 2).contiguous().requires_grad_(True) for t in (phi_q, phi_k, v)]
+    out = candidate(None, None, None, fla_inputs=leaves)
+    assert out.shape == (2, 3, 40, 8) and len(calls) == 2 and calls[1]["values"].eq(1).all()
+    q64, k64, v64 = (t.detach().transpose(1, 2).double() for t in leaves)
+    scores = (q64 @ k64.transpose(-1, -2)).tril()
+    want = (scores @ v64) / scores.sum(-1, keepdim=True)
+    assert ((out.double() - want).norm() / want.norm()).item() < 2 * 2.0**-8  # two bf16 roundings
+    out.float().sum().backward()
+    assert all(t.grad is not None and t.grad.abs().sum() > 0 for t in leaves)
