@@ -422,20 +422,25 @@ def images(device, preset, deadline):
             yield row
 
 
+class GreedySteps:
+    """A prefill of ``ids`` (logits of the last position only: no (B, n, vocab) tensor), then one greedy token per
+    call, the cache carried along: the decoding loop that :func:`decode` times and :func:`profile_step` profiles."""
+
+    def __init__(self, model, ids):
+        out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+        self.model, self.cache, self.token = model, out.past_key_values, out.logits[:, -1:].argmax(-1)
+
+    def __call__(self):
+        out = self.model(input_ids=self.token, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        self.cache, self.token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+
+
 def profile_step(model, batch, device, prompt=16, steps=3):
     """Where one decoding step of an image model goes, at the batch it was timed at: a cache from a ``prompt``-token
     prompt, then ``steps`` one-token forwards (wall time), then 5 more under torch.profiler (device self time by op,
     as :func:`profile_ops`)."""
-    ids = torch.zeros((batch, prompt), dtype=torch.long, device=device)
     with torch.no_grad():
-        out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
-        cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
-
-        def step():
-            nonlocal cache, token
-            out = model(input_ids=token, past_key_values=cache, use_cache=True, logits_to_keep=1)
-            cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
-
+        step = GreedySteps(model, torch.zeros((batch, prompt), dtype=torch.long, device=device))
         step()  # warm
         synchronize(device)
         began = time.perf_counter()
@@ -489,20 +494,14 @@ def decode(device, preset, deadline):
             try:
                 ids = torch.randint(0, preset["decoder_dims"]["vocab_size"], (batch, context), device=device)
                 with torch.no_grad():
-                    out = model(input_ids=ids, use_cache=True, logits_to_keep=1)  # no (B, n, vocab) logits
-                    cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
-
-                    def steps_run():
-                        nonlocal cache, token
-                        for _ in range(steps):
-                            out = model(input_ids=token, past_key_values=cache, use_cache=True, logits_to_keep=1)
-                            cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
-
+                    step = GreedySteps(model, ids)
                     synchronize(device)
                     began = time.perf_counter()
-                    steps_run()
+                    for _ in range(steps):
+                        step()
                     synchronize(device)
                 seconds = (time.perf_counter() - began) / steps
+                cache = step.cache
                 row.update(seconds_per_step=seconds, tokens_per_second=batch / seconds)
                 if hasattr(cache, "state_bytes"):
                     row["cache_bytes"] = cache.state_bytes()
@@ -511,7 +510,7 @@ def decode(device, preset, deadline):
                                              for t in (layer.keys, layer.values))
             except Exception as error:  # noqa: BLE001
                 row["failed"] = failure(error)
-            cache = token = None
+            cache = step = None
             free_memory(device)
             yield row
         model = None

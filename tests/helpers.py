@@ -135,14 +135,15 @@ def random_ids(batch, n, vocab=TINY["vocab_size"], seed=0):
     return torch.randint(5, vocab, (batch, n), generator=g)
 
 
-def draw(generator: torch.Generator, *shape, dtype=torch.float32) -> torch.Tensor:
-    """torch.randn from a (CPU) generator, moved to the default device: the same numbers on every device."""
-    return torch.randn(*shape, generator=generator, device=generator.device).to(torch.get_default_device(), dtype)
-
-
 def normal(generator: torch.Generator, *shape, dtype=torch.float32) -> torch.Tensor:
-    """torch.randn in ``dtype`` from a (CPU) generator, moved to the default device."""
+    """torch.randn in ``dtype`` from a (CPU) generator, moved to the default device: the same numbers on every
+    device."""
     return torch.randn(*shape, generator=generator, device=generator.device, dtype=dtype).to(torch.get_default_device())
+
+
+def draw(generator: torch.Generator, *shape, dtype=torch.float32) -> torch.Tensor:
+    """float32 draws of :func:`normal`, then cast to ``dtype`` (bf16 inputs that round the float32 numbers)."""
+    return normal(generator, *shape).to(dtype)
 
 
 def uniform(generator: torch.Generator, *shape, dtype=torch.float32) -> torch.Tensor:
