@@ -4,7 +4,8 @@ A preset (configs/recall/NAME.json) names sequence lengths, pair counts, model w
 width has the same depth, head size and feed-forward multiple, the same optimizer, schedule, steps, batch and seed.
 Each (length, pairs, width, model) is one stage, recorded by the long-range suite's stage runner (resumable, refuses a
 finished stage run with other arguments). Pair counts that do not fit a length (4 x pairs > n) are left out of the
-plan and listed in the report.
+plan and listed in the report. A preset with "checkpoint_every" saves each stage's training every that many steps
+(into output_dir/checkpoints/, dropped once the stage is recorded), so a stage killed mid-way goes on from there.
 """
 
 import json
@@ -14,7 +15,7 @@ import time
 from pathlib import Path
 
 from experiments.long_range.models import Dims
-from experiments.long_range.stages import Stage, load_records, run_stages, write_atomic
+from experiments.long_range.stages import Stage, checkpoint_file, load_records, run_stages, write_atomic
 from hf_linear_attn.training.errors import UsageError
 
 from .models import LABELS, build_recall_model, check_models, decoding_state_bytes
@@ -22,12 +23,14 @@ from .tasks import check_mqar, mqar_batch, mqar_vocab_size
 
 PRESET_KEYS = {"description", "seed", "optimizer", "num_keys", "num_values", "lengths", "pairs", "widths", "num_layers",
                "head_size", "ffn_multiple", "steps", "batch_size", "log_every", "eval_batches", "models"}
+OPTIONAL_KEYS = {"description", "checkpoint_every"}
 
 
-def read_preset(path: Path, keys: set) -> dict:
-    """A preset file whose keys are exactly `keys` ("description" optional), or a UsageError naming the odd ones."""
+def read_preset(path: Path, keys: set, optional: set = frozenset({"description"})) -> dict:
+    """A preset file whose keys are exactly `keys` (those in `optional` may be left out), or a UsageError naming the
+    odd ones."""
     preset = json.loads(Path(path).read_text())
-    unknown, missing = set(preset) - keys, keys - {"description"} - set(preset)
+    unknown, missing = set(preset) - keys, keys - set(optional) - set(preset)
     if unknown or missing:
         raise UsageError(f"{Path(path).name}: " + "; ".join(
             part for part in (f"unknown keys {sorted(unknown)}" if unknown else "",
@@ -37,8 +40,12 @@ def read_preset(path: Path, keys: set) -> dict:
 
 def load_preset(path: Path) -> dict:
     """Read and check a preset: every key known and present, every model known, every task setting possible."""
-    preset = read_preset(path, PRESET_KEYS)
+    preset = read_preset(path, PRESET_KEYS | OPTIONAL_KEYS, OPTIONAL_KEYS)
     check_models(preset["models"])
+    every = preset.get("checkpoint_every")
+    if every is not None and (not isinstance(every, int) or isinstance(every, bool) or every < 1):
+        raise UsageError(f"'checkpoint_every' must be a positive number of steps (or absent: no checkpoints), got "
+                         f"{every!r}: fix the preset")
     for width in preset["widths"]:
         if width % preset["head_size"]:
             raise UsageError(f"width {width} is not a multiple of head_size {preset['head_size']}: fix the preset")
@@ -60,6 +67,8 @@ def plan(preset: dict, models=None) -> tuple[list[Stage], list[str]]:
     models = models or preset["models"]
     check_models(models)
     stages, left_out = [], []
+    # checkpointing is how a stage runs, not what it computes: an option, so stages recorded without it are reused
+    options = {"checkpoint_every": preset["checkpoint_every"]} if preset.get("checkpoint_every") else {}
     for n in preset["lengths"]:
         for pairs in preset["pairs"]:
             if 4 * pairs > n:
@@ -71,11 +80,27 @@ def plan(preset: dict, models=None) -> tuple[list[Stage], list[str]]:
                         "model": model, "length": n, "pairs": pairs, "width": width, "dims": dims_for(preset, width),
                         "num_keys": preset["num_keys"], "num_values": preset["num_values"], "steps": preset["steps"],
                         "batch_size": preset["batch_size"], "optimizer": preset["optimizer"], "seed": preset["seed"],
-                        "log_every": preset["log_every"], "eval_batches": preset["eval_batches"]}))
+                        "log_every": preset["log_every"], "eval_batches": preset["eval_batches"]},
+                        options=dict(options)))
     return stages, left_out
 
 
-def run_stage(stage: Stage) -> dict:
+def stage_runner(output_dir: Path | None, log=print):
+    """run_stage(stage) -> metrics, checkpointing into output_dir/checkpoints/ where the stage's options say so."""
+
+    def run_stage(stage: Stage) -> dict:
+        from experiments.long_range.training import Checkpointing
+
+        every = stage.options.get("checkpoint_every")
+        checkpointing = (Checkpointing(checkpoint_file(output_dir, stage.key), every, stage.args,
+                                       log=lambda s, key=stage.key: log(f"    {key}: {s}"))
+                         if every and output_dir is not None else None)
+        return run_mqar_stage(stage, checkpointing)
+
+    return run_stage
+
+
+def run_mqar_stage(stage: Stage, checkpointing=None) -> dict:
     import torch
 
     from .training import train_mqar
@@ -89,7 +114,7 @@ def run_stage(stage: Stage) -> dict:
     torch.manual_seed(a["seed"])
     model = build_recall_model(a["model"], Dims(**a["dims"]), a["length"], vocab)
     metrics = train_mqar(model, task, a["steps"], a["batch_size"], a["optimizer"], a["seed"], a["log_every"],
-                         a["eval_batches"])
+                         a["eval_batches"], checkpointing=checkpointing)
     metrics["state_bytes"] = decoding_state_bytes(model, a["length"], vocab)
     metrics["parameters"] = sum(p.numel() for p in model.parameters())
     return metrics
@@ -190,7 +215,11 @@ def run(preset_path: Path, output_dir: Path, models=None, dry_run=False, report_
     if report_only:
         records = load_records(output_dir)
     else:
-        records = run_stages(stages, run_stage, output_dir, machine, log, hardware=describe_hardware())
+        records = run_stages(stages, stage_runner(output_dir, log), output_dir, machine, log,
+                             hardware=describe_hardware(),
+                             recorded=lambda stage: checkpoint_file(output_dir, stage.key).unlink(missing_ok=True))
+        for key in records:  # a recorded stage needs its checkpoint no more (one left by a run killed in between)
+            checkpoint_file(output_dir, key).unlink(missing_ok=True)
     keys = {s.key for s in stages}
     finished = {k: r for k, r in records.items() if k in keys}
     rows = summarise(finished)

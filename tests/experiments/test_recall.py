@@ -11,7 +11,9 @@ from helpers import REPO_ROOT
 
 from experiments.long_range.models import Dims
 from experiments.recall.models import build_recall_model, decoding_state_bytes
-from experiments.recall.runner import load_preset, plan
+from experiments.long_range.stages import checkpoint_file
+from experiments.recall import training as recall_training
+from experiments.recall.runner import load_preset, plan, run
 from experiments.recall.tasks import check_mqar_batch, mqar_batch, mqar_vocab_size
 from hf_linear_attn.training.errors import UsageError
 
@@ -65,6 +67,7 @@ def test_presets_are_checked_and_pairs_that_do_not_fit_are_left_out(tmp_path):
     preset = json.loads((REPO_ROOT / "configs" / "recall" / "cpu.json").read_text())
     load_preset(REPO_ROOT / "configs" / "recall" / "cpu.json")
     for change, message in (({"speed": 1}, "unknown keys"), ({"models": ["gpt5"]}, "unknown recall model"),
+                            ({"checkpoint_every": 0}, "'checkpoint_every' must be a positive number"),
                             ({"widths": [80]}, "not a multiple of head_size"), ({"num_keys": 4}, "raise num_keys")):
         path = tmp_path / "p.json"
         path.write_text(json.dumps({**preset, **change}))
@@ -146,3 +149,45 @@ def test_the_script_runs_the_smoke_preset_resumes_and_rerenders(tmp_path):
     refused = subprocess.run(command[:-1] + [str(tmp_path), "--models", "gpt5"], capture_output=True, text=True,
                              cwd=REPO_ROOT)
     assert refused.returncode != 0 and "unknown recall model 'gpt5'" in refused.stderr
+
+
+class Killed(BaseException):
+    """Stands for the kill of a session's end: nothing after it runs."""
+
+
+def test_a_stage_killed_mid_way_resumes_from_its_checkpoint_to_the_record_of_a_run_never_stopped(tmp_path,
+                                                                                                  monkeypatch):
+    preset = json.loads((REPO_ROOT / "configs" / "recall" / "smoke.json").read_text())
+    preset.update(pairs=[2], models=["gpt2_sdpa"], steps=6, log_every=1, checkpoint_every=2)
+    (tmp_path / "tiny.json").write_text(json.dumps(preset))
+    quiet = dict(log=lambda s: None, argv=[])
+    key = "mqar-n32-p2-w32/gpt2_sdpa"
+    run(tmp_path / "tiny.json", tmp_path / "straight", **quiet)
+    real, calls = recall_training.mqar_batch, [0]
+
+    def dying(*args, **kwargs):  # the training batch source dies when asked for the 6th batch
+        calls[0] += 1
+        if calls[0] > 5:
+            raise Killed
+        return real(*args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(recall_training, "mqar_batch", dying)
+        with pytest.raises(Killed):
+            run(tmp_path / "tiny.json", tmp_path / "resumed", **quiet)
+    assert torch.load(checkpoint_file(tmp_path / "resumed", key), weights_only=True)["step"] == 4
+    told = []
+    run(tmp_path / "tiny.json", tmp_path / "resumed", log=told.append, argv=[])
+    assert any("resuming from the checkpoint at step 4 of 6" in line for line in told), told
+    assert not checkpoint_file(tmp_path / "resumed", key).is_file()  # dropped once the stage is recorded
+    straight, resumed = (json.loads((tmp_path / d / "records.json").read_text())[key]["metrics"]
+                         for d in ("straight", "resumed"))
+    assert resumed["resumed_at"] == [4] and "resumed_at" not in straight
+    for name in ("loss_curve", "eval_loss", "eval_accuracy"):
+        assert resumed[name] == straight[name], name
+    # checkpointing is an option, not an argument: the stage recorded without it is reused by a preset with it
+    preset["checkpoint_every"] = 3
+    (tmp_path / "tiny.json").write_text(json.dumps(preset))
+    told = []
+    run(tmp_path / "tiny.json", tmp_path / "straight", log=told.append, argv=[])
+    assert any("finished earlier, reused" in line for line in told), told
