@@ -222,10 +222,7 @@ def run(preset_path: Path, output_dir: Path, tasks=None, models=None, dataset="l
         best = [best_probe(load_records(output_dir))]
         records = run_stages(stages, _runner(DataCache(dataset, data_dir), best, output_dir, log), output_dir, machine,
                              log, retake=lambda r: r["kind"] == "efficiency" and contended(r["metrics"], best[0]),
-                             hardware=describe_hardware(),
-                             recorded=lambda stage: checkpoint_file(output_dir, stage.key).unlink(missing_ok=True))
-        for key in records:  # a recorded stage needs its checkpoint no more (one left by a run killed in between)
-            checkpoint_file(output_dir, key).unlink(missing_ok=True)
+                             hardware=describe_hardware())
     keys = {stage.key for stage in stages}
     finished = {k: r for k, r in records.items() if k in keys}
     meta = {"preset": Path(preset_path).stem, "machine": machine,

@@ -78,10 +78,11 @@ def check_reuse(stage: Stage, records: dict, output_dir: Path) -> dict | None:
 
 
 def run_stages(stages: list[Stage], run, output_dir: Path, machine: str, log=print, retake=None,
-               hardware: dict | None = None, recorded=None) -> dict:
+               hardware: dict | None = None) -> dict:
     """Run each stage not yet finished with `run(stage) -> metrics`, recording it (with `machine` and, where given,
     `hardware`: measuring.describe_hardware); returns every record. A finished record is taken again when its metrics
-    say `contended` or `retake(record)` is true. `recorded(stage)` is called once a stage's record is on disk."""
+    say `contended` or `retake(record)` is true. A stage's checkpoint (`checkpoint_file`) is deleted once its record
+    is on disk, as is any left by a run killed in between."""
     records = load_records(output_dir)
     for index, stage in enumerate(stages, 1):
         earlier = check_reuse(stage, records, output_dir)
@@ -104,8 +105,9 @@ def run_stages(stages: list[Stage], run, output_dir: Path, machine: str, log=pri
         write_atomic(stage_file(output_dir, stage.key), json.dumps(record, indent=1))
         records[stage.key] = record
         write_atomic(output_dir / "records.json", json.dumps(records, indent=1))
-        if recorded is not None:
-            recorded(stage)
+        checkpoint_file(output_dir, stage.key).unlink(missing_ok=True)
         log(f"[{index}/{len(stages)}] {stage.key}: done in {record['seconds']:.0f} s: "
             + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items() if isinstance(v, (int, float))))
+    for key in records:  # a recorded stage needs its checkpoint no more (one left by a run killed in between)
+        checkpoint_file(output_dir, key).unlink(missing_ok=True)
     return records

@@ -216,10 +216,7 @@ def run(preset_path: Path, output_dir: Path, models=None, dry_run=False, report_
         records = load_records(output_dir)
     else:
         records = run_stages(stages, stage_runner(output_dir, log), output_dir, machine, log,
-                             hardware=describe_hardware(),
-                             recorded=lambda stage: checkpoint_file(output_dir, stage.key).unlink(missing_ok=True))
-        for key in records:  # a recorded stage needs its checkpoint no more (one left by a run killed in between)
-            checkpoint_file(output_dir, key).unlink(missing_ok=True)
+                             hardware=describe_hardware())
     keys = {s.key for s in stages}
     finished = {k: r for k, r in records.items() if k in keys}
     rows = summarise(finished)
