@@ -9,7 +9,8 @@ and passkey retrieval in WikiText-2 text (Landmark Attention's test) after pretr
     python scripts/recall.py --preset passkey-cpu --estimate      # a probe of a few steps: the preset's hours here
 
 Presets are configs/recall/NAME.json (or a path); a preset with "task": "passkey" runs passkey retrieval, any other
-MQAR. Rerunning the same command reuses finished stages.
+MQAR. Rerunning the same command reuses finished stages, and an MQAR preset with "checkpoint_every" resumes the
+stage it was in from its last checkpoint (keep the same OMP_NUM_THREADS to continue it bit for bit).
 """
 
 import argparse
