@@ -50,6 +50,11 @@ def checkpoint_file(output_dir: Path, key: str) -> Path:
     return output_dir / "checkpoints" / (key.replace("/", "__") + ".pt")
 
 
+def stage_machines(records: dict, fallback: str) -> str:
+    """The machines (measuring.describe_machine) the recorded stages ran on, joined; `fallback` where none has run."""
+    return "; ".join(sorted({r["machine"] for r in records.values() if r.get("machine")})) or fallback
+
+
 def load_records(output_dir: Path) -> dict:
     """Finished stages by key: records.json, where a stage file finished later wins (a stage taken again while
     records.json was not rewritten: an interrupted rewrite, or another process's run)."""

@@ -26,7 +26,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from experiments.long_range.models import Dims
-from experiments.long_range.stages import Stage, StageFailed, load_records, run_stages, write_atomic
+from experiments.long_range.stages import Stage, StageFailed, load_records, run_stages, stage_machines, write_atomic
 from hf_linear_attn.training.errors import UsageError
 
 from .models import LABELS, build_recall_model, check_models
@@ -416,7 +416,9 @@ def run(preset_path: Path, output_dir: Path, models=None, dry_run=False, report_
     keys = {s.key for s in stages}
     finished = {k: r for k, r in records.items() if k in keys}
     summary = summarise(finished)
-    meta = {"preset": Path(preset_path).stem, "machine": machine, "finished": len(finished), "total": len(stages),
+    # the machines the stages ran on (each record keeps its own), not the one writing the report
+    meta = {"preset": Path(preset_path).stem, "machine": stage_machines(finished, machine), "finished": len(finished),
+            "total": len(stages),
             "hardware": hardware_of_records(finished.values()), "date": time.strftime("%Y-%m-%d"),
             "command": "python scripts/recall.py " + shlex.join(a for a in (sys.argv[1:] if argv is None else argv)
                                                                if a != "--report_only"),

@@ -15,7 +15,8 @@ import time
 from pathlib import Path
 
 from experiments.long_range.models import Dims
-from experiments.long_range.stages import Stage, checkpoint_file, load_records, run_stages, write_atomic
+from experiments.long_range.stages import (Stage, checkpoint_file, load_records, run_stages, stage_machines,
+                                          write_atomic)
 from hf_linear_attn.training.errors import UsageError
 
 from .models import LABELS, build_recall_model, check_models, decoding_state_bytes
@@ -128,7 +129,8 @@ def summarise(records: dict) -> list[dict]:
         a, m = record["args"], record["metrics"]
         rows.append({"model": a["model"], "length": a["length"], "pairs": a["pairs"], "width": a["width"],
                      "accuracy": m["eval_accuracy"], "state_bytes": m.get("state_bytes"), "loss": m["eval_loss"],
-                     "steps_per_second": m["steps_per_second"]})
+                     "steps_per_second": m["steps_per_second"],
+                     **({"resumed_at": m["resumed_at"]} if m.get("resumed_at") else {})})
     return sorted(rows, key=lambda r: (r["length"], r["width"], r["model"], r["pairs"]))
 
 
@@ -166,6 +168,11 @@ def render(rows: list[dict], meta: dict) -> str:
                            + " | ".join(f"{cells[p]['accuracy']:.1%}" if p in cells else "-" for p in pairs)
                            + f" | {held if held is not None else 'none'} |")
         out.append("")
+    resumed = [f"{LABELS.get(r['model'], r['model'])} at n = {r['length']:,}, {r['pairs']} pairs, width {r['width']}: "
+               f"step {', '.join(map(str, r['resumed_at']))}" for r in rows if r.get("resumed_at")]
+    if resumed:
+        out += ["Resumed from a checkpoint after a stop (the same batches and updates as an unbroken run): "
+                + "; ".join(resumed) + ".", ""]
     if meta.get("left_out"):
         out += ["Left out (the pairs do not fit the length): " + "; ".join(meta["left_out"]) + ".", ""]
     out.append("Plot: mqar.png (accuracy against decoding-state bytes, one panel per length and pair count). Records "
@@ -221,7 +228,9 @@ def run(preset_path: Path, output_dir: Path, models=None, dry_run=False, report_
     finished = {k: r for k, r in records.items() if k in keys}
     rows = summarise(finished)
     o = preset["optimizer"]
-    meta = {"preset": Path(preset_path).stem, "machine": machine, "finished": len(finished), "total": len(stages),
+    # the machines the stages ran on (each record keeps its own), not the one writing the report
+    meta = {"preset": Path(preset_path).stem, "machine": stage_machines(finished, machine), "finished": len(finished),
+            "total": len(stages),
             "hardware": hardware_of_records(finished.values()),
             "left_out": left_out, "date": time.strftime("%Y-%m-%d"),
             "command": "python scripts/recall.py " + shlex.join(a for a in (sys.argv[1:] if argv is None else argv)

@@ -11,7 +11,8 @@ from helpers import REPO_ROOT
 
 from experiments.long_range.models import Dims
 from experiments.recall.models import build_recall_model, decoding_state_bytes
-from experiments.long_range.stages import checkpoint_file
+from benchmarks.measuring import describe_machine
+from experiments.long_range.stages import checkpoint_file, stage_file
 from experiments.recall import training as recall_training
 from experiments.recall.runner import load_preset, plan, run
 from experiments.recall.tasks import check_mqar_batch, mqar_batch, mqar_vocab_size
@@ -185,6 +186,15 @@ def test_a_stage_killed_mid_way_resumes_from_its_checkpoint_to_the_record_of_a_r
     assert resumed["resumed_at"] == [4] and "resumed_at" not in straight
     for name in ("loss_curve", "eval_loss", "eval_accuracy"):
         assert resumed[name] == straight[name], name
+    assert "Resumed from a checkpoint after a stop" in (tmp_path / "resumed" / "results.md").read_text()
+    assert "Resumed from" not in (tmp_path / "straight" / "results.md").read_text()
+    # the report names the machine the stages ran on, not the one that rewrites it
+    for path in (tmp_path / "resumed" / "records.json", stage_file(tmp_path / "resumed", key)):
+        text = path.read_text()
+        assert text.count(describe_machine()) == 1
+        path.write_text(text.replace(describe_machine(), "a faster machine, 64 cores"))
+    run(tmp_path / "tiny.json", tmp_path / "resumed", report_only=True, **quiet)
+    assert "Machine: a faster machine, 64 cores" in (tmp_path / "resumed" / "results.md").read_text()
     # checkpointing is an option, not an argument: the stage recorded without it is reused by a preset with it
     preset["checkpoint_every"] = 3
     (tmp_path / "tiny.json").write_text(json.dumps(preset))
