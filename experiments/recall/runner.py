@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from experiments.long_range.models import Dims
+from experiments.long_range.training import PRECISIONS
 from experiments.long_range.stages import (Stage, checkpoint_file, load_records, run_stages, stage_machines,
                                           write_atomic)
 from hf_linear_attn.training.errors import UsageError
@@ -24,7 +25,7 @@ from .tasks import check_mqar, mqar_batch, mqar_vocab_size
 
 PRESET_KEYS = {"description", "seed", "optimizer", "num_keys", "num_values", "lengths", "pairs", "widths", "num_layers",
                "head_size", "ffn_multiple", "steps", "batch_size", "log_every", "eval_batches", "models"}
-OPTIONAL_KEYS = {"description", "checkpoint_every"}
+OPTIONAL_KEYS = {"description", "checkpoint_every", "precision"}
 
 
 def read_preset(path: Path, keys: set, optional: set = frozenset({"description"})) -> dict:
@@ -47,6 +48,9 @@ def load_preset(path: Path) -> dict:
     if every is not None and (not isinstance(every, int) or isinstance(every, bool) or every < 1):
         raise UsageError(f"'checkpoint_every' must be a positive number of steps (or absent: no checkpoints), got "
                          f"{every!r}: fix the preset")
+    if preset.get("precision", "float32") not in PRECISIONS:
+        raise UsageError(f"unknown precision {preset['precision']!r}: use 'float32' or 'bf16' (bfloat16 autocast of the "
+                         "training forward; float32 weights, and the score in float32)")
     for width in preset["widths"]:
         if width % preset["head_size"]:
             raise UsageError(f"width {width} is not a multiple of head_size {preset['head_size']}: fix the preset")
@@ -81,7 +85,9 @@ def plan(preset: dict, models=None) -> tuple[list[Stage], list[str]]:
                         "model": model, "length": n, "pairs": pairs, "width": width, "dims": dims_for(preset, width),
                         "num_keys": preset["num_keys"], "num_values": preset["num_values"], "steps": preset["steps"],
                         "batch_size": preset["batch_size"], "optimizer": preset["optimizer"], "seed": preset["seed"],
-                        "log_every": preset["log_every"], "eval_batches": preset["eval_batches"]},
+                        "log_every": preset["log_every"], "eval_batches": preset["eval_batches"],
+                        # only where a preset names it, so stages recorded before the option keep their arguments
+                        **({"precision": preset["precision"]} if "precision" in preset else {})},
                         options=dict(options)))
     return stages, left_out
 
@@ -115,7 +121,7 @@ def run_mqar_stage(stage: Stage, checkpointing=None) -> dict:
     torch.manual_seed(a["seed"])
     model = build_recall_model(a["model"], Dims(**a["dims"]), a["length"], vocab)
     metrics = train_mqar(model, task, a["steps"], a["batch_size"], a["optimizer"], a["seed"], a["log_every"],
-                         a["eval_batches"], checkpointing=checkpointing)
+                         a["eval_batches"], checkpointing=checkpointing, precision=a.get("precision", "float32"))
     metrics["state_bytes"] = decoding_state_bytes(model, a["length"], vocab)
     metrics["parameters"] = sum(p.numel() for p in model.parameters())
     return metrics
@@ -239,7 +245,9 @@ def run(preset_path: Path, output_dir: Path, models=None, dry_run=False, report_
                       f"{preset['ffn_multiple']}x width; {preset['num_keys']} key and {preset['num_values']} value "
                       f"tokens; {preset['steps']} steps x batch {preset['batch_size']} of fresh sequences, AdamW lr "
                       f"{o['lr']}, warm-up {o.get('warmup_fraction', 0.1):.0%} then linear decay, seed {preset['seed']}; "
-                      f"scored on {preset['eval_batches']} batches from another seed.")}
+                      f"scored on {preset['eval_batches']} batches from another seed"
+                      + ("; training forward under bfloat16 autocast (float32 weights), scored in float32"
+                         if preset.get("precision") == "bf16" else "") + ".")}
     write_atomic(output_dir / "results.json", json.dumps({"meta": meta, "rows": rows}, indent=1))
     write_atomic(output_dir / "results.md", render(rows, meta))
     plot(rows, output_dir / "mqar.png")

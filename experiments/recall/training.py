@@ -17,13 +17,15 @@ def evaluate_mqar(model, task: dict, batch_size: int, batches: int, seed: int) -
 
 
 def train_mqar(model, task: dict, steps: int, batch_size: int, optim: dict, seed: int, log_every: int,
-               eval_batches: int, checkpointing=None) -> dict:
+               eval_batches: int, checkpointing=None, precision: str = "float32") -> dict:
     """Train on fresh MQAR batches for `steps`; the loss curve every `log_every` steps; then the held-out score.
     With `checkpointing` (the long-range suite's), a run killed mid-way goes on from its last checkpoint to the same
-    batches, updates and score as a run never stopped."""
+    batches, updates and score as a run never stopped. `precision` "bf16" autocasts the training forward (float32
+    weights); the score is taken in float32."""
     generator = torch.Generator().manual_seed(seed)
     trained = train_causal_lm(model, lambda: mqar_batch(batch_size, generator=generator, **task), steps, optim,
-                              log_every, stop_on_nonfinite=True, checkpointing=checkpointing, generator=generator)
+                              log_every, stop_on_nonfinite=True, checkpointing=checkpointing, generator=generator,
+                              precision=precision)
     return {**evaluate_mqar(model, task, batch_size, eval_batches, seed + 10_000), **trained}
 
 

@@ -69,6 +69,7 @@ def test_presets_are_checked_and_pairs_that_do_not_fit_are_left_out(tmp_path):
     load_preset(REPO_ROOT / "configs" / "recall" / "cpu.json")
     for change, message in (({"speed": 1}, "unknown keys"), ({"models": ["gpt5"]}, "unknown recall model"),
                             ({"checkpoint_every": 0}, "'checkpoint_every' must be a positive number"),
+                            ({"precision": "fp8"}, "unknown precision 'fp8'"),
                             ({"widths": [80]}, "not a multiple of head_size"), ({"num_keys": 4}, "raise num_keys")):
         path = tmp_path / "p.json"
         path.write_text(json.dumps({**preset, **change}))
@@ -201,3 +202,30 @@ def test_a_stage_killed_mid_way_resumes_from_its_checkpoint_to_the_record_of_a_r
     told = []
     run(tmp_path / "tiny.json", tmp_path / "straight", log=told.append, argv=[])
     assert any("finished earlier, reused" in line for line in told), told
+
+
+def test_a_bf16_preset_trains_under_autocast_and_leaves_float32_stages_their_arguments(tmp_path, monkeypatch):
+    preset = json.loads((REPO_ROOT / "configs" / "recall" / "smoke.json").read_text())
+    preset.update(pairs=[2], models=["linear_gpt2"], steps=2)
+    assert "precision" not in plan(preset)[0][0].args  # recorded float32 stages stay reusable
+    preset["precision"] = "bf16"
+    (tmp_path / "bf16.json").write_text(json.dumps(preset))
+    assert plan(preset)[0][0].args["precision"] == "bf16"
+    seen = []
+    real = torch.autocast
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("dtype"))
+        return real(*args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, "autocast", spy)
+        result = run(tmp_path / "bf16.json", tmp_path / "bf16", log=lambda s: None, argv=[])
+    assert seen[0] == torch.bfloat16  # the training forward's context (the model's own float32 islands follow)
+    assert "bfloat16 autocast" in result["meta"]["notes"]
+    del preset["precision"]
+    (tmp_path / "float32.json").write_text(json.dumps(preset))
+    run(tmp_path / "float32.json", tmp_path / "float32", log=lambda s: None, argv=[])
+    (bf16,), (float32,) = (json.loads((tmp_path / d / "records.json").read_text()).values() for d in ("bf16", "float32"))
+    loss16, loss32 = bf16["metrics"]["loss_curve"][0][1], float32["metrics"]["loss_curve"][0][1]
+    assert loss16 != loss32 and abs(loss16 - loss32) < 0.02 * loss32  # rounded differently, the same training
