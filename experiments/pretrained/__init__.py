@@ -347,7 +347,11 @@ def _majority(preset: dict, seeds: list[int], root: Path, cache: Path, output_di
 def run(preset_path: Path, root: Path, output_dir=None, seeds=None, tasks=None, models=None, dry_run=False,
         report_only=False, max_stages=None, argv=None, results_dir=None) -> dict:
     """Run (or reuse) the preset's stages in order, rewriting results.json / results.md after each one (in the
-    output folder, and in `results_dir` too when given: the committed copy, e.g. results/pretrained/cpu)."""
+    output folder, and in `results_dir` too when given: the committed copy, e.g. results/pretrained/cpu).
+
+    `seeds`, `tasks` and `models` choose which stages run (a slice); the report always covers every finished stage
+    of the whole preset, at its seeds and any others given, so a slice run with --results_dir adds its scores to the
+    committed table instead of replacing the table with the slice's."""
     preset = load_preset(preset_path, root)
     preset_name = Path(preset_path).stem
     source = source_folder(preset["source"], root)
@@ -362,7 +366,9 @@ def run(preset_path: Path, root: Path, output_dir=None, seeds=None, tasks=None, 
     output_dir.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit("stopped (SIGTERM); rerun the same command to continue"))
     command = "python scripts/pretrained.py " + shlex.join(sys.argv[1:] if argv is None else argv)
-    seeds_used = list(seeds or preset["seeds"])
+    seeds_used = list(dict.fromkeys([*preset["seeds"], *(seeds or [])]))  # the report's: the preset's and any more
+    # every stage the report covers: the slice's, and the preset's others at those seeds, finished earlier or not
+    whole = plan(preset, source, output_dir, root, seeds_used) if (seeds or tasks or models) else stages
     built_tasks.build(preset, output_dir, root)  # the WikiText-2 tasks' data, before their baseline and fine-tunes
     majority = _majority(preset, seeds_used, root, output_dir / "majority.json", output_dir)
     records, ran = {}, 0
@@ -370,11 +376,11 @@ def run(preset_path: Path, root: Path, output_dir=None, seeds=None, tasks=None, 
     loads = json.loads(loads_file.read_text()) if loads_file.is_file() else {}
 
     def report() -> dict:
-        results = collect(preset, stages, records)
+        results = collect(preset, whole, records)
         meta = {"preset": preset_name, "command": command, "machine": describe_machine(),
                 "stage_machines": sorted({r["machine"] for r in records.values() if r.get("machine")}),
                 "source": str(preset["source"].get("package", source)), "seeds": seeds_used, "majority": majority,
-                "seconds": sum(r.get("seconds", 0.0) for r in records.values()), "stages": len(stages),
+                "seconds": sum(r.get("seconds", 0.0) for r in records.values()), "stages": len(whole),
                 "stages_done": len(records), "failed": failed, "cpu_features": cpu_features(),
                 "loads": {name: load for name, load in loads.items() if name in records}, "written": time.strftime("%Y-%m-%d %H:%M:%S")}
         markdown = render_markdown(preset_name, preset, results, meta)
@@ -386,6 +392,11 @@ def run(preset_path: Path, root: Path, output_dir=None, seeds=None, tasks=None, 
 
     failed = {}  # stage name -> why; its fine-tunes are skipped, the rest go on (a rerun retries them)
     conversions = {str(stage.folder): stage.name for stage in stages if stage.info["kind"] == "convert"}
+    running = {stage.name for stage in stages}
+    for stage in whole:  # the preset's stages outside the slice count in the report where they have finished
+        record = stage.finished() if stage.name not in running else None
+        if record is not None:
+            records[stage.name] = record
     for number, stage in enumerate(stages, 1):
         record = stage.finished()
         if record is None and (report_only or (max_stages is not None and ran >= max_stages)):

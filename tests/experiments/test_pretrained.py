@@ -263,3 +263,46 @@ def test_the_qa_preset_command_dry_run_prints_its_stages_and_builds_nothing(tmp_
     assert len(commands) == 3  # the baseline's fine-tune, the Linformer's conversion, its fine-tune
     assert all("cpu-next-sentence.json" in line for line in commands if "finetune.py" in line)
     assert not (tmp_path / "out").exists()
+
+
+@needs_data  # the preset's data files are checked when it is read, and the majority class is read from them
+def test_a_slice_run_adds_its_scores_to_the_whole_presets_table_instead_of_replacing_it(tmp_path, monkeypatch):
+    """`--seeds 1 --models X --results_dir results/...` runs a slice; the table it writes must still hold every
+    finished stage of the preset (the seed-42 scores run earlier), or a slice run would erase the committed table."""
+    import experiments.pretrained as pretrained
+
+    source = tmp_path / "minilm"
+    source.mkdir()
+    (source / "config.json").write_text("{}")
+    preset = json.loads(PRESET.read_text())
+    linformer = "Linformer k = 64, rows sum to 1"
+    preset.update(source={"path": str(source)}, seeds=[42, 1], finetune={"sst2": preset["finetune"]["sst2"]},
+                  models={name: preset["models"][name] for name in (preset["baseline"], linformer)})
+    (tmp_path / "p.json").write_text(json.dumps(preset))
+    accuracy = {(preset["baseline"], 42): 0.90, (preset["baseline"], 1): 0.88, (linformer, 42): 0.80,
+                (linformer, 1): 0.84}
+    ran = []
+
+    def fake_run_stage(stage, launcher):  # what a finished fine-tune / conversion leaves: its result and stage.json
+        ran.append(stage.name)
+        if stage.info["kind"] == "convert":
+            result = {"new_parameters": 10, "copied_parameters": 100}
+        else:
+            result = {"eval_accuracy": accuracy[stage.info["model"], stage.info["seed"]]}
+        stage.folder.mkdir(parents=True, exist_ok=True)
+        (stage.folder / stage.marker).write_text(json.dumps(result))
+        record = {"argv": stage.argv, "output_dir": str(stage.root), "seconds": 1.0, "result": result}
+        stage.record_path.write_text(json.dumps(record))
+        return record, False
+
+    monkeypatch.setattr(pretrained, "run_stage", fake_run_stage)
+    common = dict(output_dir=tmp_path / "out", results_dir=tmp_path / "committed", argv=[])
+    first = pretrained.run(tmp_path / "p.json", REPO_ROOT, seeds=[42], **common)
+    assert len(ran) == 3 and first["meta"]["seeds"] == [42, 1] and first["meta"]["stages_done"] == 3
+    ran.clear()
+    second = pretrained.run(tmp_path / "p.json", REPO_ROOT, seeds=[1], models=[linformer], **common)
+    assert ran == [f"fine-tune {preset['baseline']} on SST-2 (seed 1)", f"fine-tune {linformer} on SST-2 (seed 1)"]
+    assert second["meta"]["stages_done"] == second["meta"]["stages"] == 5
+    table = (tmp_path / "committed" / "results.md").read_text()
+    assert f"| {preset['baseline']} | 89.0 ± 1.4 (2 seeds) |" in table
+    assert f"| {linformer} | 82.0 ± 2.8 (2 seeds) |" in table
