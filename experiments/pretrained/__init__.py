@@ -29,8 +29,8 @@ from pathlib import Path
 
 from . import built_tasks
 from .reproduction_api import (
-    TASK_TITLES, ReproductionError, Stage, describe_machine, finetune_stage, flags, majority_share, merged_config,
-    resolve, run_stage, slug,
+    TASK_TITLES, ReproductionError, Stage, describe_machine, describe_machines, finetune_stage, flags, majority_share,
+    merged_config, resolve, run_stage, slug,
 )
 
 PRESET_KEYS = {"description", "output_dir", "source", "seeds", "models", "baseline", "convert", "finetune",
@@ -236,7 +236,7 @@ def render_markdown(preset_name: str, preset: dict, results: dict, meta: dict) -
         f"# A real pretrained encoder and its conversions: preset `{preset_name}`", "",
         preset.get("description", ""), "",
         f"Command: `{meta['command']}`  ",
-        f"Machine: {meta['machine']}; {meta.get('cpu_features', 'unknown')}; fine-tuning in float32  ",
+        f"Machine: {describe_machines(meta)}; {meta.get('cpu_features', 'unknown')}; fine-tuning in float32  ",
         f"Cores: {_load_note(meta.get('loads', {}))}  ",
         f"Source checkpoint: {meta['source']}  ",
         f"Seeds (fine-tuning): {', '.join(map(str, meta['seeds']))}  ",
@@ -384,11 +384,22 @@ def run(preset_path: Path, root: Path, output_dir=None, seeds=None, tasks=None, 
                 "stages_done": len(records), "failed": failed, "cpu_features": cpu_features(),
                 "loads": {name: load for name, load in loads.items() if name in records}, "written": time.strftime("%Y-%m-%d %H:%M:%S")}
         markdown = render_markdown(preset_name, preset, results, meta)
-        for folder in [output_dir] + ([Path(results_dir)] if results_dir else []):
+        for folder in [output_dir] + ([Path(results_dir)] if results_dir and keeps_committed(results_dir) else []):
             folder.mkdir(parents=True, exist_ok=True)
             (folder / "results.json").write_text(json.dumps({"meta": meta, "models": results}, indent=2))
             (folder / "results.md").write_text(markdown + "\n")
         return {"meta": meta, "models": results, "markdown": markdown}
+
+    def keeps_committed(folder) -> bool:
+        """Whether writing the table into `folder` keeps every finished stage of the table already there: an output
+        folder that lacks stages the committed table has (another --output_dir, a fresh clone) must not erase them."""
+        committed = Path(folder) / "results.json"
+        done = json.loads(committed.read_text())["meta"].get("stages_done", 0) if committed.is_file() else 0
+        if done > len(records):
+            print(f"not rewriting {committed}: it counts {done} finished stages, {output_dir} holds {len(records)} "
+                  "of them; pass the --output_dir the stages ran in", flush=True)
+            return False
+        return True
 
     failed = {}  # stage name -> why; its fine-tunes are skipped, the rest go on (a rerun retries them)
     conversions = {str(stage.folder): stage.name for stage in stages if stage.info["kind"] == "convert"}

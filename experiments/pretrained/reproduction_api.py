@@ -10,8 +10,8 @@ from experiments import find_preset
 from experiments.reproduction.preset import (
     TASK_TITLES, ReproductionError, _flags as flags, _merged_config as merged_config, resolve, slug,
 )
-from experiments.reproduction.report import majority_share
+from experiments.reproduction.report import describe_machines, majority_share
 from experiments.reproduction.stages import Stage, finetune_stage, run_stage
 
-__all__ = ["TASK_TITLES", "ReproductionError", "Stage", "describe_machine", "find_preset", "finetune_stage", "flags",
-           "majority_share", "merged_config", "resolve", "run_stage", "slug"]
+__all__ = ["TASK_TITLES", "ReproductionError", "Stage", "describe_machine", "describe_machines", "find_preset",
+           "finetune_stage", "flags", "majority_share", "merged_config", "resolve", "run_stage", "slug"]

@@ -291,7 +291,8 @@ def test_a_slice_run_adds_its_scores_to_the_whole_presets_table_instead_of_repla
             result = {"eval_accuracy": accuracy[stage.info["model"], stage.info["seed"]]}
         stage.folder.mkdir(parents=True, exist_ok=True)
         (stage.folder / stage.marker).write_text(json.dumps(result))
-        record = {"argv": stage.argv, "output_dir": str(stage.root), "seconds": 1.0, "result": result}
+        record = {"argv": stage.argv, "output_dir": str(stage.root), "seconds": 1.0, "result": result,
+                  "machine": "a test machine, 64 cores"}
         stage.record_path.write_text(json.dumps(record))
         return record, False
 
@@ -306,3 +307,8 @@ def test_a_slice_run_adds_its_scores_to_the_whole_presets_table_instead_of_repla
     table = (tmp_path / "committed" / "results.md").read_text()
     assert f"| {preset['baseline']} | 89.0 ± 1.4 (2 seeds) |" in table
     assert f"| {linformer} | 82.0 ± 2.8 (2 seeds) |" in table
+    assert "Machine: a test machine, 64 cores;" in table  # the stages' machine (their records'), not the report's
+    # a report from an output folder without those stages (another --output_dir) leaves the committed table alone
+    pretrained.run(tmp_path / "p.json", REPO_ROOT, output_dir=tmp_path / "elsewhere", results_dir=tmp_path / "committed",
+                   report_only=True, argv=[])
+    assert (tmp_path / "committed" / "results.md").read_text() == table
