@@ -49,8 +49,8 @@ def load_preset(path: Path) -> dict:
         raise UsageError(f"'checkpoint_every' must be a positive number of steps (or absent: no checkpoints), got "
                          f"{every!r}: fix the preset")
     if preset.get("precision", "float32") not in PRECISIONS:
-        raise UsageError(f"unknown precision {preset['precision']!r}: use 'float32' or 'bf16' (bfloat16 autocast of the "
-                         "training forward; float32 weights, and the score in float32)")
+        raise UsageError(f"unknown precision {preset['precision']!r}: use 'float32' or 'bf16' (bfloat16 autocast of "
+                         "the training forward; float32 weights, and the score in float32)")
     for width in preset["widths"]:
         if width % preset["head_size"]:
             raise UsageError(f"width {width} is not a multiple of head_size {preset['head_size']}: fix the preset")

@@ -226,6 +226,7 @@ def test_a_bf16_preset_trains_under_autocast_and_leaves_float32_stages_their_arg
     del preset["precision"]
     (tmp_path / "float32.json").write_text(json.dumps(preset))
     run(tmp_path / "float32.json", tmp_path / "float32", log=lambda s: None, argv=[])
-    (bf16,), (float32,) = (json.loads((tmp_path / d / "records.json").read_text()).values() for d in ("bf16", "float32"))
+    (bf16,), (float32,) = (json.loads((tmp_path / d / "records.json").read_text()).values()
+                           for d in ("bf16", "float32"))
     loss16, loss32 = bf16["metrics"]["loss_curve"][0][1], float32["metrics"]["loss_curve"][0][1]
     assert loss16 != loss32 and abs(loss16 - loss32) < 0.02 * loss32  # rounded differently, the same training
