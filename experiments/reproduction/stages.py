@@ -242,25 +242,38 @@ def _tail(path: Path, lines: int = 15) -> str:
         return "(no log)"
 
 
+def relaunch_flags(stage: Stage) -> list[str]:
+    """What a stage's script is launched with beyond its arguments: nothing in an empty folder; in the folder of an
+    interrupted run, the flag that goes on from its newest checkpoint (pretrain.py's --resume over checkpoints/step_N,
+    finetune.py's --resume_from_checkpoint True over Trainer's checkpoint-N, which a fine-tune saves where its
+    arguments set --save_steps), else --overwrite_output_dir: the stage starts again."""
+    if not (stage.folder.exists() and any(stage.folder.iterdir())):
+        return []
+    if stage.script.endswith("pretrain.py"):
+        checkpoints = stage.folder / "checkpoints"
+        if checkpoints.is_dir() and any(p.name.startswith("step_") for p in checkpoints.iterdir()):
+            return ["--resume"]
+    if stage.script.endswith("finetune.py") and any(
+            p.is_dir() and p.name.startswith("checkpoint-") for p in stage.folder.iterdir()):
+        return ["--resume_from_checkpoint", "True"]
+    return ["--overwrite_output_dir"]
+
+
 def run_stage(stage: Stage, launcher: list[str]) -> tuple[dict, bool]:
     """Run the stage unless it has finished with the same arguments; returns (its record, whether it was reused)."""
     record = stage.finished()
     if record is not None:
         return record, True
     inputs = stage.inputs()
-    extra = []
-    if stage.folder.exists() and any(stage.folder.iterdir()):  # an interrupted run of this stage
-        checkpoints = stage.folder / "checkpoints"
-        resumable = stage.script.endswith("pretrain.py") and checkpoints.is_dir() and any(
-            p.name.startswith("step_") for p in checkpoints.iterdir())
-        extra = ["--resume"] if resumable else ["--overwrite_output_dir"]
+    extra = relaunch_flags(stage)
+    resumed = bool(extra) and extra[0] != "--overwrite_output_dir"
     command = [*launcher, str(stage.project / stage.script), *stage.argv, *extra]
     log = stage.log_file(".log")
     log.parent.mkdir(parents=True, exist_ok=True)
     # seconds of earlier, interrupted attempts that this one resumes count towards the stage's wall time
     spent_file = stage.log_file(".seconds")
-    earlier = float(spent_file.read_text()) if "--resume" in extra and spent_file.is_file() else 0.0
-    record = {"argv": stage.argv, "inputs": inputs, "output_dir": str(stage.root), "resumed": "--resume" in extra,
+    earlier = float(spent_file.read_text()) if resumed and spent_file.is_file() else 0.0
+    record = {"argv": stage.argv, "inputs": inputs, "output_dir": str(stage.root), "resumed": resumed,
               "command": shlex.join(command), "machine": describe_machine(), "hardware": describe_hardware()}
     _write_json(stage.pending_path, record)  # what a result found here without stage.json was made with
     started = time.perf_counter()

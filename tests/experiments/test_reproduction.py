@@ -220,6 +220,36 @@ def test_a_result_the_run_did_not_record_is_adopted_from_its_launch_record_or_re
     assert stage.finished() == record  # from stage.json now
 
 
+@pytest.mark.parametrize("left, flags", [([], []), (["trainer_state.json"], ["--overwrite_output_dir"]),
+                                          (["checkpoint-50/", "checkpoint-100/"], ["--resume_from_checkpoint", "True"])])
+def test_an_interrupted_fine_tune_goes_on_from_its_newest_checkpoint_or_starts_again(tmp_path, left, flags):
+    """A stopped fine-tune that saved Trainer checkpoints (a preset's --save_steps) is relaunched with
+    --resume_from_checkpoint True, its earlier seconds counted; one with none starts again over what it left."""
+    from experiments.reproduction.stages import run_stage
+
+    folder = tmp_path / "finetune" / "a" / "imdb-seed42"
+    argv = ["--config", "configs/finetune/cpu-imdb.json", "--output_dir", str(folder), "--seed", "42"]
+    stage = Stage("fine-tune A on IMDB (seed 42)", "scripts/finetune.py", folder, argv, "eval_results.json", tmp_path,
+                  REPO)
+    for name in left:  # what the interrupted launch left in the stage's folder
+        if name.endswith("/"):
+            (folder / name.rstrip("/")).mkdir(parents=True)
+        else:
+            folder.mkdir(parents=True)
+            (folder / name).touch()
+    stage.log_file(".seconds").parent.mkdir(parents=True, exist_ok=True)
+    stage.log_file(".seconds").write_text("100.0")  # what the interrupted launch had spent
+    fake = tmp_path / "fake_script.py"  # stands for the launched script: records its command line, writes the result
+    fake.write_text("import json, sys\nfrom pathlib import Path\nargs = sys.argv[2:]\n"
+                    "out = Path(args[args.index('--output_dir') + 1]); out.mkdir(parents=True, exist_ok=True)\n"
+                    "(out / 'argv.json').write_text(json.dumps(args))\n"
+                    "(out / 'eval_results.json').write_text(json.dumps({'eval_accuracy': 0.5}))\n")
+    record, reused = run_stage(stage, [sys.executable, str(fake)])
+    assert not reused and json.loads((folder / "argv.json").read_text()) == [*argv, *flags]
+    assert record["resumed"] == bool(flags and flags[0] != "--overwrite_output_dir")
+    assert (record["seconds"] >= 100.0) == record["resumed"]  # a resumed stage's wall time includes the first try
+
+
 def test_seeds_must_be_distinct_and_data_paths_resolve_from_any_directory(tmp_path, monkeypatch):
     preset = load_preset(REPO / "configs" / "reproduce" / "cpu.json")
     with pytest.raises(ReproductionError, match="--seeds must be distinct"):
