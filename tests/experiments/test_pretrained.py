@@ -312,3 +312,13 @@ def test_a_slice_run_adds_its_scores_to_the_whole_presets_table_instead_of_repla
     pretrained.run(tmp_path / "p.json", REPO_ROOT, output_dir=tmp_path / "elsewhere",
                    results_dir=tmp_path / "committed", report_only=True, argv=[])
     assert (tmp_path / "committed" / "results.md").read_text() == table
+
+
+@needs_data  # a preset's data files are checked when it is read
+@pytest.mark.parametrize("name", sorted(p.stem for p in (REPO_ROOT / "configs" / "pretrained").glob("*.json")))
+def test_every_committed_preset_loads_and_plans_its_baseline_first(name, tmp_path):
+    preset = load_preset(REPO_ROOT / "configs" / "pretrained" / f"{name}.json", REPO_ROOT)
+    stages = plan(preset, tmp_path / "minilm", tmp_path / "out", REPO_ROOT)
+    assert stages and stages[0].info["model"] == preset["baseline"]
+    fine_tunes = [s for s in stages if s.info["kind"] == "finetune"]
+    assert {s.info["seed"] for s in fine_tunes} == set(preset["seeds"])
