@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from experiments.long_range.models import Dims
-from experiments.long_range.training import PRECISIONS
+from experiments.long_range.training import PRECISIONS, Checkpointing
 from experiments.long_range.stages import (Stage, checkpoint_file, load_records, run_stages, stage_machines,
                                           write_atomic)
 from hf_linear_attn.training.errors import UsageError
@@ -96,8 +96,6 @@ def stage_runner(output_dir: Path | None, log=print):
     """run_stage(stage) -> metrics, checkpointing into output_dir/checkpoints/ where the stage's options say so."""
 
     def run_stage(stage: Stage) -> dict:
-        from experiments.long_range.training import Checkpointing
-
         every = stage.options.get("checkpoint_every")
         checkpointing = (Checkpointing(checkpoint_file(output_dir, stage.key), every, stage.args,
                                        log=lambda s, key=stage.key: log(f"    {key}: {s}"))
