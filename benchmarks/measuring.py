@@ -90,9 +90,25 @@ def hardware_text(hardware: dict | None) -> str:
 
 
 def hardware_of_records(records) -> list[str]:
-    """The distinct hardware texts of a run's stage records, in the order first met ([] where no record has one: a
-    run made before they were recorded, whose report then renders as it did)."""
-    return list(dict.fromkeys(hardware_text(r.get("hardware")) for r in records if r.get("hardware")))
+    """The hardware of a run's stage records, one text per distinct set of instruction sets, in the order first met
+    ([] where no record has one: a run made before they were recorded, whose report then renders as it did). Each
+    stage measures the matmul peak at its start, so stages on one machine differ a little: where they do, the peak is
+    given as the range over those stages ('matmul peak 126.3-155.1 GFLOP/s float32, ... (3 stages)')."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in records:
+        if r.get("hardware"):
+            groups.setdefault(tuple(r["hardware"]["instruction_sets"]), []).append(r["hardware"])
+    texts = []
+    for group in groups.values():
+        peaks = {name: sorted(h["matmul_peak_gflops"][name] for h in group) for name in group[0]["matmul_peak_gflops"]}
+        if all(values[0] == values[-1] for values in peaks.values()):
+            texts.append(hardware_text(group[0]))
+            continue
+        text = hardware_text({**group[0], "matmul_peak_gflops": {name: 0.0 for name in peaks}})
+        ranges = ", ".join(f"{v[0]:,.1f}-{v[-1]:,.1f} GFLOP/s {name}" for name, v in peaks.items())
+        texts.append(text.split("; matmul peak ")[0] + f"; matmul peak {ranges} (measured at each of {len(group)} "
+                     "stages' start)")
+    return texts
 
 
 # ------------------------------------------------------------------------------------------------- measuring

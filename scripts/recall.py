@@ -5,6 +5,7 @@ and passkey retrieval in WikiText-2 text (Landmark Attention's test) after pretr
     python scripts/recall.py --preset smoke --output_dir /tmp/recall-smoke        # every model, about a minute
     nohup nice -n 10 python scripts/recall.py --preset cpu --output_dir results/recall/cpu &   # hours, resumable
     python scripts/recall.py --preset cpu --output_dir results/recall/cpu --report_only          # tables so far
+    python scripts/recall.py --preset cpu --output_dir results/recall/cpu --models linear_gpt2 --pairs 64  # a slice
     python scripts/recall.py --preset passkey-smoke --output_dir /tmp/passkey-smoke    # passkey, every code path
     python scripts/recall.py --preset passkey-cpu --estimate      # a probe of a few steps: the preset's hours here
 
@@ -31,6 +32,9 @@ def main(argv=None):
     parser.add_argument("--preset", default="smoke", help="smoke, cpu, or a preset JSON file")
     parser.add_argument("--output_dir", help="default: outputs/recall/PRESET")
     parser.add_argument("--models", nargs="+", metavar="NAME", help="only these models (names as in the preset)")
+    parser.add_argument("--pairs", nargs="+", type=int, metavar="N", help="MQAR: only these pair counts (of the "
+                                                                           "preset's); the report still covers every "
+                                                                           "finished stage")
     parser.add_argument("--dry_run", action="store_true", help="print every stage and its arguments, run nothing")
     parser.add_argument("--report_only", action="store_true", help="run nothing: write the report from the stages "
                                                                    "finished so far")
@@ -47,9 +51,12 @@ def main(argv=None):
             passkey_runner.estimate(preset, args.models, log=lambda s: print(s, flush=True))
             return
         output_dir = Path(args.output_dir or f"outputs/recall/{preset.stem}")
+        if args.pairs and passkey:
+            raise UsageError("--pairs chooses MQAR pair counts; a passkey preset has none (use --models)")
         (passkey_runner if passkey else runner).run(preset, output_dir, args.models, args.dry_run, args.report_only,
                                                     argv=sys.argv[1:] if argv is None else argv,
-                                                    log=lambda s: print(s, flush=True))
+                                                    log=lambda s: print(s, flush=True),
+                                                    **({"pairs": args.pairs} if args.pairs else {}))
     except UsageError as error:
         sys.exit(f"error: {error}")
     if not args.dry_run:

@@ -66,23 +66,28 @@ def dims_for(preset: dict, width: int) -> dict:
             "intermediate_size": preset["ffn_multiple"] * width}
 
 
-def plan(preset: dict, models=None) -> tuple[list[Stage], list[str]]:
+def plan(preset: dict, models=None, pairs=None) -> tuple[list[Stage], list[str]]:
     """Every stage, shortest sequences and fewest pairs first (a partial run already holds whole comparisons), and the
-    settings left out because the pairs do not fit the length."""
+    settings left out because the pairs do not fit the length; `models` / `pairs` keep only those (a slice)."""
     models = models or preset["models"]
     check_models(models)
+    if pairs and (unknown := sorted(set(pairs) - set(preset["pairs"]))):
+        raise UsageError(f"--pairs {' '.join(map(str, unknown))}: not among the preset's pair counts "
+                         f"({', '.join(map(str, preset['pairs']))}); name some of those, or add them to the preset")
     stages, left_out = [], []
     # checkpointing is how a stage runs, not what it computes: an option, so stages recorded without it are reused
     options = {"checkpoint_every": preset["checkpoint_every"]} if preset.get("checkpoint_every") else {}
     for n in preset["lengths"]:
-        for pairs in preset["pairs"]:
-            if 4 * pairs > n:
-                left_out.append(f"n = {n}, {pairs} pairs (needs n >= {4 * pairs})")
+        for count in preset["pairs"]:
+            if pairs and count not in pairs:
+                continue
+            if 4 * count > n:
+                left_out.append(f"n = {n}, {count} pairs (needs n >= {4 * count})")
                 continue
             for width in preset["widths"]:
                 for model in models:
-                    stages.append(Stage(f"mqar-n{n}-p{pairs}-w{width}/{model}", "mqar", {
-                        "model": model, "length": n, "pairs": pairs, "width": width, "dims": dims_for(preset, width),
+                    stages.append(Stage(f"mqar-n{n}-p{count}-w{width}/{model}", "mqar", {
+                        "model": model, "length": n, "pairs": count, "width": width, "dims": dims_for(preset, width),
                         "num_keys": preset["num_keys"], "num_values": preset["num_values"], "steps": preset["steps"],
                         "batch_size": preset["batch_size"], "optimizer": preset["optimizer"], "seed": preset["seed"],
                         "log_every": preset["log_every"], "eval_batches": preset["eval_batches"],
@@ -209,12 +214,29 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def whole_command(argv: list[str]) -> list[str]:
+    """The arguments of the command that runs the whole preset: argv without --report_only and the slice flags
+    (--models, --pairs and their values), which is what the report covers."""
+    out, skipping = [], False
+    for arg in argv:
+        if arg.startswith("--"):
+            skipping = arg.split("=")[0] in ("--models", "--pairs")
+            if skipping or arg == "--report_only":
+                continue
+        if not skipping:
+            out.append(arg)
+    return out
+
+
 def run(preset_path: Path, output_dir: Path, models=None, dry_run=False, report_only=False, argv=None,
-        log=print) -> dict:
+        log=print, pairs=None) -> dict:
+    """Run the preset's stages (only `models` / `pairs` where given: a slice) and report every finished stage of the
+    whole preset, so a slice run adds its rows to the committed table instead of replacing it with the slice's."""
     from benchmarks.measuring import describe_hardware, describe_machine, hardware_of_records
 
     preset = load_preset(preset_path)
-    stages, left_out = plan(preset, models)
+    stages, _ = plan(preset, models, pairs)
+    whole, left_out = plan(preset)
     if dry_run:
         for stage in stages:
             log(f"{stage.key}: {json.dumps(stage.args)}")
@@ -228,17 +250,16 @@ def run(preset_path: Path, output_dir: Path, models=None, dry_run=False, report_
     else:
         records = run_stages(stages, stage_runner(output_dir, log), output_dir, machine, log,
                              hardware=describe_hardware())
-    keys = {s.key for s in stages}
+    keys = {s.key for s in whole}
     finished = {k: r for k, r in records.items() if k in keys}
     rows = summarise(finished)
     o = preset["optimizer"]
     # the machines the stages ran on (each record keeps its own), not the one writing the report
     meta = {"preset": Path(preset_path).stem, "machine": stage_machines(finished, machine), "finished": len(finished),
-            "total": len(stages),
+            "total": len(whole),
             "hardware": hardware_of_records(finished.values()),
             "left_out": left_out, "date": time.strftime("%Y-%m-%d"),
-            "command": "python scripts/recall.py " + shlex.join(a for a in (sys.argv[1:] if argv is None else argv)
-                                                               if a != "--report_only"),
+            "command": "python scripts/recall.py " + shlex.join(whole_command(sys.argv[1:] if argv is None else argv)),
             "notes": (f"{preset['num_layers']} layers, head size {preset['head_size']}, feed-forward "
                       f"{preset['ffn_multiple']}x width; {preset['num_keys']} key and {preset['num_values']} value "
                       f"tokens; {preset['steps']} steps x batch {preset['batch_size']} of fresh sequences, AdamW lr "

@@ -45,6 +45,12 @@ def test_the_hardware_record_names_sets_cores_torch_and_both_peaks_and_renders_i
         "instruction sets none of avx2 avx512f")
     assert hardware_of_records([{"hardware": known}, {}, {"hardware": known}]) == [hardware_text(known)]
     assert hardware_of_records([{"machine": "AMD EPYC"}]) == []
+    # stages on one machine measure slightly different peaks: one line with the ranges, not one line per stage
+    other = {**known, "matmul_peak_gflops": {"float32": 126.31, "bfloat16": 0.5}}
+    avx512 = {**known, "instruction_sets": ["avx2", "avx512f"]}
+    assert hardware_of_records([{"hardware": known}, {"hardware": avx512}, {"hardware": other}]) == [
+        "instruction sets avx2; matmul peak 126.3-152.0 GFLOP/s float32, 0.4-0.5 GFLOP/s bfloat16 (measured at each "
+        "of 2 stages' start)", hardware_text(avx512)]
 
 
 def test_a_report_without_the_hardware_record_renders_its_header_as_before(tmp_path, monkeypatch):

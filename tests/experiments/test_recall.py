@@ -153,6 +153,23 @@ def test_the_script_runs_the_smoke_preset_resumes_and_rerenders(tmp_path):
     assert refused.returncode != 0 and "unknown recall model 'gpt5'" in refused.stderr
 
 
+def test_a_slice_run_reports_every_finished_stage_of_the_preset_under_the_whole_command(tmp_path):
+    preset = REPO_ROOT / "configs" / "recall" / "smoke.json"
+    with pytest.raises(UsageError, match="--pairs 3: not among the preset's pair counts"):
+        plan(load_preset(preset), pairs=[3])
+    argv = ["--preset", "smoke", "--output_dir", str(tmp_path)]
+    first = run(preset, tmp_path, models=["gpt2_sdpa"], pairs=[2], argv=argv + ["--models", "gpt2_sdpa", "--pairs",
+                                                                                "2"], log=lambda s: None)
+    assert [(r["model"], r["pairs"]) for r in first["rows"]] == [("gpt2_sdpa", 2)]
+    assert first["meta"]["finished"] == 1 and first["meta"]["total"] == 10
+    second = run(preset, tmp_path, models=["linear_gpt2"], pairs=[4], argv=argv + ["--pairs", "4", "--models",
+                                                                                  "linear_gpt2"], log=lambda s: None)
+    # the first slice's row stays in the report beside the second's, under the command of the whole preset
+    assert sorted((r["model"], r["pairs"]) for r in second["rows"]) == [("gpt2_sdpa", 2), ("linear_gpt2", 4)]
+    assert second["meta"]["command"] == f"python scripts/recall.py --preset smoke --output_dir {tmp_path}"
+    assert "2 of 10 stages finished" in (tmp_path / "results.md").read_text()
+
+
 class Killed(BaseException):
     """Stands for the kill of a session's end: nothing after it runs."""
 
