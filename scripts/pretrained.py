@@ -11,7 +11,8 @@ majority class (or trivial baseline) and its spread over seeds (docs/pretrained.
                                                         # its table still holds every finished stage
     python scripts/pretrained.py --dry_run              # print every stage's command, run nothing
     python scripts/pretrained.py --report_only          # the table from the stages finished so far
-    python scripts/pretrained.py --preset qa --results_dir results/pretrained/qa   # cloze QA / next sentence
+    python scripts/pretrained.py --preset qa --results_dir results/pretrained/qa   # cloze QA / next sentence;
+                                                        # a fresh clone goes on from results/pretrained/qa/records.json
 
 Rerunning the same command reuses every finished stage (same arguments and inputs) and goes on with the rest.
 """
@@ -33,7 +34,10 @@ def main(argv=None):
     parser.add_argument("--preset", default="cpu", help="a preset of configs/pretrained/ or a JSON file")
     parser.add_argument("--output_dir", help="default: the preset's (outputs/pretrained/NAME)")
     parser.add_argument("--results_dir", help="also write results.md / results.json here (the committed copy, e.g. "
-                                              "results/pretrained/cpu)")
+                                              "results/pretrained/cpu), with records.json: the finished "
+                                              "stages' records, from which a later run (a fresh clone) goes on")
+    parser.add_argument("--records", metavar="FILE", help="take finished stages from this records.json of an "
+                                                          "earlier run (default: --results_dir's, where it exists)")
     parser.add_argument("--seeds", type=int, nargs="+", help="fine-tuning seeds (default: the preset's)")
     parser.add_argument("--tasks", nargs="+", choices=TASK_ORDER, help="only these tasks")
     parser.add_argument("--models", nargs="+", metavar="NAME", help="only these models (the baseline is kept)")
@@ -44,7 +48,8 @@ def main(argv=None):
     try:
         preset = find_preset(args.preset, ROOT / "configs" / "pretrained")
         run(preset, ROOT, args.output_dir, args.seeds, args.tasks, args.models, args.dry_run, args.report_only,
-            args.max_stages, argv=sys.argv[1:] if argv is None else argv, results_dir=args.results_dir)
+            args.max_stages, argv=sys.argv[1:] if argv is None else argv, results_dir=args.results_dir,
+            records_file=args.records)
     except UsageError as error:
         sys.exit(f"error: {error}")
 

@@ -11,6 +11,12 @@ and the spread over seeds. The run is a list of stages, each an ordinary subproc
     finetune/<model>/<task>-seed<S>/   scripts/finetune.py on the stock folder or the converted one
     logs/<stage>.log                   each stage's full output
     results.json, results.md           written from the finished stages after every stage
+    records.json                       every finished stage's record (arguments, input digests, result; no weights)
+
+With --results_dir (the committed copy) records.json is written there too, and a later run takes from it every
+stage finished with the same arguments and inputs, so a fresh clone goes on where the last sitting stopped instead
+of running the preset again. A converted model known only from the records is converted again here when one of its
+fine-tunes still has to run; its weights must then have the recorded digest.
 
 Stages run seed by seed, task by task (every model's SST-2 at the first seed comes first), so the table fills in
 a useful order; a finished stage with the same arguments and inputs is reused, so rerunning the same command goes
@@ -29,8 +35,8 @@ from pathlib import Path
 
 from . import built_tasks
 from .reproduction_api import (
-    TASK_TITLES, ReproductionError, Stage, describe_machine, describe_machines, finetune_stage, flags, majority_share,
-    merged_config, resolve, run_stage, slug,
+    TASK_TITLES, ReproductionError, Stage, describe_machine, describe_machines, finetune_stage, flags, load_records,
+    majority_share, merged_config, resolve, run_stage, slug, with_outcome, write_records,
 )
 
 PRESET_KEYS = {"description", "output_dir", "source", "seeds", "models", "baseline", "convert", "finetune",
@@ -345,13 +351,14 @@ def _majority(preset: dict, seeds: list[int], root: Path, cache: Path, output_di
 
 
 def run(preset_path: Path, root: Path, output_dir=None, seeds=None, tasks=None, models=None, dry_run=False,
-        report_only=False, max_stages=None, argv=None, results_dir=None) -> dict:
+        report_only=False, max_stages=None, argv=None, results_dir=None, records_file=None) -> dict:
     """Run (or reuse) the preset's stages in order, rewriting results.json / results.md after each one (in the
     output folder, and in `results_dir` too when given: the committed copy, e.g. results/pretrained/cpu).
 
     `seeds`, `tasks` and `models` choose which stages run (a slice); the report always covers every finished stage
     of the whole preset, at its seeds and any others given, so a slice run with --results_dir adds its scores to the
-    committed table instead of replacing the table with the slice's."""
+    committed table instead of replacing the table with the slice's. Finished stages are also taken from
+    `records_file` (default: results_dir/records.json where it exists), an earlier run's records."""
     preset = load_preset(preset_path, root)
     preset_name = Path(preset_path).stem
     source = source_folder(preset["source"], root)
@@ -363,6 +370,8 @@ def run(preset_path: Path, root: Path, output_dir=None, seeds=None, tasks=None, 
         for stage in stages:
             print(shlex.join([*launcher, stage.script, *stage.argv]))
         return {}
+    records_file = records_file or (Path(results_dir) / "records.json" if results_dir else None)
+    archive = load_records(records_file) if records_file and Path(records_file).is_file() else {}
     output_dir.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit("stopped (SIGTERM); rerun the same command to continue"))
     command = "python scripts/pretrained.py " + shlex.join(sys.argv[1:] if argv is None else argv)
@@ -388,6 +397,8 @@ def run(preset_path: Path, root: Path, output_dir=None, seeds=None, tasks=None, 
             folder.mkdir(parents=True, exist_ok=True)
             (folder / "results.json").write_text(json.dumps({"meta": meta, "models": results}, indent=2))
             (folder / "results.md").write_text(markdown + "\n")
+            # the records of the stages outside this run (other seeds) that the archive holds are kept
+            write_records(whole, records, folder, {key: r for key, r in archive.items() if key not in planned})
         return {"meta": meta, "models": results, "markdown": markdown}
 
     def keeps_committed(folder) -> bool:
@@ -402,22 +413,49 @@ def run(preset_path: Path, root: Path, output_dir=None, seeds=None, tasks=None, 
         return True
 
     failed = {}  # stage name -> why; its fine-tunes are skipped, the rest go on (a rerun retries them)
-    conversions = {str(stage.folder): stage.name for stage in stages if stage.info["kind"] == "convert"}
+    conversions = {str(stage.folder): stage for stage in whole if stage.info["kind"] == "convert"}
+    planned = {stage.key for stage in whole}
+    known, vouched = {}, set()  # converted folder key -> weight digest known only from the archive; those relied on
+
+    def finished(stage):
+        """The stage's record: from its folder here, else from the archive (its upstream digests as recorded)."""
+        record = stage.finished()
+        if record is not None:
+            return with_outcome(stage, record)
+        record = stage.recorded(archive, known) if archive else None
+        if record is not None:
+            vouched.update(key for key in record["inputs"] if key in known)
+            if "output_digest" in record and not any(stage.folder.glob("*.safetensors")):
+                known[stage.key] = record["output_digest"]
+        return record
+
     running = {stage.name for stage in stages}
     for stage in whole:  # the preset's stages outside the slice count in the report where they have finished
-        record = stage.finished() if stage.name not in running else None
-        if record is not None:
+        record = finished(stage)  # in order for every stage: a conversion's recorded digest precedes its fine-tunes
+        if record is not None and stage.name not in running:
             records[stage.name] = record
     for number, stage in enumerate(stages, 1):
-        record = stage.finished()
+        record = finished(stage)
         if record is None and (report_only or (max_stages is not None and ran >= max_stages)):
             continue
         upstream = conversions.get(stage.argv[stage.argv.index("--model_name_or_path") + 1])
-        if record is None and upstream in failed:
+        if record is None and upstream is not None and upstream.name in failed:
             continue
         if record is None:
-            print(f"[{number}/{len(stages)}] {stage.name} ...", flush=True)
             try:
+                if upstream is not None and upstream.key in known:  # its weights are only in the records: convert
+                    print(f"[{number}/{len(stages)}] {upstream.name} again (known here only from the records) ...",
+                          flush=True)
+                    rerun, _ = run_stage(upstream, launcher)
+                    if upstream.key in vouched and rerun["output_digest"] != known[upstream.key]:
+                        raise ReproductionError(
+                            f"'{upstream.name}' ran again here and wrote other weights than in the records (digest "
+                            f"{rerun['output_digest']}, recorded {known[upstream.key]}), so the fine-tunes taken from "
+                            "the records did not start from these weights; pass another --results_dir (or --records) "
+                            "to run the preset afresh, or run on the machine kind the records name")
+                    records[upstream.name] = rerun
+                    del known[upstream.key]
+                print(f"[{number}/{len(stages)}] {stage.name} ...", flush=True)
                 record, _ = run_stage(stage, launcher)
             except ReproductionError as error:
                 failed[stage.name] = str(error).splitlines()[0]

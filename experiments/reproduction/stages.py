@@ -50,9 +50,10 @@ class Stage:
         return self.log_file(".pending.json")
 
     def portable(self, argv: list[str], root: str | None = None) -> list[str]:
-        """argv with the run's output folder written as $OUTPUT_DIR: a moved results folder is still reused."""
+        """argv with the run's output folder written as $OUTPUT_DIR, then the project root as $PROJECT (an installed
+        checkpoint inside the project's .venv, say): a moved results folder or checkout is still reused."""
         root = str(root or self.root)
-        return [arg.replace(root, "$OUTPUT_DIR") for arg in argv]
+        return [arg.replace(root, "$OUTPUT_DIR").replace(str(self.project), "$PROJECT") for arg in argv]
 
     def inputs(self, known: dict[str, str] | None = None) -> dict[str, str]:
         """A digest of every file the arguments name, keyed by the portable argument: config files, and the
@@ -299,12 +300,12 @@ def run_stage(stage: Stage, launcher: list[str]) -> tuple[dict, bool]:
 
 def with_outcome(stage: Stage, record: dict) -> dict:
     """The record with what the stage produced, read from its folder where the record lacks it: the result file's
-    metrics, and for a pretraining the digest of the weights it wrote and their parameter count. With these a
+    metrics, and for a pretraining or a conversion the digest of the weights it wrote and their parameter count. With these a
     records file stands for the stage in a run that does not have its folder."""
     record = dict(record)
     if "result" not in record:
         record["result"] = _read_json(stage.folder / stage.marker, "the stage's results")
-    if stage.script.endswith("pretrain.py") and "output_digest" not in record:
+    if stage.script.endswith(("pretrain.py", "convert.py")) and "output_digest" not in record:
         record["output_digest"] = folder_digest(stage.folder)
         record["parameters"] = count_parameters(stage.folder)
     return record

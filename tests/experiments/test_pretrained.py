@@ -314,6 +314,74 @@ def test_a_slice_run_adds_its_scores_to_the_whole_presets_table_instead_of_repla
     assert (tmp_path / "committed" / "results.md").read_text() == table
 
 
+@needs_data  # the preset's data files are checked when it is read, and the majority class is read from them
+def test_a_fresh_clone_goes_on_from_the_committed_records_and_checks_a_reconverted_models_weights(tmp_path,
+                                                                                                 monkeypatch):
+    """The stage folders are not committed (weights), records.json is: a later run without the folders takes every
+    finished stage from it, converts a model again only where one of its fine-tunes still has to run, and refuses
+    to go on from a conversion whose new weights differ from those the recorded fine-tunes started from."""
+    import experiments.pretrained as pretrained
+    import torch
+    from safetensors.torch import save_file
+
+    from experiments.reproduction.stages import load_records, with_outcome
+
+    source = tmp_path / "minilm"
+    source.mkdir()
+    (source / "config.json").write_text("{}")
+    preset = json.loads(PRESET.read_text())
+    linformer = "Linformer k = 64, rows sum to 1"
+    preset.update(source={"path": str(source)}, seeds=[42], finetune={"sst2": preset["finetune"]["sst2"]},
+                  models={name: preset["models"][name] for name in (preset["baseline"], linformer)})
+    (tmp_path / "p.json").write_text(json.dumps(preset))
+    ran, weights = [], {"value": 1.0}
+
+    def fake_run_stage(stage, launcher):  # what the real one leaves: the result, weights, stage.json with inputs
+        ran.append(stage.name)
+        inputs = stage.inputs()
+        stage.folder.mkdir(parents=True, exist_ok=True)
+        if stage.info["kind"] == "convert":
+            save_file({"w": torch.full((2, 3), weights["value"])}, str(stage.folder / "model.safetensors"))
+            result = {"new_parameters": 10, "copied_parameters": 100}
+        else:
+            result = {"eval_accuracy": 0.5 + stage.info["seed"] / 1000 + (0.1 if stage.info["model"] == linformer
+                                                                            else 0.2) + 0.0001}
+        (stage.folder / stage.marker).write_text(json.dumps(result))
+        record = {"argv": stage.argv, "inputs": inputs, "output_dir": str(stage.root), "seconds": 1.0,
+                  "machine": "a test machine"}
+        record = with_outcome(stage, record)  # a conversion's: the digest of the weights it wrote
+        stage.record_path.write_text(json.dumps(record))
+        return record, False
+
+    monkeypatch.setattr(pretrained, "run_stage", fake_run_stage)
+    committed = tmp_path / "committed"
+    pretrained.run(tmp_path / "p.json", REPO_ROOT, output_dir=tmp_path / "sitting1", results_dir=committed, argv=[])
+    assert len(ran) == 3 and len(load_records(committed / "records.json")) == 3
+    # a fresh clone: another output folder, only results/ committed; a new seed for the Linformer
+    ran.clear()
+    second = pretrained.run(tmp_path / "p.json", REPO_ROOT, output_dir=tmp_path / "sitting2", results_dir=committed,
+                            seeds=[1], models=[linformer], argv=[])
+    assert ran == [f"fine-tune {preset['baseline']} on SST-2 (seed 1)", f"convert {linformer}",
+                   f"fine-tune {linformer} on SST-2 (seed 1)"]
+    assert second["meta"]["stages_done"] == second["meta"]["stages"] == 5 and not second["meta"]["failed"]
+    assert second["models"][linformer]["tasks"]["sst2"]["seeds"] == [42, 1]
+    assert len(load_records(committed / "records.json")) == 5
+    assert f"| {linformer} | 62.2 ± 2.9 (2 seeds) |" in (committed / "results.md").read_text()  # 64.2 and 60.1
+    # a report alone from a third clone takes everything from the records and runs nothing
+    ran.clear()
+    third = pretrained.run(tmp_path / "p.json", REPO_ROOT, output_dir=tmp_path / "sitting3", results_dir=committed,
+                           seeds=[1], report_only=True, argv=[])
+    assert ran == [] and third["meta"]["stages_done"] == 5
+    # a conversion that comes out with other weights than recorded: its new fine-tune does not run on them
+    weights["value"] = 2.0
+    ran.clear()
+    fourth = pretrained.run(tmp_path / "p.json", REPO_ROOT, output_dir=tmp_path / "sitting4", results_dir=committed,
+                            seeds=[7], models=[linformer], argv=[])
+    assert ran == [f"fine-tune {preset['baseline']} on SST-2 (seed 7)", f"convert {linformer}"]
+    assert "wrote other weights than in the records" in fourth["meta"]["failed"][f"fine-tune {linformer} on SST-2 "
+                                                                                  "(seed 7)"]
+
+
 @needs_data  # a preset's data files are checked when it is read
 @pytest.mark.parametrize("name", sorted(p.stem for p in (REPO_ROOT / "configs" / "pretrained").glob("*.json")))
 def test_every_committed_preset_loads_and_plans_its_baseline_first(name, tmp_path):
