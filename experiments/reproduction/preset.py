@@ -16,7 +16,12 @@ TASK_TITLES = {"sst2": "SST-2", "imdb": "IMDB", "qnli": "QNLI", "qqp": "QQP",
                # here because its fine-tune stages are this module's (stages.finetune_stage names them)
                "cloze_qa": "Cloze QA (WikiText-2)", "next_sentence": "Next sentence (WikiText-2)"}
 PRESET_KEYS = {"description", "output_dir", "launcher", "seeds", "pretrain", "encoders",
-               "baseline", "finetune", "decoder_pretrain", "decoders", "decoder_baseline", "mask_lstrip"}
+               "baseline", "finetune", "decoder_pretrain", "decoders", "decoder_baseline", "mask_lstrip",
+               "decoder_conversions"}
+# A decoder conversion: one of the preset's decoders after its pretraining ("from", the teacher) converted by
+# scripts/convert.py with "args" (target, variant, distillation), then, where "train" is given, trained further as a
+# whole with the decoders' pretraining recipe and those overrides (LoLCATs' second step, without LoRA).
+CONVERSION_KEYS = {"from", "args", "train"}
 
 
 class ReproductionError(UsageError):
@@ -97,6 +102,16 @@ def load_preset(path, root=None) -> dict:
         raise ReproductionError(f"{path}: 'mask_lstrip' must be true or false (got {preset['mask_lstrip']!r}): "
                                 "false keeps the shared tokenizer's <mask> without RoBERTa's lstrip, as recorded "
                                 "runs were made")
+    for name, entry in preset.get("decoder_conversions", {}).items():
+        unknown = sorted(set(entry) - CONVERSION_KEYS) if isinstance(entry, dict) else ["(not an object)"]
+        if unknown or entry.get("from") not in preset.get("decoders", {}) or not isinstance(entry.get("args"), dict):
+            raise ReproductionError(
+                f"{path}: decoder conversion '{name}' needs \"from\" (one of the decoders: "
+                f"{list(preset.get('decoders', {}))}) and \"args\" (scripts/convert.py's, e.g. "
+                f"{{\"target\": \"linear_gpt2\"}}), optionally \"train\"{f'; unknown keys {unknown}' if unknown else ''}")
+        if name in preset.get("decoders", {}) or "model_name_or_path" in entry["args"] or "output_dir" in entry["args"]:
+            raise ReproductionError(f"{path}: decoder conversion '{name}': its name must differ from the decoders' and "
+                                    "its args must not set model_name_or_path / output_dir (the stage sets them)")
     if len({slug(name) for name in preset.get("encoders", {})}) != len(preset.get("encoders", {})):
         raise ReproductionError(f"{path}: two encoder names give the same folder name")
     return preset
@@ -120,11 +135,19 @@ def select_models(preset: dict, names: list[str] | None) -> dict:
     is left out."""
     if not names:
         return preset
-    known = [*preset.get("encoders", {}), *preset.get("decoders", {})]
+    conversions = preset.get("decoder_conversions", {})
+    known = [*preset.get("encoders", {}), *preset.get("decoders", {}), *conversions]
     unknown = [name for name in names if name not in known]
     if unknown:
         raise ReproductionError(f"--models: {unknown} are not models of this preset; it has {known}")
     selected = dict(preset)
+    # a named conversion brings the decoder it converts; a named decoder no conversion
+    names = [*names, *(conversions[name]["from"] for name in names if name in conversions)]
+    chosen_conversions = {name: entry for name, entry in conversions.items() if name in names}
+    if chosen_conversions:
+        selected["decoder_conversions"] = chosen_conversions
+    else:
+        selected.pop("decoder_conversions", None)
     for models, baseline in (("encoders", "baseline"), ("decoders", "decoder_baseline")):
         chosen = {name: config for name, config in preset.get(models, {}).items()
                   if name in names or (name == preset.get(baseline) and set(names) & set(preset[models]))}

@@ -44,12 +44,25 @@ def _accuracy(metrics: dict) -> float:
 def collect(preset: dict, stages: list, records: dict) -> dict:
     """The results of every finished stage (missing ones stay None): the table's numbers, seeds and wall times.
     A task's accuracy is the mean over its seeds, once every planned seed has finished."""
-    results = {"encoders": {}, "decoders": {}, "tasks": {}}
+    results = {"encoders": {}, "decoders": {}, "tasks": {}, "conversions": {}}
     planned = Counter((s.info["model"], s.info["task"]) for s in stages if s.info["kind"] == "finetune")
     splits = {}
     for stage in stages:
         record = records.get(stage.name)
         kind, model = stage.info["kind"], stage.info["model"]
+        if kind in ("conversion", "conversion_train"):
+            entry = results["conversions"].setdefault(model, {"from": stage.info["from"], "convert": None})
+            if kind == "conversion_train":
+                entry["train"] = None if record is None else {
+                    "perplexity": record["result"].get("perplexity"), "steps": record["result"].get("steps"),
+                    "seconds": record["seconds"]}
+            elif record is not None:
+                distillation = record["result"].get("distillation") or {}
+                entry["convert"] = {"distillation": distillation, "seconds": record["seconds"],
+                                    "new_parameters": record["result"].get("new_parameters"),
+                                    **{key: (distillation.get(key) or {}).get("perplexity")
+                                       for key in ("teacher", "converted", "distilled")}}
+            continue
         if kind in ("pretrain", "decoder"):
             group = results["encoders" if kind == "pretrain" else "decoders"]
             entry = group.setdefault(model, {"tasks": {}} if kind == "pretrain" else {})
@@ -97,6 +110,13 @@ def collect(preset: dict, stages: list, records: dict) -> dict:
     for entry in results["decoders"].values():
         ppl = (entry.get("pretrain") or {}).get("perplexity")
         entry["vs_baseline"] = ppl / base_ppl if ppl is not None and base_ppl else None
+    for entry in results["conversions"].values():
+        convert = entry["convert"] or {}
+        entry["distilled_vs_teacher"] = (convert["distilled"] / convert["teacher"]
+                                         if convert.get("distilled") and convert.get("teacher") else None)
+        teacher = ((results["decoders"].get(entry["from"]) or {}).get("pretrain") or {}).get("perplexity")
+        trained = (entry.get("train") or {}).get("perplexity")
+        entry["trained_vs_teacher"] = trained / teacher if trained and teacher else None
     return results
 
 
@@ -219,6 +239,28 @@ def render_markdown(preset_name: str, preset: dict, results: dict, meta: dict) -
             lines.append(f"| {model} | {_cell(pre.get('parameters') and pre['parameters'] / 1e6, 2, ' M')} | "
                          f"{_cell(pre.get('perplexity'), 2)} | "
                          f"{ratio} | {_minutes(pre.get('seconds'))} |")
+        lines.append("")
+    if results.get("conversions"):
+        lines += ["## Decoders converted from a pretrained one (scripts/convert.py), then distilled", "",
+                  "Perplexities before training further are on the distillation's held-out rows (the teacher's, the "
+                  "converted model's before and after distillation, all on the same rows); after training further, on "
+                  "the whole validation split, as the decoders above.", "",
+                  "| Conversion | from (teacher) | distillation | teacher ppl | converted | distilled | distilled / "
+                  "teacher | trained further: ppl | / teacher | wall time |",
+                  "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for model, entry in results["conversions"].items():
+            convert, train = entry["convert"] or {}, entry.get("train") or {}
+            d = convert.get("distillation") or {}
+            budget = (f"{d['steps']} steps x {d['batch_size']} rows of {d['rows']} tokens ({d['mode']})" if d else
+                      ("none" if entry["convert"] else ""))
+            seconds = (convert.get("seconds") or 0) + (train.get("seconds") or 0)
+            steps = f" ({train['steps']} steps)" if train.get("steps") else ""
+            trained = _cell(train.get("perplexity"), 2) + steps if "train" in entry else "not asked"
+            lines.append(f"| {model} | {entry['from']} | {budget} | {_cell(convert.get('teacher'), 2)} | "
+                         f"{_cell(convert.get('converted'), 2)} | {_cell(convert.get('distilled'), 2)} | "
+                         f"{_cell(entry.get('distilled_vs_teacher'), 3, 'x')} | {trained} | "
+                         f"{_cell(entry.get('trained_vs_teacher'), 3, 'x') if 'train' in entry else ''} | "
+                         f"{_minutes(seconds)} |")
         lines.append("")
     return "\n".join(lines)
 

@@ -233,6 +233,20 @@ def plan(preset: dict, output_dir: Path, seeds: list[int] | None = None,
                 *_flags(preset["decoder_pretrain"].get("args", {}))]
         stages.append(Stage(f"pretrain decoder {name}", "scripts/pretrain.py", folder, argv, "train_results.json",
                             output_dir, project, {"kind": "decoder", "model": name}))
+    for name, entry in preset.get("decoder_conversions", {}).items():
+        teacher = output_dir / "decoders" / slug(entry["from"])
+        folder = output_dir / "converted" / slug(name)
+        argv = ["--model_name_or_path", str(teacher), "--output_dir", str(folder), *_flags(entry["args"])]
+        stages.append(Stage(f"convert decoder {name}", "scripts/convert.py", folder, argv, "conversion_report.json",
+                            output_dir, project, {"kind": "conversion", "model": name, "from": entry["from"]}))
+        if "train" in entry:  # the whole converted model trained further with the decoders' recipe
+            trained = output_dir / "converted" / f"{slug(name)}-trained"
+            argv = ["--config", preset["decoder_pretrain"]["config"], "--model_name_or_path", str(folder),
+                    "--output_dir", str(trained),
+                    *_flags({**preset["decoder_pretrain"].get("args", {}), **entry["train"]})]
+            stages.append(Stage(f"train converted decoder {name}", "scripts/pretrain.py", trained, argv,
+                                "train_results.json", output_dir, project,
+                                {"kind": "conversion_train", "model": name, "from": entry["from"]}))
     return stages
 
 

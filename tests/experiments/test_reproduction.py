@@ -119,6 +119,71 @@ def test_bad_presets_are_refused(tmp_path, change, message):
         load_preset(path)
 
 
+def test_a_decoder_conversion_is_planned_after_its_teacher_selected_with_it_and_checked(tmp_path):
+    preset = load_preset(REPO / "configs" / "reproduce" / "decoders-n512.json")
+    (name, entry), = preset["decoder_conversions"].items()
+    stages = plan(preset, tmp_path, tokenizers={"clm": "TOK"})
+    teacher = next(s for s in stages if s.info == {"kind": "decoder", "model": entry["from"]})
+    convert, train = stages[-2:]
+    assert convert.info["kind"] == "conversion" and train.info["kind"] == "conversion_train"
+    assert convert.argv[convert.argv.index("--model_name_or_path") + 1] == str(teacher.folder)
+    assert train.argv[train.argv.index("--model_name_or_path") + 1] == str(convert.folder)
+    assert train.argv[train.argv.index("--max_steps") + 1] == str(entry["train"]["max_steps"])  # the override wins
+    # naming the conversion brings its teacher (the decoders' baseline here); naming a decoder brings no conversion
+    assert list(select_models(preset, [name])["decoders"]) == [entry["from"]]
+    assert "decoder_conversions" not in select_models(preset, ["Linear attention (elu + 1)"])
+    for change, message in (({"from": "GPT-5"}, "needs \"from\""), ({"args": None}, "needs \"from\""),
+                            ({"lr": 1}, "unknown keys \\['lr'\\]"),
+                            ({"args": {"target": "linear_gpt2", "output_dir": "x"}}, "must not set")):
+        bad = {**json.loads((REPO / "configs" / "reproduce" / "decoders-n512.json").read_text()),
+               "decoder_conversions": {name: {**entry, **change}}}
+        (tmp_path / "bad.json").write_text(json.dumps(bad))
+        with pytest.raises(ReproductionError, match=message):
+            load_preset(tmp_path / "bad.json", REPO)
+
+
+@pytest.mark.skipif(not (DATA / "wikitext-2").is_dir(), reason="needs ../shared/data (WikiText-2)")
+def test_a_decoder_conversion_runs_distills_trains_further_and_reports_against_its_teacher(tmp_path):
+    """The real scripts in subprocesses: GPT-2 pretrained for a few steps, converted into hedgehog + a softmax
+    window, distilled, trained further; the table's figures are the ones the scripts wrote."""
+    text = _wikitext_slice(tmp_path)
+    small = {"max_seq_length": 32, "eval_steps": 2, "save_steps": 100, "max_eval_samples": 8,
+             "per_device_train_batch_size": 4, **text}
+    preset = {"description": "test", "decoder_pretrain": {"config": "configs/pretrain/cpu-clm.json",
+                                                          "args": {"max_steps": 3, **small}},
+              "decoders": {"GPT-2 (softmax)": "configs/models/cpu/gpt2-softmax.json"},
+              "decoder_baseline": "GPT-2 (softmax)",
+              "decoder_conversions": {"hedgehog + window 8": {
+                  "from": "GPT-2 (softmax)",
+                  "args": {"target": "linear_gpt2", "feature_map": "hedgehog", "attention_window": 8,
+                           "distill_steps": 2, "distill_batch_size": 2, "distill_max_length": 32, "eval_rows": 4,
+                           **{key: text[key] for key in ("train_file", "validation_file")}},
+                  "train": {"max_steps": 2}}}}
+    path, out = tmp_path / "convert.json", tmp_path / "run"
+    path.write_text(json.dumps(preset))
+    run = _run(path, out)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads((out / "results.json").read_text())
+    assert report["meta"]["stages_done"] == report["meta"]["stages"] == 3
+    entry = report["conversions"]["hedgehog + window 8"]
+    written = json.loads((out / "converted" / "hedgehog-window-8" / "conversion_report.json").read_text())
+    distillation = written["distillation"]
+    assert distillation["steps"] == 2 and written["new_parameters"] > 0  # the hedgehog maps are new and distilled
+    assert entry["convert"]["teacher"] == distillation["teacher"]["perplexity"]
+    assert entry["convert"]["distilled"] == distillation["distilled"]["perplexity"]
+    assert entry["distilled_vs_teacher"] == pytest.approx(distillation["distilled"]["perplexity"]
+                                                          / distillation["teacher"]["perplexity"])
+    trained = json.loads((out / "converted" / "hedgehog-window-8-trained" / "train_results.json").read_text())
+    assert trained["steps"] == 2 and entry["train"]["perplexity"] == trained["perplexity"]
+    teacher = json.loads((out / "decoders" / "gpt-2-softmax" / "train_results.json").read_text())
+    assert entry["trained_vs_teacher"] == pytest.approx(trained["perplexity"] / teacher["perplexity"])
+    config = json.loads((out / "converted" / "hedgehog-window-8-trained" / "config.json").read_text())
+    assert config["feature_map"] == "hedgehog" and config["attention_window"] == 8  # trained as converted
+    table = (out / "results.md").read_text()
+    assert "| hedgehog + window 8 | GPT-2 (softmax) | 2 steps x 2 rows of 32 tokens" in table
+    assert f"{trained['perplexity']:.2f} (2 steps)" in table
+
+
 def _finished(stages, scores: dict) -> dict:
     """Result files for the pretrainings and for the fine-tunes in ``scores`` ({(model, task, seed): accuracy %}),
     and their records as a run reads them; the other fine-tunes stay pending."""
