@@ -142,6 +142,7 @@ def test_a_decoder_conversion_is_planned_after_its_teacher_selected_with_it_and_
             load_preset(tmp_path / "bad.json", REPO)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not (DATA / "wikitext-2").is_dir(), reason="needs ../shared/data (WikiText-2)")
 def test_a_decoder_conversion_runs_distills_trains_further_and_reports_against_its_teacher(tmp_path):
     """The real scripts in subprocesses: GPT-2 pretrained for a few steps, converted into hedgehog + a softmax
