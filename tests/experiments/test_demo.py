@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import REPO_ROOT, SHARED_DATA
+from helpers import REPO_ROOT, SHARED_DATA, data_missing
 
 WIKITEXT = SHARED_DATA / "wikitext-2"
 
@@ -25,7 +25,7 @@ def run_demo(script: str, output_dir, *flags: str) -> tuple[dict, str]:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not (WIKITEXT / "wiki.train.tokens").is_file(), reason=f"WikiText-2 not found at {WIKITEXT}")
+@pytest.mark.skipif(data_missing(WIKITEXT / "wiki.train.tokens"), reason=f"WikiText-2 not found at {WIKITEXT}")
 def test_demo_trains_saves_and_reloads_every_encoder(tmp_path):
     results, stdout = run_demo("demo_encoders.py", tmp_path, "--linformer_k", "16")
     for name, result in results.items():
@@ -42,7 +42,7 @@ def test_demo_names_a_missing_data_folder(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not (WIKITEXT / "wiki.train.tokens").is_file(), reason=f"WikiText-2 not found at {WIKITEXT}")
+@pytest.mark.skipif(data_missing(WIKITEXT / "wiki.train.tokens"), reason=f"WikiText-2 not found at {WIKITEXT}")
 def test_decoder_demo_trains_generates_and_reloads_every_decoder(tmp_path):
     results, _ = run_demo("demo_decoders.py", tmp_path, "--new_tokens", "40", "--block_size", "16")
     for name, result in results.items():

@@ -2,13 +2,12 @@
 refusals with the fix, the answer-only loss, and the runner end to end through scripts/recall.py."""
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
-from helpers import ENV, REPO_ROOT, WIKITEXT
+from helpers import ENV, REPO_ROOT, WIKITEXT, data_missing
 
 from experiments.recall.passkey import (
     check_passkey_example, check_passkey_settings, load_filler, min_passkey_length, passkey_batch, passkey_example,
@@ -18,8 +17,7 @@ from experiments.recall.passkey_runner import load_preset, plan
 from hf_linear_attn.training.errors import UsageError
 
 # the real data may be missing on a user's machine, never in CI
-needs_wikitext = pytest.mark.skipif(not (WIKITEXT / "wiki.train.tokens").is_file()
-                                    and os.environ.get("CI", "").lower() != "true",
+needs_wikitext = pytest.mark.skipif(data_missing(WIKITEXT / "wiki.train.tokens"),
                                     reason=f"WikiText-2 not found at {WIKITEXT} (see ../shared/data/README.md)")
 PRESETS = REPO_ROOT / "configs" / "recall"
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from helpers import REPO_ROOT as REPO
+from helpers import data_missing
 from transformers import AutoConfig
 
 import hf_linear_attn  # noqa: F401  (registers the model types read below)
@@ -143,7 +144,7 @@ def test_a_decoder_conversion_is_planned_after_its_teacher_selected_with_it_and_
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not (DATA / "wikitext-2").is_dir(), reason="needs ../shared/data (WikiText-2)")
+@pytest.mark.skipif(data_missing(DATA / "wikitext-2"), reason="needs ../shared/data (WikiText-2)")
 def test_a_decoder_conversion_runs_distills_trains_further_and_reports_against_its_teacher(tmp_path):
     """The real scripts in subprocesses: GPT-2 pretrained for a few steps, converted into hedgehog + a softmax
     window, distilled, trained further; the table's figures are the ones the scripts wrote."""
@@ -395,7 +396,7 @@ def _tsv_labels(path, column, rows):
         return [row[column] for _, row in zip(range(rows), reader)]
 
 
-@pytest.mark.skipif(not (DATA / "glue").is_dir() or not (DATA / "wikitext-2").is_dir(),
+@pytest.mark.skipif(data_missing(DATA / "glue", DATA / "wikitext-2"),
                     reason="needs ../shared/data (GLUE and WikiText-2 files)")
 def test_reproduction_runs_reuses_and_reports_what_the_stages_wrote(tmp_path, capsys):
     preset, out = _smoke_preset(tmp_path), tmp_path / "run"

@@ -13,7 +13,7 @@ from collections import Counter
 
 import pytest
 from datasets import ClassLabel, Dataset, DatasetDict, Features, List, Value
-from helpers import TINY, TINY_DECODER, WIKITEXT, script_error
+from helpers import TINY, TINY_DECODER, WIKITEXT, data_missing, script_error
 from tokenizers import Tokenizer, pre_tokenizers
 from tokenizers.models import WordLevel
 from transformers import AutoModelForMaskedLM, AutoTokenizer, PreTrainedTokenizerFast
@@ -27,7 +27,7 @@ from hf_linear_attn.training.data.token_tasks import (
 from hf_linear_attn.training.errors import UsageError
 from hf_linear_attn.training.metrics.entities import entity_scores, entity_spans
 
-needs_wikitext = pytest.mark.skipif(not (WIKITEXT / "wiki.train.tokens").is_file(),
+needs_wikitext = pytest.mark.skipif(data_missing(WIKITEXT / "wiki.train.tokens"),
                                     reason=f"WikiText-2 not found at {WIKITEXT} (see ../shared/data/README.md)")
 LABELS = ("B-CAP", "B-NUM", "I-CAP", "O")  # the rule's labels, sorted as the script sorts text labels
 

@@ -13,8 +13,8 @@ import time
 import pytest
 import torch
 from helpers import (
-    ENV, GLUE, PRESET_ENCODER_SIZE, REPO_ROOT, SHARED_DATA, needs_data, pretrain_args, replaced, run_pretrain,
-    script_error, tiny_preset, weights,
+    ENV, GLUE, PRESET_ENCODER_SIZE, REPO_ROOT, SHARED_DATA, data_missing, needs_data, pretrain_args, replaced,
+    run_pretrain, script_error, tiny_preset, weights,
 )
 
 # ------------------------------------------------------------------------------------------------- pretraining
@@ -457,7 +457,7 @@ def test_glue_tsvs_are_read_with_quoting_disabled_and_labels_mapped():
     assert len(qqp["train"]) + len(qqp["validation"]) == 20497 and "held out (seed 42)" in split
 
 
-@pytest.mark.skipif(not (SHARED_DATA / "imdb" / "train.jsonl").is_file(), reason="IMDB not in ../shared/data")
+@pytest.mark.skipif(data_missing(SHARED_DATA / "imdb" / "train.jsonl"), reason="IMDB not in ../shared/data")
 def test_long_reviews_keep_head_and_tail(tokenizer):
     from datasets import Dataset, DatasetDict
 
