@@ -194,6 +194,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     panels = sorted({(r["length"], r["pairs"]) for r in rows}) or [(0, 0)]
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.4), squeeze=False)
@@ -204,12 +205,22 @@ def plot(rows: list[dict], path: Path) -> None:
             if pts:
                 ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=LABELS.get(model, model))
         ax.set_xscale("log")
+        # labels on powers of two in KiB only: the log axis' default minor labels overlap on a narrow panel
+        ax.xaxis.set_major_locator(matplotlib.ticker.LogLocator(base=2))
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x / 1024:g}"))
         ax.set_ylim(0, 1.02)
         ax.set_title(f"n = {n}, {p} pairs")
-        ax.set_xlabel("decoding state (bytes)")
+        ax.set_xlabel("decoding state (KiB)")
     axes[0][0].set_ylabel("accuracy at queries")
-    axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    for ax in axes[0][1:]:  # every model, also those with no point in the first panel
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            if label not in labels:
+                handles.append(handle)
+                labels.append(label)
+    fig.legend(handles, labels, fontsize=7, loc="lower center", ncol=min(len(labels), 3) or 1)
+    fig.tight_layout(rect=(0, 0.06 * ((len(labels) + 2) // 3), 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
