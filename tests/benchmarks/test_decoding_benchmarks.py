@@ -24,7 +24,13 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 def test_every_preset_runs_the_three_suites_at_the_sizes_the_issue_names(tmp_path):
     assert set(SUITES) <= set(suites.KINDS)  # scripts/benchmark.py --only images assisted compiled_step
-    for name in suites.PRESETS:
+    # gpt2-small times generation alone (GPT-2 small's depth): no decoding suites
+    assert set(suites.PRESETS) - {"gpt2-small"} == set(decoding.PRESETS)
+    assert configurations("gpt2-small", "float32", SHARED_DATA, tmp_path) == []
+    small = suites.configurations("gpt2-small", "bfloat16", SHARED_DATA, tmp_path)
+    assert {s["kind"] for s in small} == {"generation"} and {s["context"] for s in small} == {1024, 16384}
+    assert {s["dims"]["n_layer"] for s in small} == {12} and len(small) == 2 * (2 + len(suites.GENERATION_VARIANTS))
+    for name in decoding.PRESETS:
         specs = configurations(name, "float32", SHARED_DATA, tmp_path)
         assert {s["kind"] for s in specs} == set(SUITES), name
         # suites.configurations runs them after its own suites
