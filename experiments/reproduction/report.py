@@ -179,7 +179,8 @@ def render_markdown(preset_name: str, preset: dict, results: dict, meta: dict) -
     lines = [f"# Reproduction: preset `{preset_name}`", "", preset.get("description", ""), "",
              f"Command: `{meta['command']}`  ", f"Machine: {describe_machines(meta)}  ",
              *([f"Hardware of the stages: {'; and '.join(meta['hardware'])}  "] if meta.get("hardware") else []),
-             f"Seeds (fine-tuning): {describe_seeds(meta['seeds'])}; pretraining seed: {meta['pretrain_seed']}  ",
+             (f"Seeds (fine-tuning): {describe_seeds(meta['seeds'])}; pretraining seed: {meta['pretrain_seed']}  "
+              if tasks else f"Pretraining seed: {meta['pretrain_seed']}  "),
              f"Wall time of the stages: {_minutes(meta['seconds'])} ({meta['stages_done']}/{meta['stages']} stages "
              "finished)", ""]
     if results["encoders"]:

@@ -30,7 +30,9 @@ def reproduce(preset_path, output_dir=None, seeds=None, launcher=None, dry_run=F
     launcher_text = launcher or preset.get("launcher", "python")
     launcher = [sys.executable] if launcher_text == "python" else shlex.split(launcher_text)
     root = project_root(preset)
-    pretrain_seed = _merged_config(preset["pretrain"], root).get("seed", 42) if "pretrain" in preset else None
+    # the seed of the pretrainings: the encoders' config's, else (a preset of decoders only) the decoders'
+    part = "pretrain" if "pretrain" in preset else "decoder_pretrain"
+    pretrain_seed = _merged_config(preset[part], root).get("seed", 42) if part in preset else None
 
     if dry_run:
         for stage in plan(preset, output_dir, seeds, shared_tokenizers(preset, output_dir, train=False)):
