@@ -122,10 +122,10 @@ def test_bad_presets_are_refused(tmp_path, change, message):
 
 def test_a_decoder_conversion_is_planned_after_its_teacher_selected_with_it_and_checked(tmp_path):
     preset = load_preset(REPO / "configs" / "reproduce" / "decoders-n512.json")
-    (name, entry), = preset["decoder_conversions"].items()
+    name, entry = next(iter(preset["decoder_conversions"].items()))
     stages = plan(preset, tmp_path, tokenizers={"clm": "TOK"})
     teacher = next(s for s in stages if s.info == {"kind": "decoder", "model": entry["from"]})
-    convert, train = stages[-2:]
+    convert, train = [s for s in stages if s.info["model"] == name]
     assert convert.info["kind"] == "conversion" and train.info["kind"] == "conversion_train"
     assert convert.argv[convert.argv.index("--model_name_or_path") + 1] == str(teacher.folder)
     assert train.argv[train.argv.index("--model_name_or_path") + 1] == str(convert.folder)
