@@ -105,10 +105,11 @@ def load_preset(path, root=None) -> dict:
     for name, entry in preset.get("decoder_conversions", {}).items():
         unknown = sorted(set(entry) - CONVERSION_KEYS) if isinstance(entry, dict) else ["(not an object)"]
         if unknown or entry.get("from") not in preset.get("decoders", {}) or not isinstance(entry.get("args"), dict):
+            extra = f"; unknown keys {unknown}" if unknown else ""
             raise ReproductionError(
                 f"{path}: decoder conversion '{name}' needs \"from\" (one of the decoders: "
                 f"{list(preset.get('decoders', {}))}) and \"args\" (scripts/convert.py's, e.g. "
-                f"{{\"target\": \"linear_gpt2\"}}), optionally \"train\"{f'; unknown keys {unknown}' if unknown else ''}")
+                f"{{\"target\": \"linear_gpt2\"}}), optionally \"train\"{extra}")
         if name in preset.get("decoders", {}) or "model_name_or_path" in entry["args"] or "output_dir" in entry["args"]:
             raise ReproductionError(f"{path}: decoder conversion '{name}': its name must differ from the decoders' and "
                                     "its args must not set model_name_or_path / output_dir (the stage sets them)")

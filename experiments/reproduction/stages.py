@@ -314,8 +314,8 @@ def run_stage(stage: Stage, launcher: list[str]) -> tuple[dict, bool]:
 
 def with_outcome(stage: Stage, record: dict) -> dict:
     """The record with what the stage produced, read from its folder where the record lacks it: the result file's
-    metrics, and for a pretraining or a conversion the digest of the weights it wrote and their parameter count. With these a
-    records file stands for the stage in a run that does not have its folder."""
+    metrics, and for a pretraining or a conversion the digest of the weights it wrote and their parameter count.
+    With these a records file stands for the stage in a run that does not have its folder."""
     record = dict(record)
     if "result" not in record:
         record["result"] = _read_json(stage.folder / stage.marker, "the stage's results")
