@@ -204,7 +204,9 @@ def test_presets_with_committed_records_keep_the_tokenizer_they_were_made_with()
     recorded = {path.parent.name for path in RECORDS.glob("*/records.json")}
     assert recorded >= {"cpu", "demo"}
     for name in recorded & {path.stem for path in PRESETS.glob("*.json")}:
-        assert load_preset(PRESETS / f"{name}.json")["mask_lstrip"] is False, name
+        preset = load_preset(PRESETS / f"{name}.json")
+        if preset.get("encoders"):  # <mask> is the masked-LM tokenizer's: a preset of decoders only has none
+            assert preset["mask_lstrip"] is False, name
     assert "mask_lstrip" not in load_preset(PRESETS / "paper.json")  # names RoBERTa's tokenizer, lstrip included
 
 
