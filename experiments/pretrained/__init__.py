@@ -36,7 +36,7 @@ from pathlib import Path
 from . import built_tasks
 from .reproduction_api import (
     TASK_TITLES, ReproductionError, Stage, describe_machine, describe_machines, finetune_stage, flags, load_records,
-    majority_share, merged_config, resolve, run_stage, slug, with_outcome, write_records,
+    majority_share, merged_config, rerun_upstream, resolve, run_stage, slug, with_outcome, write_records,
 )
 
 PRESET_KEYS = {"description", "output_dir", "source", "seeds", "models", "baseline", "convert", "finetune",
@@ -446,15 +446,9 @@ def run(preset_path: Path, root: Path, output_dir=None, seeds=None, tasks=None, 
                 if upstream is not None and upstream.key in known:  # its weights are only in the records: convert
                     print(f"[{number}/{len(stages)}] {upstream.name} again (known here only from the records) ...",
                           flush=True)
-                    rerun, _ = run_stage(upstream, launcher)
-                    if upstream.key in vouched and rerun["output_digest"] != known[upstream.key]:
-                        raise ReproductionError(
-                            f"'{upstream.name}' ran again here and wrote other weights than in the records (digest "
-                            f"{rerun['output_digest']}, recorded {known[upstream.key]}), so the fine-tunes taken from "
-                            "the records did not start from these weights; pass another --results_dir (or --records) "
-                            "to run the preset afresh, or run on the machine kind the records name")
-                    records[upstream.name] = rerun
-                    del known[upstream.key]
+                    records[upstream.name] = rerun_upstream(
+                        upstream, launcher, known, vouched,
+                        "pass another --results_dir (or --records) to run the preset afresh", run=run_stage)
                 print(f"[{number}/{len(stages)}] {stage.name} ...", flush=True)
                 record, _ = run_stage(stage, launcher)
             except ReproductionError as error:

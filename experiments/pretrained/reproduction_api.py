@@ -12,8 +12,10 @@ from experiments.reproduction.preset import (
     TASK_TITLES, ReproductionError, _flags as flags, _merged_config as merged_config, resolve, slug,
 )
 from experiments.reproduction.report import describe_machines, majority_share
-from experiments.reproduction.stages import Stage, finetune_stage, load_records, run_stage, with_outcome, write_records
+from experiments.reproduction.stages import (
+    Stage, finetune_stage, load_records, rerun_upstream, run_stage, with_outcome, write_records,
+)
 
 __all__ = ["TASK_TITLES", "ReproductionError", "Stage", "describe_machine", "describe_machines", "find_preset",
-           "finetune_stage", "flags", "load_records", "majority_share", "merged_config", "resolve", "run_stage", "slug",
-           "with_outcome", "write_records"]
+           "finetune_stage", "flags", "load_records", "majority_share", "merged_config", "rerun_upstream", "resolve",
+           "run_stage", "slug", "with_outcome", "write_records"]

@@ -361,6 +361,22 @@ def count_parameters(folder: Path) -> int:
     return total
 
 
+def rerun_upstream(upstream: Stage, launcher: list[str], known: dict, vouched: set, fix: str, run=None) -> dict:
+    """Run again a stage whose weights this run knows only from an earlier run's records (`known`: its key -> the
+    recorded weight digest), because a stage that reads them has to run here; returns its new record. Where records
+    taken from the archive started from those weights (`vouched`), the new weights must have the recorded digest:
+    else those records and the stages run here would not share a starting point, an error naming `fix`. `run` runs
+    the stage (default `run_stage`)."""
+    rerun, _ = (run or run_stage)(upstream, launcher)  # a new record has its outcome
+    if upstream.key in vouched and rerun["output_digest"] != known[upstream.key]:
+        raise ReproductionError(
+            f"'{upstream.name}' ran again here and wrote other weights than in the records (digest "
+            f"{rerun['output_digest']}, recorded {known[upstream.key]}), so the stages taken from the records did not "
+            f"start from these weights; {fix}, or run on the machine kind the records name")
+    del known[upstream.key]
+    return rerun
+
+
 def run_stages(stages: list[Stage], launcher: list[str], output_dir: Path, archive: dict,
                report_only: bool = False, carried: dict | None = None) -> dict:
     """Run every stage that has not finished, in order; returns {stage name: record with outcome}.
@@ -389,15 +405,7 @@ def run_stages(stages: list[Stage], launcher: list[str], output_dir: Path, archi
                 if upstream.key not in known:
                     continue
                 print(f"    first {upstream.name}, known here only from the records ...", flush=True)
-                rerun, _ = run_stage(upstream, launcher)  # a new record has its outcome
-                if upstream.key in vouched and rerun["output_digest"] != known[upstream.key]:
-                    raise ReproductionError(
-                        f"'{upstream.name}' ran again here and wrote other weights than in the records (digest "
-                        f"{rerun['output_digest']}, recorded {known[upstream.key]}), so the fine-tunes taken from the "
-                        "records did not start from these weights; rerun without --records, or on the machine kind "
-                        "the records name")
-                records[upstream.name] = rerun
-                del known[upstream.key]
+                records[upstream.name] = rerun_upstream(upstream, launcher, known, vouched, "rerun without --records")
             record, source = run_stage(stage, launcher)[0], "done"
         if source == "from records" and "output_digest" in record:
             known[stage.key] = record["output_digest"]
