@@ -84,16 +84,20 @@ def hardware_text(hardware: dict | None) -> str:
     as it did): 'instruction sets avx2 avx512f; matmul peak 152.0 GFLOP/s float32, 0.4 GFLOP/s bfloat16'."""
     if not hardware:
         return ""
-    sets = " ".join(hardware["instruction_sets"]) or "none of " + " ".join(INSTRUCTION_SETS)
     peaks = ", ".join(f"{value:,.1f} GFLOP/s {name}" for name, value in hardware["matmul_peak_gflops"].items())
-    return f"instruction sets {sets}; matmul peak {peaks}"
+    return f"{_sets_text(hardware)}; matmul peak {peaks}"
+
+
+def _sets_text(hardware: dict) -> str:
+    return "instruction sets " + (" ".join(hardware["instruction_sets"]) or "none of " + " ".join(INSTRUCTION_SETS))
 
 
 def hardware_of_records(records) -> list[str]:
     """The hardware of a run's stage records, one text per distinct set of instruction sets, in the order first met
     ([] where no record has one: a run made before they were recorded, whose report then renders as it did). Each
     stage measures the matmul peak at its start, so stages on one machine differ a little: where they do, the peak is
-    given as the range over those stages ('matmul peak 126.3-155.1 GFLOP/s float32, ... (3 stages)')."""
+    given as the range over those stages ('matmul peak 126.3-155.1 GFLOP/s float32, ... (measured at each of 3
+    stages' start)')."""
     groups: dict[tuple, list[dict]] = {}
     for r in records:
         if r.get("hardware"):
@@ -104,10 +108,8 @@ def hardware_of_records(records) -> list[str]:
         if all(values[0] == values[-1] for values in peaks.values()):
             texts.append(hardware_text(group[0]))
             continue
-        text = hardware_text({**group[0], "matmul_peak_gflops": {name: 0.0 for name in peaks}})
         ranges = ", ".join(f"{v[0]:,.1f}-{v[-1]:,.1f} GFLOP/s {name}" for name, v in peaks.items())
-        texts.append(text.split("; matmul peak ")[0] + f"; matmul peak {ranges} (measured at each of {len(group)} "
-                     "stages' start)")
+        texts.append(f"{_sets_text(group[0])}; matmul peak {ranges} (measured at each of {len(group)} stages' start)")
     return texts
 
 

@@ -430,12 +430,12 @@ def run(preset_path: Path, root: Path, output_dir=None, seeds=None, tasks=None, 
         return record
 
     running = {stage.name for stage in stages}
-    for stage in whole:  # the preset's stages outside the slice count in the report where they have finished
-        record = finished(stage)  # in order for every stage: a conversion's recorded digest precedes its fine-tunes
-        if record is not None and stage.name not in running:
-            records[stage.name] = record
+    # every stage's record, read once and in order (a conversion's recorded digest precedes its fine-tunes); the
+    # preset's stages outside the slice count in the report where they have finished
+    found = {stage.name: finished(stage) for stage in whole}
+    records.update((name, record) for name, record in found.items() if record is not None and name not in running)
     for number, stage in enumerate(stages, 1):
-        record = finished(stage)
+        record = found[stage.name]
         if record is None and (report_only or (max_stages is not None and ran >= max_stages)):
             continue
         upstream = conversions.get(stage.argv[stage.argv.index("--model_name_or_path") + 1])
