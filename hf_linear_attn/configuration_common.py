@@ -24,6 +24,32 @@ DECODER_HEADS = {
 }
 
 
+# A hybrid schedule's layer kinds, named as Transformers' hybrid models name them (Qwen3-Next: linear_attention /
+# full_attention).
+LAYER_TYPES = ("linear_attention", "full_attention")
+
+
+def check_layer_types(layer_types, n_layer: int, n_layer_name: str = "n_layer") -> None:
+    """Raise a ValueError naming the fix for a hybrid schedule (both linear families): one known kind per layer;
+    ``n_layer_name`` is the config's name for its number of layers."""
+    if layer_types is None:
+        return
+    if len(layer_types) != n_layer:
+        raise ValueError(
+            f"layer_types has {len(layer_types)} entries for {n_layer_name}={n_layer}: give one kind per layer "
+            f"({' / '.join(LAYER_TYPES)}), or None for every layer linear."
+        )
+    for i, kind in enumerate(layer_types):
+        if kind == "sliding_attention":
+            raise ValueError(
+                f"layer_types[{i}] = 'sliding_attention': a pure sliding-window softmax layer is not implemented; "
+                "use 'linear_attention' with attention_window=W (exact softmax over the last W keys, linear attention "
+                "beyond), or 'full_attention'."
+            )
+        if kind not in LAYER_TYPES:
+            raise ValueError(f"layer_types[{i}] = {kind!r} is not a layer kind; choose one of {', '.join(LAYER_TYPES)}.")
+
+
 def check_dropouts(config, names) -> None:
     """Raise a ValueError naming a dropout probability outside [0, 1)."""
     for name in names:

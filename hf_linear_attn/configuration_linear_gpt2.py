@@ -2,33 +2,10 @@
 
 from huggingface_hub.dataclasses import strict
 
-from .configuration_common import DECODER_HEADS, build_auto_map, plain_value_errors
+from .configuration_common import DECODER_HEADS, build_auto_map, check_layer_types, plain_value_errors
 from .configuration_gpt2_style import GPT2StyleConfig
 from .feature_maps import check_feature_map_options
 from .sliding_window_attention import check_window_options
-
-LAYER_TYPES = ("linear_attention", "full_attention")
-
-
-def check_layer_types(layer_types, n_layer: int) -> None:
-    """Raise a ValueError naming the fix for a hybrid schedule: one known kind per layer."""
-    if layer_types is None:
-        return
-    if len(layer_types) != n_layer:
-        raise ValueError(
-            f"layer_types has {len(layer_types)} entries for n_layer={n_layer}: give one kind per layer "
-            f"({' / '.join(LAYER_TYPES)}), or None for every layer linear."
-        )
-    for i, kind in enumerate(layer_types):
-        if kind == "sliding_attention":
-            raise ValueError(
-                f"layer_types[{i}] = 'sliding_attention': a pure sliding-window softmax layer is not implemented; "
-                "use 'linear_attention' with attention_window=W (exact softmax over the last W keys, linear attention "
-                "beyond), or 'full_attention'."
-            )
-        if kind not in LAYER_TYPES:
-            raise ValueError(f"layer_types[{i}] = {kind!r} is not a layer kind; choose one of {', '.join(LAYER_TYPES)}.")
-
 
 STATE_DECAYS = ("fixed", "gated")
 

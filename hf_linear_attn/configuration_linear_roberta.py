@@ -2,7 +2,7 @@
 
 from huggingface_hub.dataclasses import strict
 
-from .configuration_common import ENCODER_HEADS, build_auto_map, plain_value_errors
+from .configuration_common import ENCODER_HEADS, build_auto_map, check_layer_types, plain_value_errors
 from .configuration_roberta_style import RobertaStyleConfig
 from .feature_maps import check_feature_map_options
 from .sliding_window_attention import check_window_options
@@ -29,6 +29,10 @@ class LinearRobertaConfig(RobertaStyleConfig):
             beyond it with the feature map, over one shared normaliser; computed in chunks, linear in n. 0: plain
             linear attention, exactly as before. At most `max_sequence_length`; not with `feature_map="favor"`.
         linear_attention_chunk_size (`int`, defaults to 64): chunk length C of the banded form (used with a window).
+        layer_types (`list[str]`, *optional*): a hybrid schedule, one entry per layer, named as Transformers' hybrid
+            models name them: `"linear_attention"` (this family's attention, with its band if any) or
+            `"full_attention"` (RoBERTa's softmax attention, SDPA, on the same query / key / value weights: a
+            converted RoBERTa or BERT keeps those layers exactly). None: every layer linear.
     """
 
     model_type = "linear_roberta"
@@ -39,6 +43,7 @@ class LinearRobertaConfig(RobertaStyleConfig):
     linear_attention_eps: float | int = 1e-6
     attention_window: int = 0
     linear_attention_chunk_size: int = 64
+    layer_types: list[str] | None = None
 
     default_auto_map = build_auto_map("linear_roberta", "LinearRoberta", ENCODER_HEADS)
 
@@ -49,3 +54,4 @@ class LinearRobertaConfig(RobertaStyleConfig):
         if self.linear_attention_chunk_size < 1:
             raise ValueError(f"linear_attention_chunk_size must be positive, got {self.linear_attention_chunk_size}.")
         check_window_options(self.attention_window, self.max_sequence_length, "max_sequence_length", self.feature_map)
+        check_layer_types(self.layer_types, self.num_hidden_layers, "num_hidden_layers")

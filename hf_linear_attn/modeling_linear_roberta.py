@@ -2,8 +2,11 @@
 
 Softmax attention is replaced by a feature map phi: out_i = phi(q_i) S / (phi(q_i) . z + eps) with
 S = sum_j phi(k_j) v_j^T and z = sum_j phi(k_j), so cost and memory are linear in n. Pads are removed after the
-feature map; S, z and the normaliser are float32 under bf16 / fp16.
+feature map; S, z and the normaliser are float32 under bf16 / fp16. A hybrid schedule (``layer_types``) keeps
+RoBERTa's softmax attention in the layers it marks ``full_attention``.
 """
+
+import torch
 
 from .configuration_linear_roberta import LinearRobertaConfig
 from .feature_maps import build_feature_map
@@ -35,6 +38,12 @@ class LinearRobertaSelfAttention(RobertaStyleSelfAttention):
 
     def __init__(self, config: LinearRobertaConfig, layer_idx: int):
         super().__init__(config, layer_idx)
+        # A hybrid schedule's "full_attention" layer is RoBERTa's softmax attention on the same projections: no
+        # feature map and no band factor, so it adds no parameter and a converted layer stays exact.
+        self.full_attention = config.layer_types is not None and config.layer_types[layer_idx] == "full_attention"
+        if self.full_attention:
+            self.dropout = config.attention_probs_dropout_prob
+            return
         self.eps = config.linear_attention_eps
         self.feature_map = build_feature_map(
             config.feature_map, self.num_heads, self.head_dim,
@@ -48,6 +57,9 @@ class LinearRobertaSelfAttention(RobertaStyleSelfAttention):
 
     def forward(self, hidden_states, key_mask=None, output_attentions=False, shared_projection=None):
         q, k, v = (self._split_heads(proj(hidden_states)) for proj in (self.query, self.key, self.value))
+        if self.full_attention:
+            output, weights = self._softmax_attention(q, k, v, key_mask, output_attentions)
+            return output.transpose(1, 2).reshape(hidden_states.shape), weights
         phi_q, phi_k = self.feature_map.pair(q, k, key_mask)
         if self.window:
             theta = self.window_factor()
@@ -63,6 +75,25 @@ class LinearRobertaSelfAttention(RobertaStyleSelfAttention):
         output = bidirectional_linear_attention(phi_q, phi_k, v, key_mask, eps=self.eps)
         weights = linear_attention_weights(phi_q, phi_k, key_mask, eps=self.eps) if output_attentions else None
         return output.transpose(1, 2).reshape(hidden_states.shape), weights
+
+    def _softmax_attention(self, q, k, v, key_mask, output_attentions):
+        """RoBERTa's attention, softmax(q k^T / sqrt(d) + mask) v, q, k, v (B, H, n, d) -> (B, H, n, d) and the
+        weights when asked. Pad keys get the dtype's lowest value added, as stock RoBERTa's mask does (not -inf: a row
+        of pads only would be 0 / 0)."""
+        mask = None
+        if key_mask is not None:
+            blocked = torch.finfo(q.dtype).min
+            mask = torch.where(key_mask.bool()[:, None, None, :], 0.0, blocked).to(q.dtype)  # (B, 1, 1, n)
+        dropout = self.dropout if self.training else 0.0
+        if not output_attentions:
+            output = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
+            return output, None
+        scores = torch.matmul(q, k.transpose(-1, -2)) * self.head_dim**-0.5
+        if mask is not None:
+            scores = scores + mask
+        weights = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        output = torch.matmul(torch.nn.functional.dropout(weights, dropout, self.training), v)
+        return output, weights
 
 
 class LinearRobertaPreTrainedModel(RandomFeaturesMixin, RobertaStylePreTrainedModel):

@@ -40,6 +40,8 @@ FAMILY_VARIANTS = {
     "linear-window": lambda **kw: LinearRobertaConfig(
         **{**TINY, "attention_window": 5, "linear_attention_chunk_size": 4, **kw}
     ),
+    # a hybrid schedule: a linear layer, then RoBERTa's softmax attention
+    "linear-hybrid": lambda **kw: LinearRobertaConfig(**{**TINY, "layer_types": ["linear_attention", "full_attention"], **kw}),
 }
 
 # GPT-2-shaped decoders; token ids follow the test tokenizer (<s>=0, <pad>=1, </s>=2). A wider init than GPT-2's

@@ -18,15 +18,15 @@ from hf_linear_attn.training.errors import UsageError
 ENCODERS = (
     "roberta_sdpa", "longformer", "bigbird", "nystromformer", "reformer",
     "linformer_k128", "linformer_k128_rows", "linformer_k256", "linformer_k256_rows",
-    "linear_elu", "linear_favor", "linear_hedgehog",
+    "linear_elu", "linear_favor", "linear_hedgehog", "linear_elu_window", "linear_hedgehog_window", "linear_elu_hybrid",
 )
 DECODERS = ("gpt2_sdpa", "reformer_lsh", "linear_gpt2", "linear_gpt2_window", "linformer_gpt2",
             "linear_gpt2_relu", "linear_gpt2_favor", "linear_gpt2_hedgehog")
 # linear_gpt2 with the decoder's other feature maps (elu + 1 is linear_gpt2 itself)
 DECODER_FEATURE_MAPS = {"linear_gpt2_relu": "relu", "linear_gpt2_favor": "favor", "linear_gpt2_hedgehog": "hedgehog"}
 OURS = {"linformer_k128", "linformer_k128_rows", "linformer_k256", "linformer_k256_rows", "linear_elu",
-        "linear_favor", "linear_hedgehog", "linear_gpt2", "linear_gpt2_window", "linformer_gpt2",
-        *DECODER_FEATURE_MAPS}
+        "linear_favor", "linear_hedgehog", "linear_elu_window", "linear_hedgehog_window", "linear_elu_hybrid",
+        "linear_gpt2", "linear_gpt2_window", "linformer_gpt2", *DECODER_FEATURE_MAPS}
 
 LABELS = {
     "roberta_sdpa": "Transformer (RoBERTa, SDPA)", "longformer": "Longformer", "bigbird": "BigBird (block sparse)",
@@ -35,6 +35,9 @@ LABELS = {
     "linformer_k256": "Linformer k=256", "linformer_k256_rows": "Linformer k=256, rows sum to 1",
     "linear_elu": "Linear attention (elu+1)", "linear_favor": "Linear attention (FAVOR+)",
     "linear_hedgehog": "Linear attention (hedgehog)",
+    "linear_elu_window": "Linear attention (elu+1) + softmax band 64",
+    "linear_hedgehog_window": "Linear attention (hedgehog) + softmax band 64",
+    "linear_elu_hybrid": "Hybrid: linear attention (elu+1), last layer softmax",
     "gpt2_sdpa": "GPT-2 (softmax, SDPA)", "reformer_lsh": "Reformer (causal LSH)",
     "linear_gpt2": "linear_gpt2 (elu+1)", "linear_gpt2_window": "linear_gpt2 (elu+1, softmax window 64)",
     "linformer_gpt2": "linformer_gpt2 (causal block Linformer)",
@@ -97,6 +100,11 @@ def encoder_settings(name: str, n: int) -> dict:
                 "axial_pos_shape": list(_axial_shape(n))}
     if name.startswith("linformer_k"):
         return {"linformer_k": int(name.split("_")[1][1:]), "linformer_normalize_rows": name.endswith("_rows")}
+    if name.startswith("linear_") and name.endswith("_window"):
+        # issue 41: exact softmax over the band |i - j| < 64 (LoLCATs' window, both sides), the feature map beyond
+        return {"feature_map": name.split("_")[1], "attention_window": min(64, n)}
+    if name == "linear_elu_hybrid":  # issue 41: the last layer RoBERTa's softmax attention, the others linear
+        return {"feature_map": "elu", "full_attention": "last layer"}
     if name.startswith("linear_") and name != "linear_gpt2":
         return {"feature_map": name.split("_")[1]}
     return {}
@@ -212,6 +220,8 @@ def _build_encoder(name: str, dims: Dims, n: int, vocab_size: int, num_labels: i
     if name.startswith("linformer_k"):
         config = ours.LinformerConfig(**common, max_position_embeddings=table + 2, type_vocab_size=1, **s, **extra)
         return ours.LinformerForSequenceClassification(config)
+    if s.pop("full_attention", None) == "last layer":
+        s["layer_types"] = ["linear_attention"] * (dims.num_layers - 1) + ["full_attention"]
     config = ours.LinearRobertaConfig(**common, max_position_embeddings=table + 2, type_vocab_size=1, **s, **extra)
     return ours.LinearRobertaForSequenceClassification(config)
 

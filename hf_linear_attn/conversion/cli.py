@@ -56,9 +56,10 @@ class ConvertArguments(HubArguments):
                                                                          "is distilled)"})
     state_decay: str | None = field(default=None, metadata={"help": "linear_gpt2: fixed (RetNet) | gated (GLA; "
                                                                     "the gate is distilled)"})
-    layer_types: list[str] | None = field(default=None, metadata={"help": "linear_gpt2: one of linear_attention / "
-                                                                          "full_attention per layer (a hybrid; full "
-                                                                          "layers keep GPT-2's attention exactly)"})
+    layer_types: list[str] | None = field(default=None, metadata={"help": "linear_gpt2 / linear_roberta: one of "
+                                                                          "linear_attention / full_attention per layer "
+                                                                          "(a hybrid; full layers keep the source's "
+                                                                          "softmax attention exactly)"})
     distill_steps: int = field(default=0, metadata={"help": "attention-distillation steps (0: convert only)"})
     distill_batch_size: int = field(default=8)
     distill_lr: float | None = field(default=None, metadata={"help": "default 1e-2 for feature maps, 1e-3 for E / F"})

@@ -105,6 +105,26 @@ def test_gpt2_converts_into_each_linear_variant_and_distils_the_new_parts(gpt2_f
     assert all(torch.equal(p, frozen[name]) for name, p in gated.named_parameters() if name in frozen)
 
 
+def test_roberta_converts_into_an_encoder_hybrid_whose_full_layers_stay_exact_and_distils_the_rest(roberta_folder):
+    """Issue 41 on the encoder side: an all-softmax schedule is RoBERTa itself after conversion (nothing new); a
+    hybrid's new parts are the linear layer's feature map only, and distillation moves them (and only them) closer
+    to the teacher."""
+    folder, roberta = roberta_folder
+    ids = random_ids(2, 40)
+    full, report = convert(folder, "linear_roberta", layer_types=["full_attention"] * 2)
+    assert not report.new
+    torch.testing.assert_close(full.eval()(ids).logits, roberta(ids).logits, atol=1e-5, rtol=1e-5)
+    hybrid, report = convert(folder, "linear_roberta", feature_map="hedgehog",
+                             layer_types=["linear_attention", "full_attention"])
+    assert sorted(report.new) == ["roberta.encoder.layer.0.attention.self.feature_map.weight"]
+    frozen = {name: p.detach().clone() for name, p in hybrid.named_parameters() if name not in report.new}
+    rows = random_ids(16, 32, seed=3)
+    distance = distillation_distance(hybrid, roberta, rows)
+    distill(hybrid, roberta, list(report.new), rows, steps=30, batch_size=8, progress=False)
+    assert distillation_distance(hybrid, roberta, rows) < 0.8 * distance, distance
+    assert all(torch.equal(p, frozen[name]) for name, p in hybrid.named_parameters() if name in frozen)
+
+
 def test_a_new_head_is_reported_new_not_copied(roberta_folder):
     folder, _ = roberta_folder
     model, report = convert(folder, "linear_roberta", head="sequence-classification")

@@ -111,6 +111,30 @@ def test_every_model_of_a_task_has_the_same_width_and_depth_and_bigbird_really_r
         assert model.bert.attention_type == "block_sparse"
 
 
+def test_the_issue_41_encoders_are_linear_roberta_with_a_band_of_64_or_a_last_softmax_layer():
+    """Issue 41's encoder variants: exact softmax over |i - j| < 64, the named feature map beyond (the band never
+    exceeds the length), or the hybrid: RoBERTa's softmax attention in the last layer only. A padded batch stays
+    finite."""
+    from experiments.long_range.models import encoder_settings
+
+    assert encoder_settings("linear_elu_window", 1024) == {"feature_map": "elu", "attention_window": 64}
+    assert encoder_settings("linear_hedgehog_window", 32) == {"feature_map": "hedgehog", "attention_window": 32}
+    assert encoder_settings("linear_hedgehog", 1024) == {"feature_map": "hedgehog"}  # the plain rows stay as run
+    ids = torch.randint(3, 20, (2, 256))
+    mask = torch.ones_like(ids)
+    mask[1, 100:] = 0
+    for name in ("linear_elu_window", "linear_hedgehog_window"):
+        model = build_encoder(name, SMALL, 256, 20, 2).eval()
+        assert (model.config.attention_window, model.config.feature_map) == (64, name.split("_")[1])
+        with torch.no_grad():
+            assert torch.isfinite(model(input_ids=ids, attention_mask=mask).logits).all()
+    hybrid = build_encoder("linear_elu_hybrid", Dims(32, 3, 4, 64), 256, 20, 2).eval()
+    assert hybrid.config.layer_types == ["linear_attention", "linear_attention", "full_attention"]
+    assert [layer.attention.self.full_attention for layer in hybrid.roberta.encoder.layer] == [False, False, True]
+    with torch.no_grad():
+        assert torch.isfinite(hybrid(input_ids=ids, attention_mask=mask).logits).all()
+
+
 def test_padding_does_not_break_stock_nystromformer_with_landmarks():
     model = build_encoder("nystromformer", SMALL, 256, 20, 2).eval()
     ids = torch.randint(3, 20, (2, 256))

@@ -58,7 +58,8 @@ def check_in_a_fresh_process(tmp_path, cases) -> None:
 @pytest.mark.slow
 def test_every_head_of_both_families_loads_in_a_fresh_process(tmp_path):
     cases = []
-    encoder_variants = ("linformer-layerwise", "linformer-none", "linear-favor", "linear-hedgehog", "linear-window")
+    encoder_variants = ("linformer-layerwise", "linformer-none", "linear-favor", "linear-hedgehog", "linear-window",
+                        "linear-hybrid")
     for variant in encoder_variants:
         for auto in AUTO_HEADS:
             torch.manual_seed(0)

@@ -49,6 +49,62 @@ def test_roberta_state_dict_maps_one_to_one(feature_map):
         assert torch.equal(model.state_dict()[name], tensor), name
 
 
+def test_a_hybrid_with_every_layer_full_is_stock_roberta_and_adds_no_parameter():
+    """layer_types all "full_attention": RoBERTa's softmax attention on the same weights, so stock RoBERTa's state
+    dict loads one to one and its logits and attention weights come back, pads included in the batch."""
+    roberta = stock_roberta_masked_lm()
+    model = LinearRobertaForMaskedLM(LinearRobertaConfig(**TINY, feature_map="hedgehog",
+                                                         layer_types=["full_attention"] * 2)).eval()
+    assert set(model.state_dict()) == set(roberta.state_dict())  # no feature map, no band factor
+    model.load_state_dict(roberta.state_dict(), strict=True)
+    ids = random_ids(2, 24)
+    mask = torch.ones_like(ids)
+    ids[1, 15:], mask[1, 15:] = 1, 0
+    with torch.no_grad():
+        ours = model(ids, attention_mask=mask, output_attentions=True)
+        stock = roberta(ids, attention_mask=mask, output_attentions=True)
+        fast = model(ids, attention_mask=mask).logits  # the SDPA path
+    real = mask.bool()
+    torch.testing.assert_close(ours.logits[real], stock.logits[real], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fast[real], stock.logits[real], atol=1e-5, rtol=1e-5)
+    for a, b in zip(ours.attentions, stock.attentions):
+        torch.testing.assert_close(a[0], b[0], atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(a[1][:, :15, :15], b[1][:, :15, :15], atol=1e-6, rtol=1e-5)
+
+
+def test_a_hybrids_linear_layer_is_the_linear_models_and_its_full_layer_is_robertas():
+    """Layer by layer against independent references: the hybrid's first layer (linear) gives what the all-linear
+    model's first layer gives on the same weights; its second (full) gives stock RoBERTa's second layer applied to the
+    same input."""
+    roberta = stock_roberta_masked_lm()
+    with torch.no_grad():  # sharper attention, so that softmax and linear attention differ visibly
+        for layer in roberta.roberta.encoder.layer:
+            for proj in (layer.attention.self.query, layer.attention.self.key, layer.attention.self.value):
+                proj.weight.mul_(10)
+    linear = LinearRobertaForMaskedLM(LinearRobertaConfig(**TINY)).eval()
+    hybrid = LinearRobertaForMaskedLM(LinearRobertaConfig(**TINY, layer_types=["linear_attention", "full_attention"]))
+    for model in (linear, hybrid.eval()):
+        model.load_state_dict(roberta.state_dict(), strict=True)
+    ids = random_ids(2, 24)
+    with torch.no_grad():
+        states = hybrid(ids, output_hidden_states=True).hidden_states
+        torch.testing.assert_close(states[1], linear(ids, output_hidden_states=True).hidden_states[1])
+        second = roberta.roberta.encoder.layer[1](states[1])
+        second = second[0] if isinstance(second, tuple) else second
+    torch.testing.assert_close(states[2], second, atol=1e-5, rtol=1e-5)
+    assert (states[2] - linear(ids, output_hidden_states=True).hidden_states[2]).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("layer_types, message", [
+    (["full_attention"], r"num_hidden_layers"),
+    (["full_attention", "sliding_attention"], "pure sliding-window softmax layer is not implemented"),
+    (["chunked_attention", "linear_attention"], "is not a layer kind; choose one of linear_attention, full_attention"),
+])
+def test_bad_encoder_schedules_are_refused_at_construction(layer_types, message):
+    with pytest.raises(ValueError, match=message):
+        LinearRobertaConfig(**TINY, layer_types=layer_types)
+
+
 def test_sharing_modes_have_the_paper_number_of_projections():
     base = dict(TINY, num_hidden_layers=12, num_attention_heads=12, hidden_size=96, linformer_k=8)
     expected = {"none": 288, "headwise": 24, "key-value": 12, "layerwise": 1}
@@ -124,7 +180,8 @@ def test_padded_batch_equals_one_by_one(variant):
                 torch.testing.assert_close(left[i, 20 - len(row):], batched[i, : len(row)], atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("variant", ["linformer-none", "linformer-layerwise", "linear-favor", "linear-hedgehog", "linear-window"])
+@pytest.mark.parametrize("variant", ["linformer-none", "linformer-layerwise", "linear-favor", "linear-hedgehog", "linear-window",
+                                     "linear-hybrid"])
 def test_every_head_runs_trains_and_reports_attentions(variant):
     config = FAMILY_VARIANTS[variant]()  # num_labels = 2, as QA heads need
     ids = random_ids(2, 16)
