@@ -151,7 +151,7 @@ def render_markdown(meta: dict, summary: dict) -> str:
                 + " | ".join(f"peak MB n={n}" for n in lengths) + f" | speed vs softmax n={lengths[-1]} | "
                 f"memory vs softmax n={lengths[-1]} |", "|---" * (2 * len(lengths) + 3) + "|"]
         soft = eff.get(BASELINE, {}).get(lengths[-1], {})
-        for model in meta["encoders"]:
+        for model in meta.get("efficiency_models", meta["encoders"]):
             row = eff.get(model, {})
             speeds = [_fmt(speed(row[n]), ".3f", row[n].get("failed", "-")) + (" *" if row[n].get("contended") else "")
                       if n in row else "-" for n in lengths]

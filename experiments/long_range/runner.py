@@ -12,7 +12,7 @@ from hf_linear_attn.training.errors import UsageError
 
 from .models import DECODERS, ENCODERS, Dims, build_decoder, build_encoder
 from .preset import load_preset, plan, select, task_notes
-from .stages import Stage, StageFailed, checkpoint_file, load_records, run_stages, write_atomic
+from .stages import Stage, StageFailed, checkpoint_file, load_records, run_stages, whole_command, write_atomic
 from .tasks import (
     BYTES_VOCAB_SIZE, COPY_VOCAB_SIZE, LISTOPS_VOCAB_SIZE, digest_of, encode_bytes, encode_listops, generate_listops,
     generate_listops_sized, load_imdb,
@@ -179,11 +179,24 @@ def time_copy_steps(preset_path: Path, models, steps: int, lengths=None, log=pri
     return rows
 
 
+def _hardware(finished: dict) -> list[str]:
+    """The stages' hardware lines, saying how many stages recorded it where not all did (older records have none)."""
+    from benchmarks.measuring import hardware_of_records
+
+    texts = hardware_of_records(finished.values())
+    recorded = sum(1 for r in finished.values() if r.get("hardware"))
+    if texts and recorded < len(finished):
+        texts[-1] += f" (recorded by {recorded} of the {len(finished)} finished stages; the others predate the record)"
+    return texts
+
+
 def run(preset_path: Path, output_dir: Path, tasks=None, models=None, dataset="local", data_dir=None,
         dry_run=False, report_only=False, argv=None, log=print, seed=None) -> dict:
-    """Run (or reuse) every stage of the preset, then write the report; returns the report's summary. `seed`
-    replaces the preset's seed (model initialisation, batch order, ListOps generation, the IMDB held-out split)."""
-    from benchmarks.measuring import describe_hardware, describe_machine, hardware_of_records
+    """Run (or reuse) the preset's stages (only `tasks` / `models` where given: a slice), then report every finished
+    stage of the whole preset, so that a slice adds its rows to the folder's tables instead of replacing them with
+    the slice's; returns the report's summary. `seed` replaces the preset's seed (model initialisation, batch
+    order, ListOps generation, the IMDB held-out split)."""
+    from benchmarks.measuring import describe_hardware, describe_machine
 
     from .report import write_report
 
@@ -192,6 +205,7 @@ def run(preset_path: Path, output_dir: Path, tasks=None, models=None, dataset="l
         full["seed"] = seed
     preset = select(full, tasks, models)
     stages = plan(preset)
+    whole = plan(full)
     if dry_run:
         for stage in stages:
             log(f"{stage.key}: {json.dumps(stage.args)}")
@@ -211,7 +225,7 @@ def run(preset_path: Path, output_dir: Path, tasks=None, models=None, dataset="l
         records = load_records(output_dir)
         if (output_dir / "records.json").is_file():  # fold in stage files finished after it (another run's)
             write_atomic(output_dir / "records.json", json.dumps(records, indent=1))
-        for stage in stages:  # refuse a report mixing stages run with other arguments
+        for stage in whole:  # refuse a report mixing stages run with other arguments
             from .stages import check_reuse
             check_reuse(stage, records, output_dir)
     else:
@@ -223,17 +237,22 @@ def run(preset_path: Path, output_dir: Path, tasks=None, models=None, dataset="l
         records = run_stages(stages, _runner(DataCache(dataset, data_dir), best, output_dir, log), output_dir, machine,
                              log, retake=lambda r: r["kind"] == "efficiency" and contended(r["metrics"], best[0]),
                              hardware=describe_hardware())
-    keys = {stage.key for stage in stages}
+    keys = {stage.key for stage in whole}
     finished = {k: r for k, r in records.items() if k in keys}
+    # the report's rows: the models of the slice (pending ones too) and every model with a finished stage
+    sliced = {stage.key for stage in stages}
+    reported = [stage for stage in whole if stage.key in sliced or stage.key in finished]
     meta = {"preset": Path(preset_path).stem, "machine": machine,
             "stage_machines": sorted({r["machine"] for r in finished.values()}),
             # each stage's instruction sets and matmul peaks (none in records made before they were recorded)
-            **({"hardware": hw} if (hw := hardware_of_records(finished.values())) else {}),
-            "command": "python scripts/long_range.py " + shlex.join(a for a in (sys.argv[1:] if argv is None else argv)
-                                                                    if a != "--report_only"),
+            **({"hardware": hw} if (hw := _hardware(finished)) else {}),
+            "command": "python scripts/long_range.py " + shlex.join(
+                whole_command(sys.argv[1:] if argv is None else argv, ("--models", "--tasks"))),
             "report_only": report_only,
-            "date": time.strftime("%Y-%m-%d"), "finished": len(finished), "total": len(stages),
-            "encoders": [m for m in ENCODERS if any(s.args.get("model") == m for s in stages)],
-            "decoders": [m for m in DECODERS if any(s.args.get("model") == m for s in stages)],
-            "task_notes": task_notes(preset), "dataset": dataset}
+            "date": time.strftime("%Y-%m-%d"), "finished": len(finished), "total": len(whole),
+            "encoders": [m for m in ENCODERS if any(s.args.get("model") == m for s in reported)],
+            "decoders": [m for m in DECODERS if any(s.args.get("model") == m for s in reported)],
+            "efficiency_models": [m for m in ENCODERS if any(s.kind == "efficiency" and s.args.get("model") == m
+                                                             for s in reported)],
+            "task_notes": task_notes(full), "dataset": dataset}
     return write_report(output_dir, meta, finished)

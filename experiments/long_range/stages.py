@@ -116,3 +116,17 @@ def run_stages(stages: list[Stage], run, output_dir: Path, machine: str, log=pri
     for key in records:  # a recorded stage needs its checkpoint no more (one left by a run killed in between)
         checkpoint_file(output_dir, key).unlink(missing_ok=True)
     return records
+
+
+def whole_command(argv: list[str], slice_flags: tuple[str, ...]) -> list[str]:
+    """The arguments of the command that runs the whole preset: argv without --report_only and the slice flags
+    (``--models`` and the like, with their values), which is what a report of every finished stage covers."""
+    out, skipping = [], False
+    for arg in argv:
+        if arg.startswith("--"):
+            skipping = arg.split("=")[0] in slice_flags
+            if skipping or arg == "--report_only":
+                continue
+        if not skipping:
+            out.append(arg)
+    return out

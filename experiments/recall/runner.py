@@ -17,7 +17,7 @@ from pathlib import Path
 from experiments.long_range.models import Dims
 from experiments.long_range.training import PRECISIONS, Checkpointing
 from experiments.long_range.stages import (Stage, checkpoint_file, load_records, run_stages, stage_machines,
-                                          write_atomic)
+                                           whole_command, write_atomic)
 from hf_linear_attn.training.errors import UsageError
 
 from .models import LABELS, build_recall_model, check_models, decoding_state_bytes
@@ -225,20 +225,6 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def whole_command(argv: list[str]) -> list[str]:
-    """The arguments of the command that runs the whole preset: argv without --report_only and the slice flags
-    (--models, --pairs and their values), which is what the report covers."""
-    out, skipping = [], False
-    for arg in argv:
-        if arg.startswith("--"):
-            skipping = arg.split("=")[0] in ("--models", "--pairs")
-            if skipping or arg == "--report_only":
-                continue
-        if not skipping:
-            out.append(arg)
-    return out
-
-
 def run(preset_path: Path, output_dir: Path, models=None, dry_run=False, report_only=False, argv=None,
         log=print, pairs=None) -> dict:
     """Run the preset's stages (only `models` / `pairs` where given: a slice) and report every finished stage of the
@@ -270,7 +256,8 @@ def run(preset_path: Path, output_dir: Path, models=None, dry_run=False, report_
             "total": len(whole),
             "hardware": hardware_of_records(finished.values()),
             "left_out": left_out, "date": time.strftime("%Y-%m-%d"),
-            "command": "python scripts/recall.py " + shlex.join(whole_command(sys.argv[1:] if argv is None else argv)),
+            "command": "python scripts/recall.py " + shlex.join(whole_command(sys.argv[1:] if argv is None else argv,
+                                                                                ("--models", "--pairs"))),
             "notes": (f"{preset['num_layers']} layers, head size {preset['head_size']}, feed-forward "
                       f"{preset['ffn_multiple']}x width; {preset['num_keys']} key and {preset['num_values']} value "
                       f"tokens; {preset['steps']} steps x batch {preset['batch_size']} of fresh sequences, AdamW lr "

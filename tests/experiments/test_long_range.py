@@ -245,6 +245,24 @@ def test_a_stage_records_the_hardware_it_ran_on_and_the_report_says_it_only_wher
     assert after.replace(f"- hardware of the stages: {hardware_text(hardware)}\n", "") == before
 
 
+def test_a_slice_reports_every_finished_stage_of_the_preset_under_the_whole_command(tmp_path):
+    """`--models` / `--tasks` run a slice; the report then covers every finished stage of the preset (the folder's
+    table gains the slice's rows instead of losing the others'), under the command that runs the whole preset."""
+    smoke = load_preset(PRESETS / "smoke.json")
+    for models, accuracy in ((["roberta_sdpa"], 0.4), (["linear_elu"], 0.2)):
+        run_stages(plan(select(smoke, ["listops"], models)), lambda stage: {"eval_accuracy": accuracy}, tmp_path,
+                   "test machine", log=lambda s: None)
+    argv = ["--preset", "smoke", "--output_dir", str(tmp_path), "--tasks", "listops", "--models", "linear_elu",
+            "--report_only"]
+    run(PRESETS / "smoke.json", tmp_path, tasks=["listops"], models=["linear_elu"], report_only=True, argv=argv,
+        log=lambda s: None)
+    markdown = (tmp_path / "results.md").read_text()
+    assert "| Transformer (RoBERTa, SDPA) | 40.00 |" in markdown and "| Linear attention (elu+1) | 20.00 |" in markdown
+    assert f"- command: `python scripts/long_range.py --preset smoke --output_dir {tmp_path}`" in markdown
+    assert f"- stages finished: 2 of {len(plan(smoke))} (partial" in markdown
+    assert "| Longformer |" not in markdown  # neither finished nor in the slice: no row
+
+
 def test_the_committed_cpu_report_renders_again_from_its_records_but_for_the_date(tmp_path, monkeypatch):
     """`--report_only` on the committed folder, on a machine described as its stages' was: every line as committed
     but the date (the report's, today)."""
