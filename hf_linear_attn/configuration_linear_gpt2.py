@@ -5,7 +5,7 @@ from huggingface_hub.dataclasses import strict
 from .configuration_common import DECODER_HEADS, build_auto_map, check_layer_types, plain_value_errors
 from .configuration_gpt2_style import GPT2StyleConfig
 from .feature_maps import check_feature_map_options
-from .sliding_window_attention import check_window_options
+from .sliding_window_attention import check_window_factor_init, check_window_options
 
 STATE_DECAYS = ("fixed", "gated")
 
@@ -128,6 +128,11 @@ class LinearGPT2Config(GPT2StyleConfig):
             with the feature map, over one shared normaliser (LoLCATs' combination); generation keeps the window's
             keys and values (W per layer) beside the linear state, still a fixed size. 0: plain linear attention,
             exactly as before. At most `n_positions`; not with `feature_map="favor"`.
+        attention_window_factor_init (`float`, defaults to 0): theta, the window factor's start, g = exp(theta) on
+            every head. 0 (g = 1, as Based and LoLCATs start) suits feature maps whose phi(q).phi(k) is on softmax's
+            scale (hedgehog); with elu + 1, phi(q).phi(k) starts near m (the feature width: elu(x) + 1 is about 1 per
+            feature for the small q, k of a fresh model) against exp(q.k / sqrt(d)) near 1, so at 0 the window's keys
+            start with about 1/m of the weight of the keys beyond it; log(m) starts them even. Only with a window.
         layer_types (`list[str]`, *optional*): a hybrid schedule, one entry per layer, named as Transformers'
             hybrid models name them: `"linear_attention"` (this family's attention, with its window if any) or
             `"full_attention"` (GPT-2's causal softmax attention, SDPA, with a key/value cache that grows by one row
@@ -163,6 +168,7 @@ class LinearGPT2Config(GPT2StyleConfig):
     linear_attention_eps: float | int = 1e-6
     linear_attention_chunk_size: int = 64
     attention_window: int = 0
+    attention_window_factor_init: float | int = 0.0
     layer_types: list[str] | None = None
     state_decay: str | None = None
     decay_rates: list[float] | None = None
@@ -181,6 +187,7 @@ class LinearGPT2Config(GPT2StyleConfig):
         if self.linear_attention_chunk_size < 1:
             raise ValueError(f"linear_attention_chunk_size must be positive, got {self.linear_attention_chunk_size}.")
         check_window_options(self.attention_window, self.n_positions, "n_positions", self.feature_map)
+        check_window_factor_init(self.attention_window_factor_init, self.attention_window)
         check_layer_types(self.layer_types, self.n_layer)
         check_decay_options(self)
         check_short_conv_options(self)

@@ -5,7 +5,7 @@ from huggingface_hub.dataclasses import strict
 from .configuration_common import ENCODER_HEADS, build_auto_map, check_layer_types, plain_value_errors
 from .configuration_roberta_style import RobertaStyleConfig
 from .feature_maps import check_feature_map_options
-from .sliding_window_attention import check_window_options
+from .sliding_window_attention import check_window_factor_init, check_window_options
 
 
 @plain_value_errors
@@ -28,6 +28,11 @@ class LinearRobertaConfig(RobertaStyleConfig):
             (`g exp(q.k / sqrt(d))`, g a learned per-head factor, `attention.self.window_factor`) and to every key
             beyond it with the feature map, over one shared normaliser; computed in chunks, linear in n. 0: plain
             linear attention, exactly as before. At most `max_sequence_length`; not with `feature_map="favor"`.
+        attention_window_factor_init (`float`, defaults to 0): theta, the window factor's start, g = exp(theta) on
+            every head. 0 (g = 1, as Based and LoLCATs start) suits feature maps whose phi(q).phi(k) is on softmax's
+            scale (hedgehog); with elu + 1, phi(q).phi(k) starts near m (the feature width: elu(x) + 1 is about 1 per
+            feature for the small q, k of a fresh model) against exp(q.k / sqrt(d)) near 1, so at 0 the window's keys
+            start with about 1/m of the weight of the keys beyond it; log(m) starts them even. Only with a window.
         linear_attention_chunk_size (`int`, defaults to 64): chunk length C of the banded form (used with a window).
         layer_types (`list[str]`, *optional*): a hybrid schedule, one entry per layer, named as Transformers' hybrid
             models name them: `"linear_attention"` (this family's attention, with its band if any) or
@@ -42,6 +47,7 @@ class LinearRobertaConfig(RobertaStyleConfig):
     learned_feature_dim: int | None = None
     linear_attention_eps: float | int = 1e-6
     attention_window: int = 0
+    attention_window_factor_init: float | int = 0.0
     linear_attention_chunk_size: int = 64
     layer_types: list[str] | None = None
 
@@ -54,4 +60,5 @@ class LinearRobertaConfig(RobertaStyleConfig):
         if self.linear_attention_chunk_size < 1:
             raise ValueError(f"linear_attention_chunk_size must be positive, got {self.linear_attention_chunk_size}.")
         check_window_options(self.attention_window, self.max_sequence_length, "max_sequence_length", self.feature_map)
+        check_window_factor_init(self.attention_window_factor_init, self.attention_window)
         check_layer_types(self.layer_types, self.num_hidden_layers, "num_hidden_layers")

@@ -108,7 +108,7 @@ class LinearGPT2Attention(GPT2StyleAttention):
         # attention_window > 0: exact softmax over the last W keys, the feature map beyond (sliding_window_attention)
         self.window = config.attention_window
         if self.window:
-            self.window_factor = SlidingWindowFactor(self.num_heads)
+            self.window_factor = SlidingWindowFactor(self.num_heads, config.attention_window_factor_init)
             self.cache_layer_class = SlidingWindowStateLayer  # per instance: the cache holds the window too
         # state_decay: S_t = a_t S_{t-1} + phi(k_t) v_t^T (decayed_linear_attention); a fixed a per head (RetNet) or
         # a per-feature gate from the layer input (GLA's low-rank projection, named as fla names it: gk_proj)

@@ -53,7 +53,7 @@ class LinearRobertaSelfAttention(RobertaStyleSelfAttention):
         self.window = config.attention_window
         self.chunk_size = config.linear_attention_chunk_size
         if self.window:
-            self.window_factor = SlidingWindowFactor(self.num_heads)
+            self.window_factor = SlidingWindowFactor(self.num_heads, config.attention_window_factor_init)
 
     def forward(self, hidden_states, key_mask=None, output_attentions=False, shared_projection=None):
         q, k, v = (self._split_heads(proj(hidden_states)) for proj in (self.query, self.key, self.value))

@@ -45,6 +45,7 @@ carried in the exported state, while the shift is O(W d) per token, what the ste
 anyway.
 """
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -54,11 +55,13 @@ from .linear_attention import _no_autocast, _with_ones
 
 
 class SlidingWindowFactor(nn.Module):
-    """The learned per-head factor of the window's exact terms, g = exp(log_factor), log_factor (H,); 0 at init."""
+    """The learned per-head factor of the window's exact terms, g = exp(log_factor), log_factor (H,); ``init`` at
+    init (the config's ``attention_window_factor_init``, 0 by default: g = 1)."""
 
-    def __init__(self, num_heads: int):
+    def __init__(self, num_heads: int, init: float = 0.0):
         super().__init__()
-        self.log_factor = nn.Parameter(torch.zeros(num_heads))
+        self.init = float(init)
+        self.log_factor = nn.Parameter(torch.full((num_heads,), self.init))
 
     def forward(self) -> torch.Tensor:
         """theta (H,), what the attention functions take as ``log_factor``."""
@@ -99,6 +102,17 @@ def check_window(window: int) -> None:
     """Raise a ValueError unless ``window`` is a positive int."""
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ValueError(f"window must be a positive integer (the number of keys attended exactly), got {window!r}.")
+
+
+def check_window_factor_init(factor_init, attention_window) -> None:
+    """Raise a ValueError naming the fix for ``attention_window_factor_init``: a finite number, and set only with a
+    window (without one there is no factor to start)."""
+    if isinstance(factor_init, bool) or not isinstance(factor_init, (int, float)) or not math.isfinite(factor_init):
+        raise ValueError(f"attention_window_factor_init must be a finite number (theta: the window's terms start "
+                         f"weighted g = exp(theta)), got {factor_init!r}.")
+    if factor_init and not attention_window:
+        raise ValueError(f"attention_window_factor_init={factor_init} without a window (attention_window=0) starts a "
+                         "factor no layer has: set attention_window=W, or leave the init at 0.")
 
 
 def check_window_options(attention_window, longest: int, longest_name: str, feature_map: str) -> None:
@@ -637,6 +651,7 @@ __all__ = [
     "banded_sliding_window_attention",
     "causal_sliding_window_attention",
     "check_window",
+    "check_window_factor_init",
     "check_window_options",
     "empty_sliding_window_state",
     "sliding_window_attention_step",

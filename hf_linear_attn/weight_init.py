@@ -46,13 +46,14 @@ def init_linformer_projection(module: nn.Module, linformer_init: str, initialize
 
 def init_added_weights(module: nn.Module, config) -> None:
     """Init of ``module`` if it is a part this package adds: a feature map (:func:`init_feature_map`), Linformer's E / F
-    (:func:`init_linformer_projection` by ``config.linformer_init``), a window factor (0: g = 1, the window's exact
-    terms unweighted) or a short convolution (PyTorch's Conv1d default); any other module is left alone."""
+    (:func:`init_linformer_projection` by ``config.linformer_init``), a window factor (its config's start,
+    ``attention_window_factor_init``: 0 by default, g = 1) or a short convolution (PyTorch's Conv1d default); any other
+    module is left alone."""
     init_feature_map(module)
     if isinstance(module, LinformerProjection):
         init_linformer_projection(module, config.linformer_init, config.initializer_range)
     elif isinstance(module, SlidingWindowFactor):
-        init.zeros_(module.log_factor)
+        init.constant_(module.log_factor, module.init)
     elif isinstance(module, ShortConvolution):
         # PyTorch's own Conv1d init, U(-1/sqrt(K), 1/sqrt(K)), which mamba_ssm's convolutions keep too (its init
         # touches only Linear and Embedding). It replaces transformers' generic N(0, initializer_range) for any

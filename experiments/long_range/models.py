@@ -19,6 +19,7 @@ ENCODERS = (
     "roberta_sdpa", "longformer", "bigbird", "nystromformer", "reformer",
     "linformer_k128", "linformer_k128_rows", "linformer_k256", "linformer_k256_rows",
     "linear_elu", "linear_favor", "linear_hedgehog", "linear_elu_window", "linear_hedgehog_window", "linear_elu_hybrid",
+    "linear_elu_window_even",
 )
 DECODERS = ("gpt2_sdpa", "reformer_lsh", "linear_gpt2", "linear_gpt2_window", "linformer_gpt2",
             "linear_gpt2_relu", "linear_gpt2_favor", "linear_gpt2_hedgehog")
@@ -26,7 +27,7 @@ DECODERS = ("gpt2_sdpa", "reformer_lsh", "linear_gpt2", "linear_gpt2_window", "l
 DECODER_FEATURE_MAPS = {"linear_gpt2_relu": "relu", "linear_gpt2_favor": "favor", "linear_gpt2_hedgehog": "hedgehog"}
 OURS = {"linformer_k128", "linformer_k128_rows", "linformer_k256", "linformer_k256_rows", "linear_elu",
         "linear_favor", "linear_hedgehog", "linear_elu_window", "linear_hedgehog_window", "linear_elu_hybrid",
-        "linear_gpt2", "linear_gpt2_window", "linformer_gpt2", *DECODER_FEATURE_MAPS}
+        "linear_elu_window_even", "linear_gpt2", "linear_gpt2_window", "linformer_gpt2", *DECODER_FEATURE_MAPS}
 
 LABELS = {
     "roberta_sdpa": "Transformer (RoBERTa, SDPA)", "longformer": "Longformer", "bigbird": "BigBird (block sparse)",
@@ -38,6 +39,7 @@ LABELS = {
     "linear_elu_window": "Linear attention (elu+1) + softmax band 64",
     "linear_hedgehog_window": "Linear attention (hedgehog) + softmax band 64",
     "linear_elu_hybrid": "Hybrid: linear attention (elu+1), last layer softmax",
+    "linear_elu_window_even": "Linear attention (elu+1) + softmax band 64, band started even (g = head size)",
     "gpt2_sdpa": "GPT-2 (softmax, SDPA)", "reformer_lsh": "Reformer (causal LSH)",
     "linear_gpt2": "linear_gpt2 (elu+1)", "linear_gpt2_window": "linear_gpt2 (elu+1, softmax window 64)",
     "linformer_gpt2": "linformer_gpt2 (causal block Linformer)",
@@ -100,6 +102,8 @@ def encoder_settings(name: str, n: int) -> dict:
                 "axial_pos_shape": list(_axial_shape(n))}
     if name.startswith("linformer_k"):
         return {"linformer_k": int(name.split("_")[1][1:]), "linformer_normalize_rows": name.endswith("_rows")}
+    if name == "linear_elu_window_even":  # the band's factor starts at log(m): its keys weigh as much as the others
+        return {"feature_map": "elu", "attention_window": min(64, n), "attention_window_factor_init": "log(head size)"}
     if name.startswith("linear_") and name.endswith("_window"):
         # issue 41: exact softmax over the band |i - j| < 64 (LoLCATs' window, both sides), the feature map beyond
         return {"feature_map": name.split("_")[1], "attention_window": min(64, n)}
@@ -220,6 +224,8 @@ def _build_encoder(name: str, dims: Dims, n: int, vocab_size: int, num_labels: i
     if name.startswith("linformer_k"):
         config = ours.LinformerConfig(**common, max_position_embeddings=table + 2, type_vocab_size=1, **s, **extra)
         return ours.LinformerForSequenceClassification(config)
+    if s.get("attention_window_factor_init") == "log(head size)":  # elu + 1's feature width m is the head size
+        s["attention_window_factor_init"] = math.log(dims.hidden_size // dims.num_heads)
     if s.pop("full_attention", None) == "last layer":
         s["layer_types"] = ["linear_attention"] * (dims.num_layers - 1) + ["full_attention"]
     config = ours.LinearRobertaConfig(**common, max_position_embeddings=table + 2, type_vocab_size=1, **s, **extra)

@@ -196,7 +196,8 @@ def _describe_init(module, config, name: str) -> str:
     if isinstance(module, FavorFeatureMap):
         return "FAVOR+ random features, an orthogonal Gaussian draw"
     if isinstance(module, SlidingWindowFactor):
-        return "window factor g = exp(theta), theta = 0: the window's exact terms unweighted"
+        return (f"window factor g = exp(theta), theta = {module.init:g}" + (": the window's exact terms unweighted"
+                                                                              if module.init == 0 else ""))
     if ".gk_proj." in f".{name}":
         return "GLA gate projection (low rank): weights normal (config.initializer_range), bias 0"
     return f"new {type(module).__name__} ({name.rsplit('.', 1)[-1]}), the model's own init"

@@ -103,6 +103,8 @@ def test_beam_search_reorders_the_window_and_the_state():
         (lambda: LinearRobertaConfig(attention_window=513), r"max_sequence_length = 512"),
         (lambda: LinearRobertaConfig(attention_window=4, feature_map="favor"), "Use 'elu', 'relu' or 'hedgehog'"),
         (lambda: LinearRobertaConfig(attention_window=4, linear_attention_chunk_size=0), "linear_attention_chunk_size"),
+        (lambda: LinearGPT2Config(attention_window_factor_init=2.0), "without a window"),
+        (lambda: LinearRobertaConfig(attention_window=4, attention_window_factor_init=float("nan")), "finite number"),
     ],
 )
 def test_bad_windows_are_refused_at_construction_with_the_reason(make, message):
@@ -115,6 +117,32 @@ def test_a_window_assigned_after_construction_is_checked_when_the_model_is_built
     config.attention_window = 1000
     with pytest.raises(ValueError, match="larger than the positions"):
         LinearGPT2ForCausalLM(config)
+
+
+def test_the_factor_starts_where_the_config_says_and_log_m_starts_elu_bands_keys_even():
+    """attention_window_factor_init is theta at init, in both families (and through save / load). Against the
+    reference of uniform attention: with elu + 1 a fresh model gives its band about 1/m of a key's share at theta = 0
+    (phi(q).phi(k) ~ m against exp(q.k / sqrt(d)) ~ 1), and about a key's share at theta = log(m)."""
+    import math
+
+    head = TINY["hidden_size"] // TINY["num_attention_heads"]  # m: elu + 1's feature width is the head size
+    for config in (LinearGPT2Config(**TINY_DECODER, attention_window=4, attention_window_factor_init=1.5),
+                   LinearRobertaConfig(**TINY, attention_window=4, attention_window_factor_init=1.5)):
+        model = (LinearGPT2ForCausalLM if isinstance(config, LinearGPT2Config) else LinearRobertaForMaskedLM)(config)
+        factors = [p for name, p in model.named_parameters() if "window_factor" in name]
+        assert len(factors) == 2 and all(torch.equal(p, torch.full_like(p, 1.5)) for p in factors)
+    n, band = 60, 5
+    inside = (torch.arange(n)[:, None] - torch.arange(n)[None, :]).abs() < band
+    uniform = inside.float().sum(-1).mean() / n  # the band's share if every key weighed the same
+    shares = {}
+    for init in (0.0, math.log(head)):
+        torch.manual_seed(0)
+        model = LinearRobertaForMaskedLM(LinearRobertaConfig(**TINY, attention_window=band, linear_attention_chunk_size=8,
+                                                             attention_window_factor_init=init)).eval()
+        with torch.no_grad():
+            weights = model(random_ids(2, n), output_attentions=True).attentions[0]
+        shares[init] = ((weights * inside).sum(-1).mean() / uniform).item()
+    assert shares[0.0] < 2.0 / head and 0.8 < shares[math.log(head)] < 1.25, shares
 
 
 # ------------------------------------------------------------------------------------------ hybrid schedules
