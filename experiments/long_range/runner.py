@@ -186,7 +186,7 @@ def _hardware(finished: dict) -> list[str]:
     texts = hardware_of_records(finished.values())
     recorded = sum(1 for r in finished.values() if r.get("hardware"))
     if texts and recorded < len(finished):
-        texts[-1] += f" (recorded by {recorded} of the {len(finished)} finished stages; the others predate the record)"
+        texts[-1] += f"; recorded by {recorded} of the {len(finished)} finished stages, the others predate the record"
     return texts
 
 
@@ -239,9 +239,9 @@ def run(preset_path: Path, output_dir: Path, tasks=None, models=None, dataset="l
                              hardware=describe_hardware())
     keys = {stage.key for stage in whole}
     finished = {k: r for k, r in records.items() if k in keys}
-    # the report's rows: the models of the slice (pending ones too) and every model with a finished stage
-    sliced = {stage.key for stage in stages}
-    reported = [stage for stage in whole if stage.key in sliced or stage.key in finished]
+    # the report's rows: every model with a finished stage, and the models this run ran (pending ones too)
+    ran = set() if report_only else {stage.key for stage in stages}
+    reported = [stage for stage in whole if stage.key in ran or stage.key in finished]
     meta = {"preset": Path(preset_path).stem, "machine": machine,
             "stage_machines": sorted({r["machine"] for r in finished.values()}),
             # each stage's instruction sets and matmul peaks (none in records made before they were recorded)
