@@ -102,13 +102,10 @@ def encoder_settings(name: str, n: int) -> dict:
                 "axial_pos_shape": list(_axial_shape(n))}
     if name.startswith("linformer_k"):
         return {"linformer_k": int(name.split("_")[1][1:]), "linformer_normalize_rows": name.endswith("_rows")}
-    if name == "linear_elu_window_even":  # the band's factor starts at log(m): its keys weigh as much as the others
-        return {"feature_map": "elu", "attention_window": min(64, n), "attention_window_factor_init": "log(head size)"}
-    if name.startswith("linear_") and name.endswith("_window"):
-        # issue 41: exact softmax over the band |i - j| < 64 (LoLCATs' window, both sides), the feature map beyond
+    if name.startswith("linear_") and "_window" in name:
+        # issue 41: exact softmax over the band |i - j| < 64 (LoLCATs' window, both sides), the feature map beyond;
+        # "_even": the band's factor started at log(head size) (_build_encoder), so its keys weigh as the others
         return {"feature_map": name.split("_")[1], "attention_window": min(64, n)}
-    if name == "linear_elu_hybrid":  # issue 41: the last layer RoBERTa's softmax attention, the others linear
-        return {"feature_map": "elu", "full_attention": "last layer"}
     if name.startswith("linear_") and name != "linear_gpt2":
         return {"feature_map": name.split("_")[1]}
     return {}
@@ -224,9 +221,9 @@ def _build_encoder(name: str, dims: Dims, n: int, vocab_size: int, num_labels: i
     if name.startswith("linformer_k"):
         config = ours.LinformerConfig(**common, max_position_embeddings=table + 2, type_vocab_size=1, **s, **extra)
         return ours.LinformerForSequenceClassification(config)
-    if s.get("attention_window_factor_init") == "log(head size)":  # elu + 1's feature width m is the head size
+    if name == "linear_elu_window_even":  # elu + 1's feature width m is the head size
         s["attention_window_factor_init"] = math.log(dims.hidden_size // dims.num_heads)
-    if s.pop("full_attention", None) == "last layer":
+    if name == "linear_elu_hybrid":  # issue 41: the last layer RoBERTa's softmax attention, the others linear
         s["layer_types"] = ["linear_attention"] * (dims.num_layers - 1) + ["full_attention"]
     config = ours.LinearRobertaConfig(**common, max_position_embeddings=table + 2, type_vocab_size=1, **s, **extra)
     return ours.LinearRobertaForSequenceClassification(config)
