@@ -154,6 +154,50 @@ def recalled_at(rows: list[dict], model: str, length: int, width: int, threshold
     return best
 
 
+def state_threshold(rows: list[dict], model: str, length: int, pairs: int, threshold: float = 0.9):
+    """Where a model's accuracy at (length, pairs) crosses `threshold` along the state sizes measured (its widths):
+    (the smallest state from which every larger one measured stays at or above it, the largest state below it), each
+    None where no measured state is such; None when fewer than two states were measured (no crossing to read)."""
+    points = sorted((r["state_bytes"], r["accuracy"]) for r in rows
+                    if (r["model"], r["length"], r["pairs"]) == (model, length, pairs) and r["state_bytes"])
+    if len(points) < 2:
+        return None
+    holds, below = None, None
+    for state, accuracy in reversed(points):  # from the largest state down to the first one under the threshold
+        if accuracy < threshold:
+            below = state
+            break
+        holds = state
+    return holds, below
+
+
+def _kib(state) -> str:
+    return f"{state / 1024:,.0f} KiB"
+
+
+def render_thresholds(rows: list[dict], models: list[str], threshold: float = 0.9) -> list[str]:
+    """Per length and pair count measured at two widths or more: the state size at which each model falls below
+    `threshold` (issue 42's question), read from its widths."""
+    out = []
+    for n, p in sorted({(r["length"], r["pairs"]) for r in rows}):
+        lines = []
+        for model in models:
+            found = state_threshold(rows, model, n, p, threshold)
+            if found is None:
+                continue
+            holds, below = found
+            states = sorted({r["state_bytes"] for r in rows if (r["model"], r["length"], r["pairs"]) == (model, n, p)
+                             and r["state_bytes"]})
+            lines.append(f"| {LABELS.get(model, model)} | {', '.join(_kib(x) for x in states)} | "
+                         f"{_kib(holds) if holds else 'none measured'} | "
+                         f"{_kib(below) if below else 'none measured'} |")
+        if lines:
+            out += [f"## n = {n:,}, {p} pairs: the state at which each model falls below {threshold:.0%}", "",
+                    f"| model | states measured | holds >= {threshold:.0%} from | falls below at |", "|---|---|---|---|",
+                    *lines, ""]
+    return out
+
+
 def render(rows: list[dict], meta: dict) -> str:
     out = ["# Multi-query associative recall (MQAR)", "", f"Command: `{meta['command']}`.", "",
            f"Machine: {meta['machine']}"
@@ -171,12 +215,13 @@ def render(rows: list[dict], meta: dict) -> str:
                 if not cells:
                     continue
                 state = next((r["state_bytes"] for r in cells.values() if r["state_bytes"]), None)
-                state = f"{state / 1024:,.0f} KiB" if state else "-"
+                state = _kib(state) if state else "-"
                 held = recalled_at(rows, model, n, width)
                 out.append(f"| {LABELS.get(model, model)} | {width} | {state} | "
                            + " | ".join(f"{cells[p]['accuracy']:.1%}" if p in cells else "-" for p in pairs)
                            + f" | {held if held is not None else 'none'} |")
         out.append("")
+    out += render_thresholds(rows, models)
     resumed = [f"{LABELS.get(r['model'], r['model'])} at n = {r['length']:,}, {r['pairs']} pairs, width {r['width']}: "
                f"step {', '.join(map(str, r['resumed_at']))}" for r in rows if r.get("resumed_at")]
     if resumed:

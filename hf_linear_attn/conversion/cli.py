@@ -22,7 +22,8 @@ from .distill import distill, distillation_distance, distillation_mode, language
 
 FAMILY_OPTIONS = ("linformer_k", "linformer_sharing", "linformer_init", "linformer_normalize_rows",
                   "linformer_drop_unreached_rows", "linformer_block_size", "feature_map", "num_random_features",
-                  "learned_feature_dim", "attention_window", "state_decay", "layer_types")
+                  "learned_feature_dim", "attention_window", "attention_window_factor_init", "state_decay",
+                  "layer_types")
 
 
 @dataclass
@@ -54,6 +55,9 @@ class ConvertArguments(HubArguments):
     attention_window: int | None = field(default=None, metadata={"help": "linear_gpt2 / linear_roberta: exact "
                                                                          "softmax over the last W keys (its factor "
                                                                          "is distilled)"})
+    attention_window_factor_init: float | None = field(default=None, metadata={
+        "help": "with --attention_window: the window factor's start theta (g = exp(theta)); log(m) starts the "
+                "window's keys even with those beyond it for elu + 1 (m the feature width); default 0"})
     state_decay: str | None = field(default=None, metadata={"help": "linear_gpt2: fixed (RetNet) | gated (GLA; "
                                                                     "the gate is distilled)"})
     layer_types: list[str] | None = field(default=None, metadata={"help": "linear_gpt2 / linear_roberta: one of "

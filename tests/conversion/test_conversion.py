@@ -217,6 +217,24 @@ def test_convert_script_writes_a_checkpoint_a_fresh_process_loads(roberta_folder
         convert_script.main(["--model_name_or_path", str(folder), "--target", "linformer", "--output_dir", str(out)])
 
 
+def test_convert_script_starts_the_window_factor_where_asked(roberta_folder, tmp_path):
+    """--attention_window_factor_init reaches the saved config and the factor's weights (log(m) starts elu + 1's
+    window even: issue 41); without a window it is refused, naming the fix."""
+    folder, _ = roberta_folder
+    out = tmp_path / "window"
+    convert_script.main(["--model_name_or_path", str(folder), "--target", "linear_roberta", "--attention_window", "8",
+                         "--attention_window_factor_init", "2.5", "--output_dir", str(out)])
+    report = json.loads((out / "conversion_report.json").read_text())
+    assert any("theta = 2.5" in how for how in report["new"].values())
+    model = AutoModelForMaskedLM.from_pretrained(out)
+    assert model.config.attention_window_factor_init == 2.5
+    factors = [layer.attention.self.window_factor.log_factor for layer in model.roberta.encoder.layer]
+    assert all(torch.equal(f, torch.full_like(f, 2.5)) for f in factors)
+    with pytest.raises(SystemExit, match="attention_window"):
+        convert_script.main(["--model_name_or_path", str(folder), "--target", "linear_roberta",
+                             "--attention_window_factor_init", "2.5", "--output_dir", str(tmp_path / "no-window")])
+
+
 @pytest.mark.slow
 @needs_data
 def test_distillation_brings_converted_students_closer_to_a_trained_teacher(corpus, tmp_path):  # noqa: F811

@@ -14,7 +14,7 @@ from experiments.recall.models import build_recall_model, decoding_state_bytes
 from benchmarks.measuring import describe_machine
 from experiments.long_range.stages import checkpoint_file, stage_file
 from experiments.recall import training as recall_training
-from experiments.recall.runner import load_preset, plan, run
+from experiments.recall.runner import load_preset, plan, render_thresholds, run, state_threshold
 from experiments.recall.tasks import check_mqar_batch, mqar_batch, mqar_vocab_size
 from hf_linear_attn.training.errors import UsageError
 
@@ -79,6 +79,27 @@ def test_presets_are_checked_and_pairs_that_do_not_fit_are_left_out(tmp_path):
     assert left_out == ["n = 64, 32 pairs (needs n >= 128)"]
     assert len(stages) == 3 * len(preset["widths"]) * len(preset["models"])
     assert len({s.key for s in stages}) == len(stages)
+
+
+def test_the_state_at_which_a_model_falls_below_90_percent_is_read_from_its_widths():
+    """Issue 42: per (length, pairs), the smallest state from which every larger one holds >= 90%, and the largest
+    state below it; a dip at a larger state counts (a model is said to hold only above its last fall)."""
+    kib = 1024
+    measured = {"rises": [(16, 0.5), (32, 0.95), (64, 0.99)], "dips": [(16, 0.95), (32, 0.85), (64, 0.99)],
+                "always": [(16, 0.97), (32, 0.99)], "never": [(16, 0.1), (32, 0.2)], "once": [(16, 0.99)]}
+    rows = [{"model": model, "length": 256, "pairs": 64, "width": state, "state_bytes": state * kib,
+             "accuracy": accuracy} for model, points in measured.items() for state, accuracy in points]
+    rows.append({"model": "rises", "length": 256, "pairs": 16, "width": 16, "state_bytes": 16 * kib, "accuracy": 1.0})
+    assert state_threshold(rows, "rises", 256, 64) == (32 * kib, 16 * kib)
+    assert state_threshold(rows, "dips", 256, 64) == (64 * kib, 32 * kib)
+    assert state_threshold(rows, "always", 256, 64) == (16 * kib, None)
+    assert state_threshold(rows, "never", 256, 64) == (None, 32 * kib)
+    assert state_threshold(rows, "once", 256, 64) is None  # one state: no crossing to read
+    table = "\n".join(render_thresholds(rows, list(measured)))
+    assert "## n = 256, 64 pairs" in table and "16 pairs" not in table  # one width at 16 pairs: no table
+    assert "| rises | 16 KiB, 32 KiB, 64 KiB | 32 KiB | 16 KiB |" in table
+    assert "| never | 16 KiB, 32 KiB | none measured | 32 KiB |" in table
+    assert "| once |" not in table
 
 
 def test_decoding_state_bytes_constant_for_recurrent_models_and_growing_for_softmax():
