@@ -5,19 +5,22 @@ map. The state a model carries while decoding is what recall is judged against (
 measured, not computed, from the cache a forward over n tokens leaves behind.
 """
 
+import math
+
 import torch
 
 from experiments.long_range.models import DECODERS, Dims, build_decoder
 from hf_linear_attn.training.errors import UsageError
 
 # linear_gpt2 with other settings than the long-range suite's elu + 1: name -> config overrides (a callable of the
-# number of layers and the length where the setting depends on them). Feature maps; a decaying state (issue 41:
+# dims and the length where the setting depends on them). Feature maps; a decaying state (issue 41:
 # RetNet's fixed per-head decay, GLA's per-feature gate from the input); a hybrid schedule whose first layer is
 # GPT-2's softmax attention (its key/value cache grows with n, the linear layers' states do not); a short causal
 # convolution on q, k, v (fla's use_short_conv, width 4: the previous-token shift an induction head needs, which lets
 # 2-layer models learn MQAR in Zoology / Based), on elu + 1, on the gated state and on the sliding window + linear
 # attention (Based's recipe: exact softmax over the last 64 keys, linear attention beyond, the convolution before
-# both); and the same convolution on GPT-2's softmax attention (every layer full_attention,
+# both; the window's factor started at log(head size), elu + 1's feature width, so that its keys start with the
+# weight of the keys beyond it: at 0 they start with about 1/m of it, issue 41's finding); and the same convolution on GPT-2's softmax attention (every layer full_attention,
 # short_conv_on_full_attention), the equal-architecture baseline of the convolution models: the dims, the convolution
 # and everything but the attention are theirs.
 LINEAR_VARIANTS = {
@@ -26,13 +29,15 @@ LINEAR_VARIANTS = {
     "linear_gpt2_favor": {"feature_map": "favor"},
     "linear_gpt2_decay": {"state_decay": "fixed"},
     "linear_gpt2_gated": {"state_decay": "gated"},
-    "linear_gpt2_hybrid": lambda layers, n: {"layer_types": ["full_attention"] + ["linear_attention"] * (layers - 1)},
+    "linear_gpt2_hybrid": lambda dims, n: {"layer_types": ["full_attention"]
+                                                          + ["linear_attention"] * (dims.num_layers - 1)},
     "linear_gpt2_conv": {"use_short_conv": True},
     "linear_gpt2_gated_conv": {"state_decay": "gated", "use_short_conv": True},
-    "linear_gpt2_window_conv": lambda layers, n: {"attention_window": min(64, n),
-                                                  "linear_attention_chunk_size": min(64, n), "use_short_conv": True},
-    "gpt2_conv": lambda layers, n: {"layer_types": ["full_attention"] * layers, "use_short_conv": True,
-                                 "short_conv_on_full_attention": True},
+    "linear_gpt2_window_conv": lambda dims, n: {
+        "attention_window": min(64, n), "linear_attention_chunk_size": min(64, n), "use_short_conv": True,
+        "attention_window_factor_init": math.log(dims.hidden_size // dims.num_heads)},
+    "gpt2_conv": lambda dims, n: {"layer_types": ["full_attention"] * dims.num_layers, "use_short_conv": True,
+                                  "short_conv_on_full_attention": True},
 }
 MODELS = (*DECODERS, *(name for name in LINEAR_VARIANTS if name not in DECODERS))  # names shared by both
 LABELS = {"gpt2_sdpa": "GPT-2 (softmax)", "reformer_lsh": "Reformer (LSH)", "linear_gpt2": "linear_gpt2 (elu+1)",
@@ -61,7 +66,7 @@ def build_recall_model(name: str, dims: Dims, n: int, vocab_size: int):
 
         base = build_decoder("linear_gpt2", dims, n, vocab_size)
         overrides = LINEAR_VARIANTS[name]
-        overrides = overrides(dims.num_layers, n) if callable(overrides) else overrides
+        overrides = overrides(dims, n) if callable(overrides) else overrides
         return ours.LinearGPT2ForCausalLM(ours.LinearGPT2Config(**{**base.config.to_dict(), **overrides}))
     return build_decoder(name, dims, n, vocab_size)
 

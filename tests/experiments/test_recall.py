@@ -2,6 +2,7 @@
 learnability, and the runner end to end."""
 
 import json
+import math
 import subprocess
 import sys
 
@@ -129,6 +130,8 @@ def test_decoding_state_bytes_constant_for_recurrent_models_and_growing_for_soft
     assert sizes["linear_gpt2_window_conv"][0] == sizes["linear_gpt2_window"][0] + 2 * 3 * 3 * 32 * 4
     window_conv = build_recall_model("linear_gpt2_window_conv", dims, 128, vocab).config
     assert window_conv.attention_window == 64 and window_conv.use_short_conv and window_conv.feature_map == "elu"
+    # started even (issue 41): g = exp(theta) = the head size, elu + 1's feature width
+    assert window_conv.attention_window_factor_init == pytest.approx(math.log(16))
     assert build_recall_model("linear_gpt2_window_conv", dims, 32, vocab).config.attention_window == 32
     gated_conv = build_recall_model("linear_gpt2_gated_conv", dims, 64, vocab).config
     assert gated_conv.use_short_conv and gated_conv.state_decay == "gated" and gated_conv.feature_map == "elu"
