@@ -18,7 +18,8 @@ from hf_linear_attn.families import max_model_length
 
 from .convert import (check_source, check_target, convert, extend_max_length, load_source, load_source_config,
                       load_source_tokenizer, save_converted)
-from .distill import distill, distillation_distance, distillation_mode, language_model_quality
+from .distill import (calibrate_window_factors, distill, distillation_distance, distillation_mode,
+                      language_model_quality)
 
 FAMILY_OPTIONS = ("linformer_k", "linformer_sharing", "linformer_init", "linformer_normalize_rows",
                   "linformer_drop_unreached_rows", "linformer_block_size", "feature_map", "num_random_features",
@@ -68,6 +69,10 @@ class ConvertArguments(HubArguments):
     distill_batch_size: int = field(default=8)
     distill_lr: float | None = field(default=None, metadata={"help": "default 1e-2 for feature maps, 1e-3 for E / F"})
     distill_max_length: int = field(default=128, metadata={"help": "tokens per distillation row"})
+    calibrate_window_factor: bool = field(default=True, metadata={
+        "help": "with a window and distillation: before distilling, set each head's window factor to the value whose "
+                "attention is nearest the teacher's on the first batch (a grid search); False starts from "
+                "--attention_window_factor_init"})
     dataset_name: str | None = field(default=None, metadata={"help": "Hub text dataset for distillation"})
     dataset_config_name: str | None = field(default=None)
     train_file: str | None = field(default=None, metadata={"help": "local text / json / parquet for distillation"})
@@ -156,13 +161,21 @@ def run_conversion(args: ConvertArguments) -> dict:
         before = distillation_distance(model, teacher, eval_rows)
         has_lm_head = report.head in ("masked-lm", "causal-lm") and not missing  # read from the checkpoint
         quality_before = language_model_quality(model, eval_rows, tokenizer) if has_lm_head else None
+        calibrated = None
+        if args.calibrate_window_factor and mode == "attention":
+            # the first batch's rows, not drawn from distillation's generator, so its batches stay as they were
+            calibrated = calibrate_window_factors(model, teacher, train_rows[: args.distill_batch_size])
+        calibrated_distance = distillation_distance(model, teacher, eval_rows) if calibrated else None
         history = distill(model, teacher, report.new, train_rows, args.distill_steps, args.distill_batch_size, lr,
                           seed=args.seed)
         after = distillation_distance(model, teacher, eval_rows)
         report.distillation = {
             "mode": mode, "steps": args.distill_steps, "batch_size": args.distill_batch_size,
             "lr": lr, "rows": args.distill_max_length, "train_rows": len(train_rows), "eval_rows": len(eval_rows),
-            "distance_before": before, "distance_after": after, "first_loss": history[0], "last_loss": history[-1],
+            "distance_before": before,
+            **({"window_factor_calibrated": calibrated, "distance_calibrated": calibrated_distance}
+               if calibrated else {}),
+            "distance_after": after, "first_loss": history[0], "last_loss": history[-1],
             "seconds": round(time.time() - started, 1),
         }
         if quality_before is not None:  # the language-model head came from the checkpoint: compare LM quality too

@@ -63,22 +63,33 @@ def teacher_targets(teacher, input_ids, attention_mask):
     return out.hidden_states, out.attentions
 
 
+def _attention(student, layer):
+    """A layer's attention module (the one holding the feature map and the window factor)."""
+    return layer.attention.self if _is_encoder(student) else layer.attn
+
+
+def _head_losses(student, layer, inputs, teacher_weights, key_mask, shared) -> torch.Tensor:
+    """(H,) attention cross-entropy of one layer's student rows against the teacher's, per head, averaged over the
+    real query rows."""
+    if _is_encoder(student):
+        _, weights = layer.attention.self(inputs, key_mask, True, shared)
+    else:
+        _, weights, _, _ = layer.attn(layer.ln_1(inputs), key_mask=key_mask, output_attentions=True,
+                                      shared_projection=shared)
+    real = key_mask[:, None, :].float()  # (B, 1, n): average over real query rows only
+    rows = -(teacher_weights * torch.log(weights.float().clamp_min(1e-12))).sum(-1)  # (B, H, n)
+    return (rows * real).sum((0, 2)) / real.sum()
+
+
 def layer_losses(student, hidden_states, attentions, attention_mask, mode: str) -> list[torch.Tensor]:
     """One loss per layer: attention cross-entropy (mode 'attention') or relative output error ('layer_output')."""
     layers, shared = _layers(student)
     key_mask = attention_mask.bool()
-    real = key_mask[:, None, :].float()  # (B, 1, n): average over real query rows only
     losses = []
     for index, layer in enumerate(layers):
         inputs = hidden_states[index]
         if mode == "attention":
-            if _is_encoder(student):
-                _, weights = layer.attention.self(inputs, key_mask, True, shared)
-            else:
-                _, weights, _, _ = layer.attn(layer.ln_1(inputs), key_mask=key_mask, output_attentions=True,
-                                              shared_projection=shared)
-            rows = -(attentions[index] * torch.log(weights.float().clamp_min(1e-12))).sum(-1)  # (B, H, n)
-            losses.append((rows * real).sum() / (real.sum() * rows.shape[1]))
+            losses.append(_head_losses(student, layer, inputs, attentions[index], key_mask, shared).mean())
         else:
             if _is_encoder(student):
                 output, _ = layer(inputs, key_mask=key_mask, shared_projection=shared)
@@ -90,6 +101,62 @@ def layer_losses(student, hidden_states, attentions, attention_mask, mode: str) 
             error = ((output - target) ** 2).sum(-1) * key_mask
             losses.append(error.sum() / ((target**2).sum(-1) * key_mask).sum())
     return losses
+
+
+CALIBRATION_GRID = tuple(float(x) for x in range(-16, 17))  # theta from -16 to 16, then refined (below)
+CALIBRATION_REFINEMENT = (-0.75, -0.5, -0.25, 0.25, 0.5, 0.75)  # around each head's best grid value
+
+
+@torch.no_grad()
+def calibrate_window_factors(student, teacher, rows: torch.Tensor, grid=CALIBRATION_GRID,
+                             refinement=CALIBRATION_REFINEMENT) -> list[list[float]] | None:
+    """Set every head's window factor theta (g = exp(theta)) to the value whose attention rows are nearest the
+    teacher's on `rows` (the grid, then steps of 0.25 around each head's best); returns the thetas per layer (None
+    for layers without a window), or None without a window.
+
+    Why: the window's exact terms are g exp(q.k / sqrt(d)) and the terms beyond it phi(q).phi(k), one normaliser for
+    both, so g sets how much of each row the window takes. The right g depends on the feature map's scale against
+    the teacher's scores, by orders of magnitude (hedgehog's phi(q).phi(k) is below 1, a pretrained model's
+    exp(q.k / sqrt(d)) often far above), while distillation at lr 1e-2 moves theta by less than 1 in 100 steps, so
+    from theta = 0 a converted MiniLM kept its band's keys far too heavy (docs/pretrained.md has the distances). A
+    head's rows depend on its own theta only, so each pass sets every head at once (the same grid value for all, then
+    each head's own refinement) and keeps each head's best.
+    """
+    layers, shared = _layers(student)
+    factors = [getattr(_attention(student, layer), "window_factor", None) for layer in layers]
+    if all(factor is None for factor in factors):
+        return None
+    was_training = student.training
+    student.eval()
+    mask = torch.ones_like(rows)
+    hidden, attentions = teacher_targets(teacher, rows, mask)
+    key_mask = mask.bool()
+    chosen = []
+    for index, (layer, factor) in enumerate(zip(layers, factors)):
+        if factor is None:  # a full-attention layer of a hybrid, or a layer without a window
+            chosen.append(None)
+            continue
+        theta = factor.log_factor
+        best_loss = torch.full_like(theta, float("inf"))
+        best_theta = theta.detach().clone()
+
+        def trial(values: torch.Tensor) -> None:
+            nonlocal best_loss, best_theta
+            theta.copy_(values)
+            loss = _head_losses(student, layer, hidden[index], attentions[index], key_mask, shared).to(theta.dtype)
+            better = loss < best_loss
+            best_loss = torch.where(better, loss, best_loss)
+            best_theta = torch.where(better, values, best_theta)
+
+        for value in grid:
+            trial(torch.full_like(theta, value))
+        coarse = best_theta.clone()
+        for offset in refinement:
+            trial(coarse + offset)
+        theta.copy_(best_theta)
+        chosen.append([float(x) for x in best_theta])
+    student.train(was_training)
+    return chosen
 
 
 def attention_entropy(attentions, attention_mask) -> float:

@@ -21,7 +21,8 @@ from transformers import (
 from hf_linear_attn.linformer_projection import project_sequence
 from hf_linear_attn.conversion.convert import convert, extend_max_length
 from hf_linear_attn.training.errors import UsageError
-from hf_linear_attn.conversion.distill import distill, distillation_distance
+from hf_linear_attn.conversion.distill import (CALIBRATION_GRID, calibrate_window_factors, distill,
+                                              distillation_distance, layer_losses, teacher_targets)
 
 STOCK_ROBERTA = dict(TINY, type_vocab_size=1, layer_norm_eps=1e-5)
 STOCK_GPT2 = {k: v for k, v in TINY_DECODER.items() if k != "initializer_range"}
@@ -123,6 +124,47 @@ def test_roberta_converts_into_an_encoder_hybrid_whose_full_layers_stay_exact_an
     distill(hybrid, roberta, list(report.new), rows, steps=30, batch_size=8, progress=False)
     assert distillation_distance(hybrid, roberta, rows) < 0.8 * distance, distance
     assert all(torch.equal(p, frozen[name]) for name, p in hybrid.named_parameters() if name in frozen)
+
+
+def test_window_factor_calibration_finds_each_heads_best_start(roberta_folder, gpt2_folder):
+    """The window factor's start is set per head to the grid value nearest the teacher. Against a fresh RoBERTa
+    (near-uniform rows, q.k near 0) elu + 1's phi(q).phi(k) is near the head size m, so the keys weigh evenly at
+    g = m: theta near log(m), issue 41's analysis. Per head it is at least as good as any one value for all heads;
+    full layers of a hybrid are left alone; without a window there is nothing to calibrate."""
+    import math
+
+    folder, roberta = roberta_folder
+    rows = random_ids(8, 32, seed=5)
+    student, _ = convert(folder, "linear_roberta", attention_window=4)
+    start = distillation_distance(student, roberta, rows)
+    thetas = calibrate_window_factors(student, roberta, rows)
+    head_size = STOCK_ROBERTA["hidden_size"] // STOCK_ROBERTA["num_attention_heads"]
+    assert len(thetas) == 2 and all(len(layer) == 4 for layer in thetas)
+    assert all(abs(theta - math.log(head_size)) <= 0.5 for layer in thetas for theta in layer), thetas
+    assert distillation_distance(student, roberta, rows) < start
+    mask = torch.ones_like(rows)
+    hidden, attentions = teacher_targets(roberta, rows, mask)
+    with torch.no_grad():
+        calibrated = [float(x) for x in layer_losses(student, hidden, attentions, mask, "attention")]
+    factors = [layer.attention.self.window_factor.log_factor for layer in student.roberta.encoder.layer]
+    chosen = [f.detach().clone() for f in factors]
+    for value in (CALIBRATION_GRID[0], -2.0, 0.0, 1.0, 2.0, 3.0, CALIBRATION_GRID[-1]):
+        with torch.no_grad():
+            for f in factors:
+                f.fill_(value)
+            uniform = layer_losses(student, hidden, attentions, mask, "attention")
+        assert all(c <= float(u) + 1e-6 for c, u in zip(calibrated, uniform)), (value, calibrated, uniform)
+    with torch.no_grad():
+        for f, c in zip(factors, chosen):
+            f.copy_(c)
+    # a decoder hybrid: the softmax layer has no factor (None), the windowed linear layer gets its thetas
+    gpt2_dir, gpt2 = gpt2_folder
+    hybrid, _ = convert(gpt2_dir, "linear_gpt2", attention_window=8, layer_types=["full_attention", "linear_attention"])
+    thetas = calibrate_window_factors(hybrid, gpt2, random_ids(4, 40, seed=6))
+    assert thetas[0] is None and len(thetas[1]) == 4
+    assert torch.equal(hybrid.transformer.h[1].attn.window_factor.log_factor, torch.tensor(thetas[1]))
+    plain, _ = convert(folder, "linear_roberta", feature_map="hedgehog")
+    assert calibrate_window_factors(plain, roberta, rows) is None
 
 
 def test_a_new_head_is_reported_new_not_copied(roberta_folder):
@@ -233,6 +275,22 @@ def test_convert_script_starts_the_window_factor_where_asked(roberta_folder, tmp
     with pytest.raises(SystemExit, match="attention_window"):
         convert_script.main(["--model_name_or_path", str(folder), "--target", "linear_roberta",
                              "--attention_window_factor_init", "2.5", "--output_dir", str(tmp_path / "no-window")])
+    # with distillation the start is calibrated first (reported), unless --calibrate_window_factor False
+    text = tmp_path / "text.txt"
+    words = [f"w{i % 97}" for i in range(4000)]
+    text.write_text("\n".join(" ".join(words[i:i + 40]) for i in range(0, len(words), 40)))
+    distilled = {}
+    for calibrate in ("True", "False"):
+        out = tmp_path / f"distilled-{calibrate}"
+        convert_script.main(["--model_name_or_path", str(folder), "--target", "linear_roberta", "--attention_window",
+                             "4", "--attention_window_factor_init", "2.5", "--output_dir", str(out), "--distill_steps",
+                             "2", "--distill_max_length", "32", "--train_file", str(text), "--eval_rows", "8",
+                             "--calibrate_window_factor", calibrate])
+        distilled[calibrate] = json.loads((out / "conversion_report.json").read_text())["distillation"]
+    assert len(distilled["True"]["window_factor_calibrated"]) == 2
+    assert distilled["True"]["distance_calibrated"] <= distilled["True"]["distance_before"]
+    assert "window_factor_calibrated" not in distilled["False"]
+    assert distilled["True"]["distance_before"] == distilled["False"]["distance_before"]
 
 
 @pytest.mark.slow
