@@ -68,28 +68,27 @@ def _attention(student, layer):
     return layer.attention.self if _is_encoder(student) else layer.attn
 
 
-def _head_losses(student, layer, inputs, teacher_weights, key_mask, shared) -> torch.Tensor:
-    """(H,) attention cross-entropy of one layer's student rows against the teacher's, per head, averaged over the
-    real query rows."""
+def _row_cross_entropy(student, layer, inputs, teacher_weights, key_mask, shared) -> torch.Tensor:
+    """(B, H, n) cross-entropy of one layer's student attention rows against the teacher's rows."""
     if _is_encoder(student):
         _, weights = layer.attention.self(inputs, key_mask, True, shared)
     else:
         _, weights, _, _ = layer.attn(layer.ln_1(inputs), key_mask=key_mask, output_attentions=True,
                                       shared_projection=shared)
-    real = key_mask[:, None, :].float()  # (B, 1, n): average over real query rows only
-    rows = -(teacher_weights * torch.log(weights.float().clamp_min(1e-12))).sum(-1)  # (B, H, n)
-    return (rows * real).sum((0, 2)) / real.sum()
+    return -(teacher_weights * torch.log(weights.float().clamp_min(1e-12))).sum(-1)
 
 
 def layer_losses(student, hidden_states, attentions, attention_mask, mode: str) -> list[torch.Tensor]:
     """One loss per layer: attention cross-entropy (mode 'attention') or relative output error ('layer_output')."""
     layers, shared = _layers(student)
     key_mask = attention_mask.bool()
+    real = key_mask[:, None, :].float()  # (B, 1, n): average over real query rows only
     losses = []
     for index, layer in enumerate(layers):
         inputs = hidden_states[index]
         if mode == "attention":
-            losses.append(_head_losses(student, layer, inputs, attentions[index], key_mask, shared).mean())
+            rows = _row_cross_entropy(student, layer, inputs, attentions[index], key_mask, shared)
+            losses.append((rows * real).sum() / (real.sum() * rows.shape[1]))
         else:
             if _is_encoder(student):
                 output, _ = layer(inputs, key_mask=key_mask, shared_projection=shared)
@@ -143,7 +142,8 @@ def calibrate_window_factors(student, teacher, rows: torch.Tensor, grid=CALIBRAT
         def trial(values: torch.Tensor) -> None:
             nonlocal best_loss, best_theta
             theta.copy_(values)
-            loss = _head_losses(student, layer, hidden[index], attentions[index], key_mask, shared).to(theta.dtype)
+            rows = _row_cross_entropy(student, layer, hidden[index], attentions[index], key_mask, shared)
+            loss = rows.mean((0, 2)).to(theta.dtype)  # per head (every row is real here)
             better = loss < best_loss
             best_loss = torch.where(better, loss, best_loss)
             best_theta = torch.where(better, values, best_theta)
