@@ -299,9 +299,16 @@ def render_markdown(preset_name: str, preset: dict, results: dict, meta: dict) -
             lines.append(f"| {name} | {model['target']}: {options} | (not yet) | | |")
             continue
         distillation = conversion["distillation"]
-        distilled = (f"{distillation['mode']}: {distillation['distance_before']:.4f} -> "
-                     f"{distillation['distance_after']:.4f} ({distillation['steps']} steps, "
-                     f"{distillation['seconds']:.0f} s)") if distillation else "none"
+        distilled = "none"
+        if distillation:
+            calibrated = distillation.get("distance_calibrated")
+            cosine = distillation.get("output_cosine_before")
+            distilled = (f"{distillation['mode']}: {distillation['distance_before']:.4f} -> "
+                         + (f"{calibrated:.4f} (window factor calibrated) -> " if calibrated is not None else "")
+                         + f"{distillation['distance_after']:.4f} ({distillation['steps']} steps, "
+                         f"{distillation['seconds']:.0f} s)"
+                         + (f"; last hidden state's cosine with the source {cosine:.3f} -> "
+                            f"{distillation['output_cosine_after']:.3f}" if cosine is not None else ""))
         lines.append(f"| {name} | {model['target']}: {options} | {conversion['copied_parameters']:,} | "
                      f"{conversion['new_parameters']:,} | {distilled} |")
     if meta.get("failed"):

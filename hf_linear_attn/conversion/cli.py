@@ -19,7 +19,7 @@ from hf_linear_attn.families import max_model_length
 from .convert import (check_source, check_target, convert, extend_max_length, load_source, load_source_config,
                       load_source_tokenizer, save_converted)
 from .distill import (calibrate_window_factors, distill, distillation_distance, distillation_mode,
-                      language_model_quality)
+                      language_model_quality, output_agreement)
 
 FAMILY_OPTIONS = ("linformer_k", "linformer_sharing", "linformer_init", "linformer_normalize_rows",
                   "linformer_drop_unreached_rows", "linformer_block_size", "feature_map", "num_random_features",
@@ -159,6 +159,7 @@ def run_conversion(args: ConvertArguments) -> dict:
         lr = args.distill_lr or (1e-3 if mode == "layer_output" else 1e-2)
         started = time.time()
         before = distillation_distance(model, teacher, eval_rows)
+        agreement_before = output_agreement(model, teacher, eval_rows)
         has_lm_head = report.head in ("masked-lm", "causal-lm") and not missing  # read from the checkpoint
         quality_before = language_model_quality(model, eval_rows, tokenizer) if has_lm_head else None
         calibrated = None
@@ -175,7 +176,9 @@ def run_conversion(args: ConvertArguments) -> dict:
             "distance_before": before,
             **({"window_factor_calibrated": calibrated, "distance_calibrated": calibrated_distance}
                if calibrated else {}),
-            "distance_after": after, "first_loss": history[0], "last_loss": history[-1],
+            "distance_after": after, "output_cosine_before": agreement_before,
+            "output_cosine_after": output_agreement(model, teacher, eval_rows),
+            "first_loss": history[0], "last_loss": history[-1],
             "seconds": round(time.time() - started, 1),
         }
         if quality_before is not None:  # the language-model head came from the checkpoint: compare LM quality too

@@ -235,6 +235,27 @@ def distill(student, teacher, new_names, rows: torch.Tensor, steps: int, batch_s
 
 
 @torch.no_grad()
+def output_agreement(student, teacher, rows: torch.Tensor, batch_size: int = 8) -> float:
+    """Mean cosine similarity of the student's last hidden state to the teacher's, over every token of `rows`: how
+    close the whole converted stack is to its source. The attention distance is per layer and reads each layer on
+    the teacher's own inputs, so it does not show how the layers' errors add up; this does (a pretrained encoder's
+    fine-tuning starts from these states)."""
+    student_was_training, teacher_was_training = student.training, teacher.training
+    student.eval()
+    teacher.eval()
+    total, count = 0.0, 0
+    for start in range(0, len(rows), batch_size):
+        ids = rows[start:start + batch_size]
+        ours = student.base_model(input_ids=ids).last_hidden_state.float()
+        theirs = teacher.base_model(input_ids=ids).last_hidden_state.float()
+        cosine = torch.nn.functional.cosine_similarity(ours, theirs, dim=-1)
+        total, count = total + float(cosine.sum()), count + cosine.numel()
+    student.train(student_was_training)
+    teacher.train(teacher_was_training)
+    return total / count
+
+
+@torch.no_grad()
 def language_model_quality(model, rows: torch.Tensor, tokenizer, batch_size: int = 8, seed: int = 0) -> dict:
     """Masked-LM (15% of non-special tokens replaced by <mask>, fixed seed) or causal-LM loss, perplexity, accuracy."""
     was_training = model.training

@@ -432,9 +432,17 @@ def write_conversion_card(folder: Path, args, report: dict, config, repo_id: str
             (f"{distilled['steps']:,} steps of {distilled['batch_size']} rows of {distilled['rows']} tokens, "
              f"learning rate {distilled['lr']:g}, on {data} ({distilled['train_rows']:,} rows), seed {args.seed}"),
             (f"Distance to the teacher on {distilled['eval_rows']} held-out rows ({split}): "
-             f"{distilled['distance_before']:.4g} after conversion -> {distilled['distance_after']:.4g} after "
-             "distillation"),
+             f"{distilled['distance_before']:.4g} after conversion -> "
+             + (f"{distilled['distance_calibrated']:.4g} once the window factor was calibrated (each head's start "
+                "set to where its attention is nearest the teacher's) -> " if "distance_calibrated" in distilled
+                else "")
+             + f"{distilled['distance_after']:.4g} after distillation"),
         ]
+        if "output_cosine_before" in distilled:
+            distillation.append(
+                f"Cosine similarity of the last hidden state to the teacher's on the same rows (mean over tokens): "
+                f"{distilled['output_cosine_before']:.4f} after conversion -> {distilled['output_cosine_after']:.4f} "
+                "after distillation")
     origin = (f"converted from `{source}` with hf-linear-attn's `scripts/convert.py`"
               + (f", then attention-distilled against it for {distilled['steps']:,} steps on {data}." if distilled
                  else "; its new attention parts are at their initial values (no distillation)."))

@@ -22,7 +22,8 @@ from hf_linear_attn.linformer_projection import project_sequence
 from hf_linear_attn.conversion.convert import convert, extend_max_length
 from hf_linear_attn.training.errors import UsageError
 from hf_linear_attn.conversion.distill import (CALIBRATION_GRID, calibrate_window_factors, distill,
-                                              distillation_distance, layer_losses, teacher_targets)
+                                              distillation_distance, layer_losses, output_agreement,
+                                              teacher_targets)
 
 STOCK_ROBERTA = dict(TINY, type_vocab_size=1, layer_norm_eps=1e-5)
 STOCK_GPT2 = {k: v for k, v in TINY_DECODER.items() if k != "initializer_range"}
@@ -120,6 +121,13 @@ def test_roberta_converts_into_an_encoder_hybrid_whose_full_layers_stay_exact_an
     assert sorted(report.new) == ["roberta.encoder.layer.0.attention.self.feature_map.weight"]
     frozen = {name: p.detach().clone() for name, p in hybrid.named_parameters() if name not in report.new}
     rows = random_ids(16, 32, seed=3)
+    # the last hidden state's agreement with the source: 1 for the model that is RoBERTa; the fresh teacher's rows
+    # are near uniform, which linear attention gets nearly right, so a teacher with sharp rows (weights of scale
+    # 0.5) shows the gap: elu + 1 then agrees far less
+    assert output_agreement(full, roberta, rows) == pytest.approx(1.0, abs=1e-6)
+    torch.manual_seed(0)
+    sharp = RobertaForMaskedLM(RobertaConfig(**STOCK_ROBERTA, initializer_range=0.5)).eval()
+    assert output_agreement(convert(sharp, "linear_roberta")[0], sharp, rows) < 0.9
     distance = distillation_distance(hybrid, roberta, rows)
     distill(hybrid, roberta, list(report.new), rows, steps=30, batch_size=8, progress=False)
     assert distillation_distance(hybrid, roberta, rows) < 0.8 * distance, distance
@@ -287,6 +295,7 @@ def test_convert_script_starts_the_window_factor_where_asked(roberta_folder, tmp
                              "2", "--distill_max_length", "32", "--train_file", str(text), "--eval_rows", "8",
                              "--calibrate_window_factor", calibrate])
         distilled[calibrate] = json.loads((out / "conversion_report.json").read_text())["distillation"]
+    assert all(-1 <= distilled["True"][key] <= 1 for key in ("output_cosine_before", "output_cosine_after"))
     assert len(distilled["True"]["window_factor_calibrated"]) == 2
     assert distilled["True"]["distance_calibrated"] <= distilled["True"]["distance_before"]
     assert "window_factor_calibrated" not in distilled["False"]
