@@ -6,6 +6,7 @@ and passkey retrieval in WikiText-2 text (Landmark Attention's test) after pretr
     nohup nice -n 10 python scripts/recall.py --preset cpu --output_dir results/recall/cpu &   # hours, resumable
     python scripts/recall.py --preset cpu --output_dir results/recall/cpu --report_only          # tables so far
     python scripts/recall.py --preset cpu --output_dir results/recall/cpu --models linear_gpt2 --pairs 64  # a slice
+    python scripts/recall.py --preset cpu --output_dir results/recall/cpu --widths 128      # a slice by model width
     python scripts/recall.py --preset passkey-smoke --output_dir /tmp/passkey-smoke    # passkey, every code path
     python scripts/recall.py --preset passkey-cpu --estimate      # a probe of a few steps: the preset's hours here
 
@@ -35,6 +36,8 @@ def main(argv=None):
     parser.add_argument("--pairs", nargs="+", type=int, metavar="N", help="MQAR: only these pair counts (of the "
                                                                            "preset's); the report still covers every "
                                                                            "finished stage")
+    parser.add_argument("--widths", nargs="+", type=int, metavar="W", help="MQAR: only these model widths (of the "
+                                                                            "preset's)")
     parser.add_argument("--dry_run", action="store_true", help="print every stage and its arguments, run nothing")
     parser.add_argument("--report_only", action="store_true", help="run nothing: write the report from the stages "
                                                                    "finished so far")
@@ -51,12 +54,13 @@ def main(argv=None):
             passkey_runner.estimate(preset, args.models, log=lambda s: print(s, flush=True))
             return
         output_dir = Path(args.output_dir or f"outputs/recall/{preset.stem}")
-        if args.pairs and passkey:
-            raise UsageError("--pairs chooses MQAR pair counts; a passkey preset has none (use --models)")
+        if (args.pairs or args.widths) and passkey:
+            raise UsageError("--pairs and --widths choose MQAR settings; a passkey preset has neither (use --models)")
         (passkey_runner if passkey else runner).run(preset, output_dir, args.models, args.dry_run, args.report_only,
                                                     argv=sys.argv[1:] if argv is None else argv,
                                                     log=lambda s: print(s, flush=True),
-                                                    **({"pairs": args.pairs} if args.pairs else {}))
+                                                    **({"pairs": args.pairs} if args.pairs else {}),
+                                                    **({"widths": args.widths} if args.widths else {}))
     except UsageError as error:
         sys.exit(f"error: {error}")
     if not args.dry_run:

@@ -66,14 +66,16 @@ def dims_for(preset: dict, width: int) -> dict:
             "intermediate_size": preset["ffn_multiple"] * width}
 
 
-def plan(preset: dict, models=None, pairs=None) -> tuple[list[Stage], list[str]]:
+def plan(preset: dict, models=None, pairs=None, widths=None) -> tuple[list[Stage], list[str]]:
     """Every stage, shortest sequences and fewest pairs first (a partial run already holds whole comparisons), and the
-    settings left out because the pairs do not fit the length; `models` / `pairs` keep only those (a slice)."""
+    settings left out because the pairs do not fit the length; `models` / `pairs` / `widths` keep only those (a
+    slice)."""
     models = models or preset["models"]
     check_models(models)
-    if pairs and (unknown := sorted(set(pairs) - set(preset["pairs"]))):
-        raise UsageError(f"--pairs {' '.join(map(str, unknown))}: not among the preset's pair counts "
-                         f"({', '.join(map(str, preset['pairs']))}); name some of those, or add them to the preset")
+    for flag, chosen, key in (("--pairs", pairs, "pairs"), ("--widths", widths, "widths")):
+        if chosen and (unknown := sorted(set(chosen) - set(preset[key]))):
+            raise UsageError(f"{flag} {' '.join(map(str, unknown))}: not among the preset's {key} "
+                             f"({', '.join(map(str, preset[key]))}); name some of those, or add them to the preset")
     stages, left_out = [], []
     # checkpointing is how a stage runs, not what it computes: an option, so stages recorded without it are reused
     options = {"checkpoint_every": preset["checkpoint_every"]} if preset.get("checkpoint_every") else {}
@@ -85,6 +87,8 @@ def plan(preset: dict, models=None, pairs=None) -> tuple[list[Stage], list[str]]
                 left_out.append(f"n = {n}, {count} pairs (needs n >= {4 * count})")
                 continue
             for width in preset["widths"]:
+                if widths and width not in widths:
+                    continue
                 for model in models:
                     stages.append(Stage(f"mqar-n{n}-p{count}-w{width}/{model}", "mqar", {
                         "model": model, "length": n, "pairs": count, "width": width, "dims": dims_for(preset, width),
@@ -271,13 +275,14 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def run(preset_path: Path, output_dir: Path, models=None, dry_run=False, report_only=False, argv=None,
-        log=print, pairs=None) -> dict:
-    """Run the preset's stages (only `models` / `pairs` where given: a slice) and report every finished stage of the
-    whole preset, so a slice run adds its rows to the committed table instead of replacing it with the slice's."""
+        log=print, pairs=None, widths=None) -> dict:
+    """Run the preset's stages (only `models` / `pairs` / `widths` where given: a slice) and report every finished
+    stage of the whole preset, so a slice run adds its rows to the committed table instead of replacing it with the
+    slice's."""
     from benchmarks.measuring import describe_hardware, describe_machine, hardware_of_records
 
     preset = load_preset(preset_path)
-    stages, _ = plan(preset, models, pairs)
+    stages, _ = plan(preset, models, pairs, widths)
     whole, left_out = plan(preset)
     if dry_run:
         for stage in stages:
@@ -302,7 +307,7 @@ def run(preset_path: Path, output_dir: Path, models=None, dry_run=False, report_
             "hardware": hardware_of_records(finished.values()),
             "left_out": left_out, "date": time.strftime("%Y-%m-%d"),
             "command": "python scripts/recall.py " + shlex.join(whole_command(sys.argv[1:] if argv is None else argv,
-                                                                                ("--models", "--pairs"))),
+                                                                                ("--models", "--pairs", "--widths"))),
             "notes": (f"{preset['num_layers']} layers, head size {preset['head_size']}, feed-forward "
                       f"{preset['ffn_multiple']}x width; {preset['num_keys']} key and {preset['num_values']} value "
                       f"tokens; {preset['steps']} steps x batch {preset['batch_size']} of fresh sequences, AdamW lr "

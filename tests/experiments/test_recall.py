@@ -179,8 +179,12 @@ def test_the_script_runs_the_smoke_preset_resumes_and_rerenders(tmp_path):
 
 def test_a_slice_run_reports_every_finished_stage_of_the_preset_under_the_whole_command(tmp_path):
     preset = REPO_ROOT / "configs" / "recall" / "smoke.json"
-    with pytest.raises(UsageError, match="--pairs 3: not among the preset's pair counts"):
+    with pytest.raises(UsageError, match="--pairs 3: not among the preset's pairs"):
         plan(load_preset(preset), pairs=[3])
+    with pytest.raises(UsageError, match="--widths 64: not among the preset's widths"):
+        plan(load_preset(preset), widths=[64])
+    wide = {**load_preset(preset), "widths": [32, 64]}
+    assert {s.args["width"] for s in plan(wide, widths=[64])[0]} == {64} and len(plan(wide)[0]) == 20
     argv = ["--preset", "smoke", "--output_dir", str(tmp_path)]
     first = run(preset, tmp_path, models=["gpt2_sdpa"], pairs=[2], argv=argv + ["--models", "gpt2_sdpa", "--pairs",
                                                                                 "2"], log=lambda s: None)
