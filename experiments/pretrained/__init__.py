@@ -436,11 +436,11 @@ def run(preset_path: Path, root: Path, output_dir=None, seeds=None, tasks=None, 
                 known[stage.key] = record["output_digest"]
         return record
 
-    running = {stage.name for stage in stages}
-    # every stage's record, read once and in order (a conversion's recorded digest precedes its fine-tunes); the
-    # preset's stages outside the slice count in the report where they have finished
+    # every stage's record, read once and in order (a conversion's recorded digest precedes its fine-tunes); every
+    # finished stage counts in the report from the start, the slice's own included, so that a slice's first report
+    # does not count fewer stages than the committed table and leave it unwritten until the slice's last stage
     found = {stage.name: finished(stage) for stage in whole}
-    records.update((name, record) for name, record in found.items() if record is not None and name not in running)
+    records.update((name, record) for name, record in found.items() if record is not None)
     for number, stage in enumerate(stages, 1):
         record = found[stage.name]
         if record is None and (report_only or (max_stages is not None and ran >= max_stages)):

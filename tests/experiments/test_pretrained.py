@@ -3,6 +3,7 @@ multiple choice built from WikiText-2 too), without running a fine-tune."""
 
 import importlib.util
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -266,7 +267,8 @@ def test_the_qa_preset_command_dry_run_prints_its_stages_and_builds_nothing(tmp_
 
 
 @needs_data  # the preset's data files are checked when it is read, and the majority class is read from them
-def test_a_slice_run_adds_its_scores_to_the_whole_presets_table_instead_of_replacing_it(tmp_path, monkeypatch):
+def test_a_slice_run_adds_its_scores_to_the_whole_presets_table_instead_of_replacing_it(tmp_path, monkeypatch,
+                                                                                     capsys):
     """`--seeds 1 --models X --results_dir results/...` runs a slice; the table it writes must still hold every
     finished stage of the preset (the seed-42 scores run earlier), or a slice run would erase the committed table."""
     import experiments.pretrained as pretrained
@@ -312,6 +314,20 @@ def test_a_slice_run_adds_its_scores_to_the_whole_presets_table_instead_of_repla
     pretrained.run(tmp_path / "p.json", REPO_ROOT, output_dir=tmp_path / "elsewhere",
                    results_dir=tmp_path / "committed", report_only=True, argv=[])
     assert (tmp_path / "committed" / "results.md").read_text() == table
+    # a stage run again (its folder and record dropped, as when a conversion is redone): the slice's other finished
+    # stages count from the slice's first report, so the committed table is rewritten after every stage, not left
+    # as it was until the slice's last stage
+    redone = f"fine-tune {preset['baseline']} on SST-2 (seed 42)"
+    shutil.rmtree(tmp_path / "out" / "finetune" / "minilm-softmax-stock-bert" / "sst2-seed42")
+    records = json.loads((tmp_path / "committed" / "records.json").read_text())
+    records["stages"] = {key: r for key, r in records["stages"].items() if "minilm-softmax-stock-bert/sst2-seed42"
+                         not in key}
+    (tmp_path / "committed" / "records.json").write_text(json.dumps(records))
+    ran.clear()
+    capsys.readouterr()
+    third = pretrained.run(tmp_path / "p.json", REPO_ROOT, seeds=[42], **common)
+    assert ran == [redone] and third["meta"]["stages_done"] == 5
+    assert "not rewriting" not in capsys.readouterr().out
 
 
 @needs_data  # the preset's data files are checked when it is read, and the majority class is read from them
