@@ -1,6 +1,7 @@
 """Conversion of RoBERTa / GPT-2 checkpoints, attention distillation and Linformer length extension."""
 
 import json
+import math
 
 import convert as convert_script  # scripts/convert.py
 import pytest
@@ -139,8 +140,6 @@ def test_window_factor_calibration_finds_each_heads_best_start(roberta_folder, g
     (near-uniform rows, q.k near 0) elu + 1's phi(q).phi(k) is near the head size m, so the keys weigh evenly at
     g = m: theta near log(m), issue 41's analysis. Per head it is at least as good as any one value for all heads;
     full layers of a hybrid are left alone; without a window there is nothing to calibrate."""
-    import math
-
     folder, roberta = roberta_folder
     rows = random_ids(8, 32, seed=5)
     student, _ = convert(folder, "linear_roberta", attention_window=4)
