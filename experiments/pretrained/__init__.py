@@ -305,8 +305,9 @@ def render_markdown(preset_name: str, preset: dict, results: dict, meta: dict) -
             cosine = distillation.get("output_cosine_before")
             distilled = (f"{distillation['mode']}: {distillation['distance_before']:.4f} -> "
                          + (f"{calibrated:.4f} (window factor calibrated) -> " if calibrated is not None else "")
-                         + f"{distillation['distance_after']:.4f} ({distillation['steps']} steps, "
-                         f"{distillation['seconds']:.0f} s)"
+                         + f"{distillation['distance_after']:.4f} ({distillation['steps']} steps"
+                         + (f", then {distillation['output_steps']} end to end" if distillation.get("output_steps")
+                            else "") + f", {distillation['seconds']:.0f} s)"
                          + (f"; last hidden state's cosine with the source {cosine:.3f} -> "
                             f"{distillation['output_cosine_after']:.3f}" if cosine is not None else ""))
         lines.append(f"| {name} | {model['target']}: {options} | {conversion['copied_parameters']:,} | "

@@ -69,6 +69,10 @@ class ConvertArguments(HubArguments):
     distill_batch_size: int = field(default=8)
     distill_lr: float | None = field(default=None, metadata={"help": "default 1e-2 for feature maps, 1e-3 for E / F"})
     distill_max_length: int = field(default=128, metadata={"help": "tokens per distillation row"})
+    distill_output_steps: int = field(default=0, metadata={
+        "help": "after --distill_steps: N more steps training the same new parts against the teacher's last hidden "
+                "state, end to end (each layer on the student's own inputs, so it learns to correct the layers "
+                "below); 0: none"})
     calibrate_window_factor: bool = field(default=True, metadata={
         "help": "with a window and distillation: before distilling, set each head's window factor to the value whose "
                 "attention is nearest the teacher's on the first batch (a grid search); False starts from "
@@ -140,6 +144,9 @@ def run_conversion(args: ConvertArguments) -> dict:
     check_source(source_config, args.target)
     tokenizer = _source_tokenizer(args)
     longest = max_model_length(source_config)
+    if args.distill_output_steps < 0 or (args.distill_output_steps and not args.distill_steps):
+        raise UsageError(f"--distill_output_steps {args.distill_output_steps} needs a positive number of steps after "
+                         "--distill_steps N (the per-layer distillation runs first): pass --distill_steps, e.g. 100.")
     if args.distill_steps and args.distill_max_length > longest:
         raise UsageError(f"--distill_max_length {args.distill_max_length} exceeds the teacher's longest input "
                          f"({longest} tokens, its position table); lower it to at most {longest}. The teacher cannot "
@@ -169,6 +176,14 @@ def run_conversion(args: ConvertArguments) -> dict:
         calibrated_distance = distillation_distance(model, teacher, eval_rows) if calibrated else None
         history = distill(model, teacher, report.new, train_rows, args.distill_steps, args.distill_batch_size, lr,
                           seed=args.seed)
+        end_to_end = None
+        if args.distill_output_steps:
+            layered = distillation_distance(model, teacher, eval_rows), output_agreement(model, teacher, eval_rows)
+            output_history = distill(model, teacher, report.new, train_rows, args.distill_output_steps,
+                                     args.distill_batch_size, lr, seed=args.seed + 1, objective="output")
+            end_to_end = {"output_steps": args.distill_output_steps, "distance_layers_only": layered[0],
+                          "output_cosine_layers_only": layered[1], "output_first_loss": output_history[0],
+                          "output_last_loss": output_history[-1]}
         after = distillation_distance(model, teacher, eval_rows)
         report.distillation = {
             "mode": mode, "steps": args.distill_steps, "batch_size": args.distill_batch_size,
@@ -178,7 +193,7 @@ def run_conversion(args: ConvertArguments) -> dict:
                if calibrated else {}),
             "distance_after": after, "output_cosine_before": agreement_before,
             "output_cosine_after": output_agreement(model, teacher, eval_rows),
-            "first_loss": history[0], "last_loss": history[-1],
+            "first_loss": history[0], "last_loss": history[-1], **(end_to_end or {}),
             "seconds": round(time.time() - started, 1),
         }
         if quality_before is not None:  # the language-model head came from the checkpoint: compare LM quality too

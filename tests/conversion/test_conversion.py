@@ -174,6 +174,25 @@ def test_window_factor_calibration_finds_each_heads_best_start(roberta_folder, g
     assert calibrate_window_factors(plain, roberta, rows) is None
 
 
+def test_end_to_end_distillation_brings_the_last_hidden_state_closer_and_trains_only_the_new_parts():
+    """The "output" objective: the student's whole stack on its own states against the teacher's last hidden state.
+    On a teacher with sharp attention rows (weights of scale 0.5, where linear attention is far from softmax) it
+    must raise the last hidden state's cosine with the teacher's, touching only the new parts (hedgehog's maps)."""
+    torch.manual_seed(0)
+    sharp = RobertaForMaskedLM(RobertaConfig(**STOCK_ROBERTA, initializer_range=0.5)).eval()
+    student, report = convert(sharp, "linear_roberta", feature_map="hedgehog")
+    frozen = {name: p.detach().clone() for name, p in student.named_parameters() if name not in report.new}
+    rows = random_ids(32, 32, seed=7)
+    before = output_agreement(student, sharp, rows)
+    losses = distill(student, sharp, list(report.new), rows, steps=80, batch_size=8, progress=False,
+                     objective="output")
+    assert output_agreement(student, sharp, rows) > before + 0.02, before
+    assert losses[-1] < losses[0]
+    assert all(torch.equal(p, frozen[name]) for name, p in student.named_parameters() if name in frozen)
+    with pytest.raises(UsageError, match="Unknown distillation objective 'logits'"):
+        distill(student, sharp, list(report.new), rows, steps=1, objective="logits")
+
+
 def test_a_new_head_is_reported_new_not_copied(roberta_folder):
     folder, _ = roberta_folder
     model, report = convert(folder, "linear_roberta", head="sequence-classification")
@@ -295,6 +314,9 @@ def test_convert_script_starts_the_window_factor_where_asked(roberta_folder, tmp
                              "--calibrate_window_factor", calibrate])
         distilled[calibrate] = json.loads((out / "conversion_report.json").read_text())["distillation"]
     assert all(-1 <= distilled["True"][key] <= 1 for key in ("output_cosine_before", "output_cosine_after"))
+    with pytest.raises(SystemExit, match="--distill_output_steps 5 needs"):
+        convert_script.main(["--model_name_or_path", str(folder), "--target", "linear_roberta", "--output_dir",
+                             str(tmp_path / "refused"), "--distill_output_steps", "5"])
     assert len(distilled["True"]["window_factor_calibrated"]) == 2
     assert distilled["True"]["distance_calibrated"] <= distilled["True"]["distance_before"]
     assert "window_factor_calibrated" not in distilled["False"]
