@@ -7,6 +7,8 @@ the layers below it:
   phi(q_i).phi(k_j) / sum_j' phi(q_i).phi(k_j') against the teacher's softmax rows, by cross-entropy (reported as
   KL divergence, zero when they agree);
 - Linformer (E / F): the layer output against the teacher's, by relative squared error.
+A window's factor is first calibrated per head (calibrate_window_factors), and the "output" objective then trains
+the same new parts end to end against the teacher's last hidden state (output_loss; output_agreement measures it).
 The shared weights stay frozen; fine-tune the result with the pipeline scripts as any checkpoint.
 """
 
