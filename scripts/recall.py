@@ -59,8 +59,7 @@ def main(argv=None):
         (passkey_runner if passkey else runner).run(preset, output_dir, args.models, args.dry_run, args.report_only,
                                                     argv=sys.argv[1:] if argv is None else argv,
                                                     log=lambda s: print(s, flush=True),
-                                                    **({"pairs": args.pairs} if args.pairs else {}),
-                                                    **({"widths": args.widths} if args.widths else {}))
+                                                    **({} if passkey else {"pairs": args.pairs, "widths": args.widths}))
     except UsageError as error:
         sys.exit(f"error: {error}")
     if not args.dry_run:

@@ -230,6 +230,21 @@ def _floor(task: str, majority: dict) -> str:
                  100 * figure["exact_match"] if "exact_match" in figure else None)
 
 
+def _distillation_cell(d: dict) -> str:
+    """A conversion's distillation in one table cell: the distance before, after calibrating a window's factor (where
+    it was), after distilling; the steps; the last hidden state's cosine with the source (where recorded)."""
+    distances = [f"{d['distance_before']:.4f}"]
+    if d.get("distance_calibrated") is not None:
+        distances.append(f"{d['distance_calibrated']:.4f} (window factor calibrated)")
+    distances.append(f"{d['distance_after']:.4f}")
+    steps = f"{d['steps']} steps" + (f", then {d['output_steps']} end to end" if d.get("output_steps") else "")
+    cell = f"{d['mode']}: {' -> '.join(distances)} ({steps}, {d['seconds']:.0f} s)"
+    if d.get("output_cosine_before") is not None:
+        cell += (f"; last hidden state's cosine with the source {d['output_cosine_before']:.3f} -> "
+                 f"{d['output_cosine_after']:.3f}")
+    return cell
+
+
 def render_markdown(preset_name: str, preset: dict, results: dict, meta: dict) -> str:
     tasks = [task for task in TASK_ORDER if task in preset["finetune"]]
     # a preset of classification tasks only keeps its table as it was: accuracy, and the majority class as the floor
@@ -299,17 +314,7 @@ def render_markdown(preset_name: str, preset: dict, results: dict, meta: dict) -
             lines.append(f"| {name} | {model['target']}: {options} | (not yet) | | |")
             continue
         distillation = conversion["distillation"]
-        distilled = "none"
-        if distillation:
-            calibrated = distillation.get("distance_calibrated")
-            cosine = distillation.get("output_cosine_before")
-            distilled = (f"{distillation['mode']}: {distillation['distance_before']:.4f} -> "
-                         + (f"{calibrated:.4f} (window factor calibrated) -> " if calibrated is not None else "")
-                         + f"{distillation['distance_after']:.4f} ({distillation['steps']} steps"
-                         + (f", then {distillation['output_steps']} end to end" if distillation.get("output_steps")
-                            else "") + f", {distillation['seconds']:.0f} s)"
-                         + (f"; last hidden state's cosine with the source {cosine:.3f} -> "
-                            f"{distillation['output_cosine_after']:.3f}" if cosine is not None else ""))
+        distilled = _distillation_cell(distillation) if distillation else "none"
         lines.append(f"| {name} | {model['target']}: {options} | {conversion['copied_parameters']:,} | "
                      f"{conversion['new_parameters']:,} | {distilled} |")
     if meta.get("failed"):

@@ -158,12 +158,17 @@ def recalled_at(rows: list[dict], model: str, length: int, width: int, threshold
     return best
 
 
+def _state_points(rows: list[dict], model: str, length: int, pairs: int) -> list[tuple[int, float]]:
+    """(state bytes, accuracy) of a model at (length, pairs), one per width measured, smallest state first."""
+    return sorted((r["state_bytes"], r["accuracy"]) for r in rows
+                  if (r["model"], r["length"], r["pairs"]) == (model, length, pairs) and r["state_bytes"])
+
+
 def state_threshold(rows: list[dict], model: str, length: int, pairs: int, threshold: float = 0.9):
     """Where a model's accuracy at (length, pairs) crosses `threshold` along the state sizes measured (its widths):
     (the smallest state from which every larger one measured stays at or above it, the largest state below it), each
     None where no measured state is such; None when fewer than two states were measured (no crossing to read)."""
-    points = sorted((r["state_bytes"], r["accuracy"]) for r in rows
-                    if (r["model"], r["length"], r["pairs"]) == (model, length, pairs) and r["state_bytes"])
+    points = _state_points(rows, model, length, pairs)
     if len(points) < 2:
         return None
     holds, below = None, None
@@ -190,8 +195,7 @@ def render_thresholds(rows: list[dict], models: list[str], threshold: float = 0.
             if found is None:
                 continue
             holds, below = found
-            states = sorted({r["state_bytes"] for r in rows if (r["model"], r["length"], r["pairs"]) == (model, n, p)
-                             and r["state_bytes"]})
+            states = [state for state, _ in _state_points(rows, model, n, p)]
             lines.append(f"| {LABELS.get(model, model)} | {', '.join(_kib(x) for x in states)} | "
                          f"{_kib(holds) if holds else 'none measured'} | "
                          f"{_kib(below) if below else 'none measured'} |")

@@ -138,23 +138,20 @@ def calibrate_window_factors(student, teacher, rows: torch.Tensor, grid=CALIBRAT
             chosen.append(None)
             continue
         theta = factor.log_factor
-        best_loss = torch.full_like(theta, float("inf"))
-        best_theta = theta.detach().clone()
 
-        def trial(values: torch.Tensor) -> None:
-            nonlocal best_loss, best_theta
-            theta.copy_(values)
-            rows = _row_cross_entropy(student, layer, hidden[index], attentions[index], key_mask, shared)
-            loss = rows.mean((0, 2)).to(theta.dtype)  # per head (every row is real here)
-            better = loss < best_loss
-            best_loss = torch.where(better, loss, best_loss)
-            best_theta = torch.where(better, values, best_theta)
+        def best_of(candidates: torch.Tensor) -> torch.Tensor:
+            """(C, H) thetas -> (H,): each head's candidate with the least cross-entropy (the first on a tie)."""
+            losses = []
+            for values in candidates:
+                theta.copy_(values)
+                rows = _row_cross_entropy(student, layer, hidden[index], attentions[index], key_mask, shared)
+                losses.append(rows.mean((0, 2)))  # per head (every row is real here)
+            return candidates.gather(0, torch.stack(losses).argmin(0)[None])[0]
 
-        for value in grid:
-            trial(torch.full_like(theta, value))
-        coarse = best_theta.clone()
-        for offset in refinement:
-            trial(coarse + offset)
+        heads = theta.numel()
+        coarse = best_of(torch.tensor(grid, dtype=theta.dtype)[:, None].expand(-1, heads))
+        steps = torch.tensor((0.0, *refinement), dtype=theta.dtype)[:, None]  # 0 first: the coarse value wins ties
+        best_theta = best_of(coarse[None] + steps)
         theta.copy_(best_theta)
         chosen.append([float(x) for x in best_theta])
     student.train(was_training)
@@ -191,12 +188,18 @@ def distillation_distance(student, teacher, rows: torch.Tensor, batch_size: int 
     return total / count
 
 
+def _last_hidden_states(student, teacher, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the student's, the teacher's) last hidden state in float32, each running its own whole stack; the teacher's
+    without gradients."""
+    with torch.no_grad():
+        theirs = teacher.base_model(input_ids=ids).last_hidden_state.float()
+    return student.base_model(input_ids=ids).last_hidden_state.float(), theirs
+
+
 def output_loss(student, teacher, ids: torch.Tensor) -> torch.Tensor:
     """Relative squared error of the student's last hidden state against the teacher's, the student running its whole
     stack on its own states (end to end)."""
-    with torch.no_grad():
-        target = teacher.base_model(input_ids=ids).last_hidden_state.float()
-    ours = student.base_model(input_ids=ids).last_hidden_state.float()
+    ours, target = _last_hidden_states(student, teacher, ids)
     return ((ours - target) ** 2).sum() / (target**2).sum()
 
 
@@ -270,8 +273,7 @@ def output_agreement(student, teacher, rows: torch.Tensor, batch_size: int = 8) 
     total, count = 0.0, 0
     for start in range(0, len(rows), batch_size):
         ids = rows[start:start + batch_size]
-        ours = student.base_model(input_ids=ids).last_hidden_state.float()
-        theirs = teacher.base_model(input_ids=ids).last_hidden_state.float()
+        ours, theirs = _last_hidden_states(student, teacher, ids)
         cosine = torch.nn.functional.cosine_similarity(ours, theirs, dim=-1)
         total, count = total + float(cosine.sum()), count + cosine.numel()
     student.train(student_was_training)
