@@ -50,8 +50,11 @@ CONVERT_HEADS = {"sequence_classification": "sequence-classification", "question
                  "multiple_choice": "multiple-choice"}
 # A model entry: "stock" (the source as it is) or "target" with convert.py's "args" ("distill": with the preset's
 # distillation settings); "tasks" limits it to some tasks and "finetune_args" overrides the tasks' fine-tuning
-# arguments for it (a model extended past 512 positions fine-tuned at n = 1,024, say).
-MODEL_KEYS = {"stock", "target", "args", "distill", "tasks", "finetune_args"}
+# arguments for it (a model extended past 512 positions fine-tuned at n = 1,024, say). "teacher" names an earlier
+# model of the preset: the conversion's source is then that model's own fine-tune at the same task and seed, not the
+# pretrained checkpoint (Hedgehog's recipe for a task model: convert the fine-tuned model, distil on the task's
+# inputs, fine-tune again), so there is one conversion per task and seed.
+MODEL_KEYS = {"stock", "target", "args", "distill", "tasks", "finetune_args", "teacher"}
 
 
 def source_folder(source: dict, root: Path) -> Path:
@@ -104,6 +107,11 @@ def load_preset(path: Path, root: Path) -> dict:
         if unknown_keys:
             raise ReproductionError(f"{path}: model {name!r} has unknown keys {sorted(unknown_keys)}; known: "
                                     f"{sorted(MODEL_KEYS)}")
+        earlier = list(preset["models"])[: list(preset["models"]).index(name)]
+        if "teacher" in model and (model["teacher"] not in earlier or "target" not in model):
+            raise ReproductionError(f"{path}: model {name!r} has teacher {model['teacher']!r}, which must be a model "
+                                    "listed before it (its fine-tunes are the conversion's source), and a 'target'; "
+                                    f"the models before it: {earlier}")
         missing = [task for task in model.get("tasks", []) if task not in preset["finetune"]]
         if missing:
             raise ReproductionError(f"{path}: model {name!r} lists tasks {missing} that the preset does not fine-tune; "
@@ -117,7 +125,7 @@ def plan(preset: dict, source: Path, output_dir: Path, root: Path, seeds=None, t
     seeds = list(seeds or preset["seeds"])
     tasks = [task for task in TASK_ORDER if task in preset["finetune"] and (not tasks or task in tasks)]
     names = [name for name in preset["models"] if not models or name in models or name == preset["baseline"]]
-    stages, converted = [], {}
+    stages, converted, finetuned = [], {}, {}
     for seed in seeds:
         for task in tasks:
             entry = built_tasks.with_data(task, preset["finetune"][task], output_dir)
@@ -127,21 +135,33 @@ def plan(preset: dict, source: Path, output_dir: Path, root: Path, seeds=None, t
                 if task not in model.get("tasks", [task]):
                     continue
                 folder = source
-                if not model.get("stock"):
+                if model.get("teacher"):  # from the teacher's fine-tune at this task and seed
+                    teacher = finetuned.get((model["teacher"], task, seed))
+                    if teacher is not None:
+                        teacher.info["upstream"] = True  # its record keeps its weights' digest (with_outcome)
+                    else:
+                        raise ReproductionError(f"model {name!r} converts {model['teacher']!r}'s {task} fine-tune at "
+                                                f"seed {seed}, which this run does not plan; add it to --models")
+                    folder, key = output_dir / "convert" / slug(name) / f"{task}-seed{seed}", (name, head, task, seed)
+                    title, conversion_source = f"convert {name} on {TASK_TITLES[task]} (seed {seed})", teacher.folder
+                elif not model.get("stock"):
                     # the sequence-classification conversion keeps its first name and folder (the committed runs')
                     default = head == CONVERT_HEADS["sequence_classification"]
                     folder = output_dir / "convert" / (slug(name) if default else f"{slug(name)}-{head}")
-                    if (name, head) not in converted:
-                        argv = ["--model_name_or_path", str(source), "--target", model["target"],
-                                "--head", head, "--output_dir", str(folder),
-                                *flags({**(preset.get("convert", {}) if model.get("distill") else {}),
-                                        **model.get("args", {})})]
-                        converted[name, head] = Stage(f"convert {name}" + ("" if default else f" ({head} head)"),
-                                                      "scripts/convert.py", folder, argv, "conversion_report.json",
-                                                      output_dir, root, {"kind": "convert", "model": name})
-                        stages.append(converted[name, head])
+                    key, conversion_source = (name, head), source
+                    title = f"convert {name}" + ("" if default else f" ({head} head)")
+                if not model.get("stock") and key not in converted:
+                    argv = ["--model_name_or_path", str(conversion_source), "--target", model["target"],
+                            "--head", head, "--output_dir", str(folder),
+                            *flags({key: value for key, value in {
+                                **(preset.get("convert", {}) if model.get("distill") else {}),
+                                **model.get("args", {})}.items() if value is not None})]  # null: the preset's left out
+                    converted[key] = Stage(title, "scripts/convert.py", folder, argv, "conversion_report.json",
+                                           output_dir, root, {"kind": "convert", "model": name})
+                    stages.append(converted[key])
                 tuned = {**entry, "args": {**entry.get("args", {}), **model.get("finetune_args", {})}}
                 stages.append(finetune_stage(name, task, tuned, folder, seed, output_dir, root))
+                finetuned[name, task, seed] = stages[-1]
     return stages
 
 
@@ -165,6 +185,8 @@ def collect(preset: dict, stages: list, records: dict) -> dict:
         entry = results[stage.info["model"]]
         entry["seconds"] += record.get("seconds", 0.0)
         if stage.info["kind"] == "convert":
+            if entry["conversion"] is not None:  # converted per task and seed (a teacher): the first one's figures
+                continue
             report = record["result"]
             entry["conversion"] = {"new_parameters": report["new_parameters"],
                                    "copied_parameters": report["copied_parameters"],
@@ -309,7 +331,7 @@ def render_markdown(preset_name: str, preset: dict, results: dict, meta: dict) -
         if model.get("stock"):
             continue
         conversion = entry["conversion"]
-        options = ", ".join(f"{k}={v}" for k, v in model.get("args", {}).items())
+        options = ", ".join(f"{k}={v}" for k, v in model.get("args", {}).items() if v is not None)
         if conversion is None:
             lines.append(f"| {name} | {model['target']}: {options} | (not yet) | | |")
             continue
@@ -426,7 +448,9 @@ def run(preset_path: Path, root: Path, output_dir=None, seeds=None, tasks=None, 
         return True
 
     failed = {}  # stage name -> why; its fine-tunes are skipped, the rest go on (a rerun retries them)
-    conversions = {str(stage.folder): stage for stage in whole if stage.info["kind"] == "convert"}
+    # the stages whose weights a later stage starts from: conversions, and the fine-tunes a teacher's conversion reads
+    producers = {str(stage.folder): stage for stage in whole
+                 if stage.info["kind"] == "convert" or stage.info.get("upstream")}
     planned = {stage.key for stage in whole}
     known, vouched = {}, set()  # converted folder key -> weight digest known only from the archive; those relied on
 
@@ -442,6 +466,22 @@ def run(preset_path: Path, root: Path, output_dir=None, seeds=None, tasks=None, 
                 known[stage.key] = record["output_digest"]
         return record
 
+    def upstream_of(stage):
+        """The stage whose weights `stage` starts from (a conversion, a teacher's fine-tune), or None."""
+        return producers.get(stage.argv[stage.argv.index("--model_name_or_path") + 1])
+
+    def restore(stage, number):
+        """Run again, furthest upstream first, the stages whose weights `stage` needs but this run knows only from
+        the records (a teacher's fine-tune, then the conversion of it)."""
+        upstream = upstream_of(stage)
+        if upstream is None or upstream.key not in known:
+            return
+        restore(upstream, number)
+        print(f"[{number}/{len(stages)}] {upstream.name} again (known here only from the records) ...", flush=True)
+        records[upstream.name] = rerun_upstream(
+            upstream, launcher, known, vouched, "pass another --results_dir (or --records) to run the preset afresh",
+            run=run_stage)
+
     # every stage's record, read once and in order (a conversion's recorded digest precedes its fine-tunes); every
     # finished stage counts in the report from the start, the slice's own included, so that a slice's first report
     # does not count fewer stages than the committed table and leave it unwritten until the slice's last stage
@@ -451,17 +491,12 @@ def run(preset_path: Path, root: Path, output_dir=None, seeds=None, tasks=None, 
         record = found[stage.name]
         if record is None and (report_only or (max_stages is not None and ran >= max_stages)):
             continue
-        upstream = conversions.get(stage.argv[stage.argv.index("--model_name_or_path") + 1])
+        upstream = upstream_of(stage)
         if record is None and upstream is not None and upstream.name in failed:
             continue
         if record is None:
             try:
-                if upstream is not None and upstream.key in known:  # its weights are only in the records: convert
-                    print(f"[{number}/{len(stages)}] {upstream.name} again (known here only from the records) ...",
-                          flush=True)
-                    records[upstream.name] = rerun_upstream(
-                        upstream, launcher, known, vouched,
-                        "pass another --results_dir (or --records) to run the preset afresh", run=run_stage)
+                restore(stage, number)
                 print(f"[{number}/{len(stages)}] {stage.name} ...", flush=True)
                 record, _ = run_stage(stage, launcher)
             except ReproductionError as error:

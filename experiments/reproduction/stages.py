@@ -314,12 +314,14 @@ def run_stage(stage: Stage, launcher: list[str]) -> tuple[dict, bool]:
 
 def with_outcome(stage: Stage, record: dict) -> dict:
     """The record with what the stage produced, read from its folder where the record lacks it: the result file's
-    metrics, and for a pretraining or a conversion the digest of the weights it wrote and their parameter count.
-    With these a records file stands for the stage in a run that does not have its folder."""
+    metrics, and for a pretraining, a conversion or a fine-tune that a later stage starts from (info "upstream") the
+    digest of the weights it wrote and their parameter count. With these a records file stands for the stage in a
+    run that does not have its folder."""
     record = dict(record)
     if "result" not in record:
         record["result"] = _read_json(stage.folder / stage.marker, "the stage's results")
-    if stage.script.endswith(("pretrain.py", "convert.py")) and "output_digest" not in record:
+    if (stage.script.endswith(("pretrain.py", "convert.py")) or stage.info.get("upstream")) \
+            and "output_digest" not in record:
         record["output_digest"] = folder_digest(stage.folder)
         record["parameters"] = count_parameters(stage.folder)
     return record

@@ -14,11 +14,11 @@ from hf_linear_attn.training.checkpoints import disk_full_error, is_disk_full
 from hf_linear_attn.training.data import load_text_corpus, pack_corpus
 from hf_linear_attn.training.errors import UsageError
 from hf_linear_attn.training.hub import HubArguments, hub_repo_id, push_folder, write_conversion_card
-from hf_linear_attn.families import max_model_length
+from hf_linear_attn.families import MODEL_FAMILIES, max_model_length
 
 from .convert import (check_source, check_target, convert, extend_max_length, load_source, load_source_config,
                       load_source_tokenizer, save_converted)
-from .distill import (calibrate_window_factors, distill, distillation_distance, distillation_mode,
+from .distill import (DistillationRows, calibrate_window_factors, distill, distillation_distance, distillation_mode,
                       language_model_quality, output_agreement)
 
 FAMILY_OPTIONS = ("linformer_k", "linformer_sharing", "linformer_init", "linformer_normalize_rows",
@@ -82,6 +82,10 @@ class ConvertArguments(HubArguments):
     train_file: str | None = field(default=None, metadata={"help": "local text / json / parquet for distillation"})
     validation_file: str | None = field(default=None)
     text_column: str = field(default="text")
+    text_pair_column: str | None = field(default=None, metadata={
+        "help": "encoders: distil on sentence pairs, the second text in this column beside --text_column (e.g. a GLUE "
+                "TSV's question / sentence): each row is one pair framed as a classifier reads it, [CLS] a [SEP] b "
+                "[SEP] with token types, up to --distill_max_length tokens (padded, not packed)"})
     validation_split_percentage: float = field(default=5.0)
     eval_rows: int = field(default=64, metadata={"help": "validation rows for the before / after figures"})
     extend_max_length: int | None = field(default=None, metadata={"help": "new maximum input length (encoders)"})
@@ -106,10 +110,25 @@ def _rows(args, tokenizer, objective: str):
         raise UsageError("Distillation needs text: pass --train_file (e.g. WikiText-2) or --dataset_name.")
     corpus, validation_source = load_text_corpus(args.dataset_name, args.dataset_config_name, args.train_file,
                                                  args.validation_file, args.text_column,
-                                                 args.validation_split_percentage, args.seed)
-    packed = pack_corpus(corpus, _framing_tokenizer(tokenizer), args.distill_max_length, objective)
-    train, validation = (packed[split].with_format("torch")[:]["input_ids"] for split in ("train", "validation"))
+                                                 args.validation_split_percentage, args.seed, args.text_pair_column)
+    if args.text_pair_column:
+        train, validation = (_pair_rows(corpus[split], tokenizer, args.distill_max_length)
+                             for split in ("train", "validation"))
+    else:
+        packed = pack_corpus(corpus, _framing_tokenizer(tokenizer), args.distill_max_length, objective)
+        train, validation = (DistillationRows(packed[split].with_format("torch")[:]["input_ids"])
+                             for split in ("train", "validation"))
     return train, validation[: args.eval_rows], validation_source
+
+
+def _pair_rows(pairs, tokenizer, max_length: int) -> DistillationRows:
+    """One row per sentence pair, framed as sequence classification frames it (the tokenizer's pair template: BERT's
+    [CLS] a [SEP] b [SEP] with token types 0 / 1), cut to max_length (longest first) and padded on the right. Why
+    pairs: attention distilled on packed prose never sees a question attend to its passage across [SEP], which is
+    what QNLI's classifier reads (docs/pretrained.md)."""
+    encoded = tokenizer(list(pairs["text"]), list(pairs["text_pair"]), truncation="longest_first", max_length=max_length,
+                        padding="max_length", padding_side="right", return_tensors="pt", verbose=False)
+    return DistillationRows(encoded["input_ids"], encoded["attention_mask"], encoded.get("token_type_ids"))
 
 
 def _source_tokenizer(args: ConvertArguments):
@@ -147,6 +166,16 @@ def run_conversion(args: ConvertArguments) -> dict:
     if args.distill_output_steps < 0 or (args.distill_output_steps and not args.distill_steps):
         raise UsageError(f"--distill_output_steps {args.distill_output_steps} needs a positive number of steps after "
                          "--distill_steps N (the per-layer distillation runs first): pass --distill_steps, e.g. 100.")
+    if args.text_pair_column is not None:
+        if not args.distill_steps:
+            raise UsageError(f"--text_pair_column {args.text_pair_column} reads distillation's sentence pairs, but "
+                             "there is no distillation: pass --distill_steps N, or leave --text_pair_column out.")
+        if args.text_pair_column == args.text_column:
+            raise UsageError(f"--text_pair_column and --text_column are both {args.text_column!r}: a pair needs two "
+                             "columns (e.g. --text_column question --text_pair_column sentence).")
+        if MODEL_FAMILIES[args.target].kind != "encoder":
+            raise UsageError(f"--text_pair_column frames sentence pairs for an encoder's classifier; {args.target} is "
+                             "a decoder, which distils on packed text: leave --text_pair_column out.")
     if args.distill_steps and args.distill_max_length > longest:
         raise UsageError(f"--distill_max_length {args.distill_max_length} exceeds the teacher's longest input "
                          f"({longest} tokens, its position table); lower it to at most {longest}. The teacher cannot "

@@ -13,6 +13,7 @@ The shared weights stay frozen; fine-tune the result with the pipeline scripts a
 """
 
 import math
+from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
@@ -21,6 +22,47 @@ from hf_linear_attn import family_of
 from hf_linear_attn.training.errors import UsageError
 
 from .convert import SOURCE_TYPES
+
+
+@dataclass
+class DistillationRows:
+    """Distillation inputs: (N, n) token ids, their attention mask (1 = a real token) and, for sentence pairs, their
+    token types. Packed text fills every row (mask all ones, token types None: all zero); sentence pairs
+    ([CLS] a [SEP] b [SEP], as a classifier reads them) are padded, and a selection of rows drops the columns that
+    are padding in all of them, so a batch of short pairs costs what its longest pair does."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor | None = None
+    token_type_ids: torch.Tensor | None = None
+
+    def __post_init__(self):
+        if self.attention_mask is None:
+            self.attention_mask = torch.ones_like(self.input_ids)
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    def __getitem__(self, index) -> "DistillationRows":
+        mask = self.attention_mask[index]
+        width = int(mask.any(0).nonzero().max()) + 1 if mask.any() else mask.shape[-1]  # padding is on the right
+        types = None if self.token_type_ids is None else self.token_type_ids[index][:, :width]
+        return DistillationRows(self.input_ids[index][:, :width], mask[:, :width], types)
+
+    def inputs(self) -> dict:
+        """The model's keyword arguments: the mask only where some token is padding, token types only where the rows
+        have them (packed rows run exactly as plain ids do)."""
+        mask = {} if bool(self.attention_mask.all()) else {"attention_mask": self.attention_mask}
+        types = {} if self.token_type_ids is None else {"token_type_ids": self.token_type_ids}
+        return {"input_ids": self.input_ids, **mask, **types}
+
+    def targets(self, teacher):
+        """The teacher's per-layer inputs and attention rows for these rows (teacher_targets)."""
+        return teacher_targets(teacher, self.input_ids, self.attention_mask, self.token_type_ids)
+
+
+def as_rows(rows) -> DistillationRows:
+    """DistillationRows, or an (N, n) tensor of packed token ids (every token real)."""
+    return rows if isinstance(rows, DistillationRows) else DistillationRows(rows)
 
 
 def _is_encoder(model) -> bool:
@@ -53,13 +95,14 @@ def trainable_parameters(model, new_names) -> list[torch.nn.Parameter]:
     return trainable
 
 
-def teacher_targets(teacher, input_ids, attention_mask):
+def teacher_targets(teacher, input_ids, attention_mask, token_type_ids=None):
     """The teacher's per-layer inputs (hidden states) and softmax attention rows, without gradients."""
     if getattr(teacher.config, "_attn_implementation", "eager") != "eager":
         teacher.set_attn_implementation("eager")  # SDPA and flash kernels return no attention weights
     with torch.no_grad():
+        types = {} if token_type_ids is None else {"token_type_ids": token_type_ids}
         out = teacher(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True,
-                      output_attentions=True)
+                      output_attentions=True, **types)
     if not out.attentions or any(a is None for a in out.attentions):
         raise UsageError("The teacher returned no attention weights; load it with attn_implementation='eager'.")
     return out.hidden_states, out.attentions
@@ -109,7 +152,7 @@ CALIBRATION_REFINEMENT = (-0.75, -0.5, -0.25, 0.25, 0.5, 0.75)  # around each he
 
 
 @torch.no_grad()
-def calibrate_window_factors(student, teacher, rows: torch.Tensor, grid=CALIBRATION_GRID,
+def calibrate_window_factors(student, teacher, rows, grid=CALIBRATION_GRID,
                              refinement=CALIBRATION_REFINEMENT) -> list[list[float]] | None:
     """Set every head's window factor theta (g = exp(theta)) to the value whose attention rows are nearest the
     teacher's on `rows` (the grid, then steps of 0.25 around each head's best); returns the thetas per layer (None
@@ -129,9 +172,10 @@ def calibrate_window_factors(student, teacher, rows: torch.Tensor, grid=CALIBRAT
         return None
     was_training = student.training
     student.eval()
-    mask = torch.ones_like(rows)
-    hidden, attentions = teacher_targets(teacher, rows, mask)
-    key_mask = mask.bool()
+    batch = as_rows(rows)
+    hidden, attentions = batch.targets(teacher)
+    key_mask = batch.attention_mask.bool()
+    real = key_mask[:, None, :].float()  # (B, 1, n): average over real query rows only
     chosen = []
     for index, (layer, factor) in enumerate(zip(layers, factors)):
         if factor is None:  # a full-attention layer of a hybrid, or a layer without a window
@@ -144,8 +188,8 @@ def calibrate_window_factors(student, teacher, rows: torch.Tensor, grid=CALIBRAT
             losses = []
             for values in candidates:
                 theta.copy_(values)
-                rows = _row_cross_entropy(student, layer, hidden[index], attentions[index], key_mask, shared)
-                losses.append(rows.mean((0, 2)))  # per head (every row is real here)
+                entropy = _row_cross_entropy(student, layer, hidden[index], attentions[index], key_mask, shared)
+                losses.append((entropy * real).sum((0, 2)) / real.sum((0, 2)))  # per head
             return candidates.gather(0, torch.stack(losses).argmin(0)[None])[0]
 
         heads = theta.numel()
@@ -169,46 +213,49 @@ def attention_entropy(attentions, attention_mask) -> float:
 
 
 @torch.no_grad()
-def distillation_distance(student, teacher, rows: torch.Tensor, batch_size: int = 8) -> float:
+def distillation_distance(student, teacher, rows, batch_size: int = 8) -> float:
     """Mean over layers and rows: attention KL(teacher || student) in nats, or relative layer-output error."""
     mode = distillation_mode(student)
+    rows = as_rows(rows)
     student_was_training = student.training
     student.eval()
     total, count = 0.0, 0
     for start in range(0, len(rows), batch_size):
-        ids = rows[start:start + batch_size]
-        mask = torch.ones_like(ids)
-        hidden, attentions = teacher_targets(teacher, ids, mask)
-        losses = layer_losses(student, hidden, attentions, mask, mode)
+        batch = rows[start:start + batch_size]
+        hidden, attentions = batch.targets(teacher)
+        losses = layer_losses(student, hidden, attentions, batch.attention_mask, mode)
         value = sum(float(v) for v in losses) / len(losses)
         if mode == "attention":
-            value -= attention_entropy(attentions, mask)
-        total, count = total + value * len(ids), count + len(ids)
+            value -= attention_entropy(attentions, batch.attention_mask)
+        total, count = total + value * len(batch), count + len(batch)
     student.train(student_was_training)
     return total / count
 
 
-def _last_hidden_states(student, teacher, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _last_hidden_states(student, teacher, batch: DistillationRows) -> tuple[torch.Tensor, torch.Tensor]:
     """(the student's, the teacher's) last hidden state in float32, each running its own whole stack; the teacher's
     without gradients."""
     with torch.no_grad():
-        theirs = teacher.base_model(input_ids=ids).last_hidden_state.float()
-    return student.base_model(input_ids=ids).last_hidden_state.float(), theirs
+        theirs = teacher.base_model(**batch.inputs()).last_hidden_state.float()
+    return student.base_model(**batch.inputs()).last_hidden_state.float(), theirs
 
 
-def output_loss(student, teacher, ids: torch.Tensor) -> torch.Tensor:
-    """Relative squared error of the student's last hidden state against the teacher's, the student running its whole
-    stack on its own states (end to end)."""
-    ours, target = _last_hidden_states(student, teacher, ids)
-    return ((ours - target) ** 2).sum() / (target**2).sum()
+def output_loss(student, teacher, rows) -> torch.Tensor:
+    """Relative squared error of the student's last hidden state against the teacher's over the real tokens, the
+    student running its whole stack on its own states (end to end)."""
+    batch = as_rows(rows)
+    ours, target = _last_hidden_states(student, teacher, batch)
+    real = batch.attention_mask[..., None].float()
+    return (((ours - target) ** 2) * real).sum() / ((target**2) * real).sum()
 
 
 OBJECTIVES = ("layers", "output")
 
 
-def distill(student, teacher, new_names, rows: torch.Tensor, steps: int, batch_size: int = 8, lr: float = 1e-2,
+def distill(student, teacher, new_names, rows, steps: int, batch_size: int = 8, lr: float = 1e-2,
             seed: int = 0, progress: bool = True, objective: str = "layers") -> list[float]:
-    """Train the student's new parameters for `steps` batches of `rows` (N, n); returns the loss of each step.
+    """Train the student's new parameters for `steps` batches of `rows` (DistillationRows, or (N, n) packed token
+    ids); returns the loss of each step.
 
     objective "layers": every layer at once on the teacher's own inputs to it (attention rows or layer outputs, the
     family's distillation mode); "output": the last hidden state against the teacher's, end to end, so the new
@@ -221,6 +268,7 @@ def distill(student, teacher, new_names, rows: torch.Tensor, steps: int, batch_s
         raise UsageError(f"Unknown distillation objective {objective!r}: use one of {', '.join(OBJECTIVES)}.")
     if steps < 1 or batch_size < 1:
         raise UsageError(f"steps and batch_size must be positive, got {steps} and {batch_size}.")
+    rows = as_rows(rows)
     if len(rows) == 0:
         raise UsageError("No distillation rows: the text corpus is empty or shorter than one row.")
     mode = distillation_mode(student)
@@ -240,13 +288,12 @@ def distill(student, teacher, new_names, rows: torch.Tensor, steps: int, batch_s
         bar = tqdm(range(steps), desc=f"distilling ({mode if objective == 'layers' else objective})",
                    disable=not progress)
         for _ in bar:
-            ids = rows[torch.randint(len(rows), (batch_size,), generator=generator)]
+            batch = rows[torch.randint(len(rows), (batch_size,), generator=generator)]
             if objective == "output":
-                loss = output_loss(student, teacher, ids)
+                loss = output_loss(student, teacher, batch)
             else:
-                mask = torch.ones_like(ids)
-                hidden, attentions = teacher_targets(teacher, ids, mask)
-                losses = layer_losses(student, hidden, attentions, mask, mode)
+                hidden, attentions = batch.targets(teacher)
+                losses = layer_losses(student, hidden, attentions, batch.attention_mask, mode)
                 loss = torch.stack(losses).mean()
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -262,19 +309,20 @@ def distill(student, teacher, new_names, rows: torch.Tensor, steps: int, batch_s
 
 
 @torch.no_grad()
-def output_agreement(student, teacher, rows: torch.Tensor, batch_size: int = 8) -> float:
-    """Mean cosine similarity of the student's last hidden state to the teacher's, over every token of `rows`: how
+def output_agreement(student, teacher, rows, batch_size: int = 8) -> float:
+    """Mean cosine similarity of the student's last hidden state to the teacher's, over every real token of `rows`: how
     close the whole converted stack is to its source. The attention distance is per layer and reads each layer on
     the teacher's own inputs, so it does not show how the layers' errors add up; this does (a pretrained encoder's
     fine-tuning starts from these states)."""
     student_was_training, teacher_was_training = student.training, teacher.training
     student.eval()
     teacher.eval()
+    rows = as_rows(rows)
     total, count = 0.0, 0
     for start in range(0, len(rows), batch_size):
-        ids = rows[start:start + batch_size]
-        ours, theirs = _last_hidden_states(student, teacher, ids)
-        cosine = torch.nn.functional.cosine_similarity(ours, theirs, dim=-1)
+        batch = rows[start:start + batch_size]
+        ours, theirs = _last_hidden_states(student, teacher, batch)
+        cosine = torch.nn.functional.cosine_similarity(ours, theirs, dim=-1)[batch.attention_mask.bool()]
         total, count = total + float(cosine.sum()), count + cosine.numel()
     student.train(student_was_training)
     teacher.train(teacher_was_training)
@@ -282,25 +330,25 @@ def output_agreement(student, teacher, rows: torch.Tensor, batch_size: int = 8) 
 
 
 @torch.no_grad()
-def language_model_quality(model, rows: torch.Tensor, tokenizer, batch_size: int = 8, seed: int = 0) -> dict:
+def language_model_quality(model, rows, tokenizer, batch_size: int = 8, seed: int = 0) -> dict:
     """Masked-LM (15% of non-special tokens replaced by <mask>, fixed seed) or causal-LM loss, perplexity, accuracy."""
     was_training = model.training
     model.eval()
     causal = not _is_encoder(model)
     generator = torch.Generator().manual_seed(seed)
     loss_sum, correct, count = 0.0, 0, 0
+    rows = as_rows(rows)
     for start in range(0, len(rows), batch_size):
-        ids = rows[start:start + batch_size]
+        batch = rows[start:start + batch_size]
+        ids, real = batch.input_ids, batch.attention_mask.bool()
         if causal:
-            logits = model(input_ids=ids).logits[:, :-1]
+            logits = model(**batch.inputs()).logits[:, :-1]
             labels = ids[:, 1:]
-            chosen = torch.ones_like(labels, dtype=torch.bool)
-            inputs = None
+            chosen = real[:, 1:]
         else:
             special = torch.isin(ids, torch.tensor(tokenizer.all_special_ids))
-            chosen = (torch.rand(ids.shape, generator=generator) < 0.15) & ~special
-            inputs = torch.where(chosen, tokenizer.mask_token_id, ids)
-            logits = model(input_ids=inputs).logits
+            chosen = (torch.rand(ids.shape, generator=generator) < 0.15) & ~special & real
+            logits = model(**{**batch.inputs(), "input_ids": torch.where(chosen, tokenizer.mask_token_id, ids)}).logits
             labels = ids
         picked, targets = logits[chosen].float(), labels[chosen]
         loss_sum += float(torch.nn.functional.cross_entropy(picked, targets, reduction="sum"))

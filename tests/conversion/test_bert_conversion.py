@@ -370,3 +370,91 @@ def test_dropping_unreached_rows_needs_a_structured_init_and_refuses_extension(t
     model = convert(folder, "linformer", linformer_k=8, linformer_init="pooling", linformer_drop_unreached_rows=True)[0]
     with pytest.raises(UsageError, match="convert without --linformer_drop_unreached_rows to extend"):
         extend_max_length(model, 2 * N)
+
+
+def test_padded_pair_rows_give_each_rows_own_figures_and_padding_never_counts(tmp_path):
+    """Distillation on sentence pairs pads its rows: every figure (attention distance, end-to-end loss, last hidden
+    state cosine, window calibration) must be that of the real tokens, each row run alone and unpadded as the
+    reference, and must not change when the padding holds other ids."""
+    from hf_linear_attn.conversion.distill import (DistillationRows, calibrate_window_factors, distillation_distance,
+                                                   output_agreement, output_loss)
+
+    folder, teacher = bert_folder(tmp_path, "sequence-classification")
+    student, _ = convert(folder, "linear_roberta", feature_map="hedgehog", attention_window=4)
+    student.eval()
+    batch = inputs(pad_from=(None, 11, 5))
+    rows = DistillationRows(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])
+    lengths = batch["attention_mask"].sum(1).tolist()
+    alone = [DistillationRows(batch["input_ids"][i:i + 1, :n], None, batch["token_type_ids"][i:i + 1, :n])
+             for i, n in enumerate(lengths)]
+    total = sum(lengths)
+    # token-weighted means of the rows alone: what one padded batch must give
+    distance = sum(n * distillation_distance(student, teacher, row) for n, row in zip(lengths, alone)) / total
+    cosine = sum(n * output_agreement(student, teacher, row) for n, row in zip(lengths, alone)) / total
+    with torch.no_grad():
+        errors, targets = [], []
+        for row in alone:
+            ours = student.base_model(**row.inputs()).last_hidden_state
+            theirs = teacher.base_model(**row.inputs()).last_hidden_state
+            errors.append(((ours - theirs) ** 2).sum())
+            targets.append((theirs**2).sum())
+        relative = float(sum(errors) / sum(targets))
+    garbage = batch["input_ids"].clone()
+    garbage[batch["attention_mask"] == 0] = 7  # another id where the rows are padding
+    for ids in (batch["input_ids"], garbage):
+        padded = DistillationRows(ids, batch["attention_mask"], batch["token_type_ids"])
+        assert distillation_distance(student, teacher, padded, batch_size=3) == pytest.approx(distance, rel=1e-5)
+        assert output_agreement(student, teacher, padded, batch_size=3) == pytest.approx(cosine, rel=1e-5)
+        with torch.no_grad():
+            assert float(output_loss(student, teacher, padded)) == pytest.approx(relative, rel=1e-5)
+    thetas = calibrate_window_factors(student, teacher, rows)
+    assert calibrate_window_factors(student, teacher, DistillationRows(garbage, batch["attention_mask"],
+                                                                       batch["token_type_ids"])) == thetas
+    # a selection drops only the columns that are padding in every chosen row
+    assert rows[torch.tensor([1, 2])].input_ids.shape == (2, 11) and rows[1:].input_ids.shape == (2, 11)
+    assert rows[:1].input_ids.shape == (1, N) and rows[2:].input_ids.shape == (1, 5)
+
+
+def test_distillation_on_sentence_pairs_from_a_tsv_frames_them_as_the_classifier_reads_them(tmp_path):
+    """--text_pair_column: one row per pair, [CLS] a [SEP] b [SEP] with token types 0 / 1, cut to
+    --distill_max_length and padded; a GLUE-style TSV is read; bad settings are refused before any work."""
+    from hf_linear_attn.conversion.cli import ConvertArguments, _pair_rows, _rows
+
+    folder, _ = bert_folder(tmp_path, "sequence-classification")
+    lines = ["question\tsentence\tlabel"] + [
+        "\t".join([" ".join(f"w{(3 * i + j) % 100}" for j in range(2 + i % 4)),
+                   " ".join(f"w{(5 * i + j) % 100}" for j in range(3 + i % 9)), "entailment"]) for i in range(40)]
+    (tmp_path / "pairs.tsv").write_text("\n".join(lines) + "\n")
+    tokenizer = wordpiece_tokenizer(folder)
+    args = ConvertArguments(model_name_or_path=str(folder), target="linear_roberta", output_dir=str(tmp_path / "o"),
+                            distill_steps=2, distill_max_length=N, train_file=str(tmp_path / "pairs.tsv"),
+                            text_column="question", text_pair_column="sentence", eval_rows=4)
+    train, validation, where = _rows(args, tokenizer, "mlm")
+    assert (len(train), len(validation)) == (38, 2) and "5.0% of train" in where  # eval_rows 4, 2 held out
+    cls, sep = tokenizer.cls_token_id, tokenizer.sep_token_id
+    for ids, mask, types in zip(train.input_ids, train.attention_mask, train.token_type_ids):
+        real = ids[mask.bool()].tolist()
+        assert real[0] == cls and real[-1] == sep and real.count(sep) == 2 and len(real) <= N
+        second = real.index(sep) + 1  # the second segment's first token
+        assert types[:second].eq(0).all() and types[second:len(real)].eq(1).all() and mask[len(real):].eq(0).all()
+    # a short pair keeps all its words, a long one is cut to N tokens
+    short = _pair_rows({"text": ["w1 w2"], "text_pair": ["w3"]}, tokenizer, N)
+    assert short.input_ids[0, :6].tolist() == [cls, *tokenizer.convert_tokens_to_ids(["w1", "w2"]), sep,
+                                              tokenizer.convert_tokens_to_ids("w3"), sep]
+    report = convert_script.main([
+        "--model_name_or_path", str(folder), "--target", "linear_roberta", "--feature_map", "hedgehog",
+        "--attention_window", "4", "--distill_steps", "2", "--distill_output_steps", "2", "--distill_batch_size", "4",
+        "--distill_max_length", str(N), "--eval_rows", "4", "--train_file", str(tmp_path / "pairs.tsv"),
+        "--text_column", "question", "--text_pair_column", "sentence", "--output_dir", str(tmp_path / "distilled")])
+    assert report["distillation"]["steps"] == 2 and report["distillation"]["output_steps"] == 2
+    run = ["--model_name_or_path", str(folder), "--train_file", str(tmp_path / "pairs.tsv"), "--output_dir",
+           str(tmp_path / "refused"), "--text_pair_column", "sentence"]
+    error = script_error(convert_script.main, [*run, "--target", "linear_roberta"])
+    assert "there is no distillation: pass --distill_steps" in error
+    error = script_error(convert_script.main, [*run, "--target", "linear_roberta", "--distill_steps", "1",
+                                               "--text_column", "sentence"])
+    assert "a pair needs two columns" in error
+    error = script_error(convert_script.main, [*run, "--target", "linear_roberta", "--distill_steps", "1",
+                                               "--distill_max_length", str(N), "--text_column", "query"])
+    assert "no column ['query']" in error
+    assert not (tmp_path / "refused").exists()

@@ -406,3 +406,77 @@ def test_every_committed_preset_loads_and_plans_its_baseline_first(name, tmp_pat
     assert stages and stages[0].info["model"] == preset["baseline"]
     fine_tunes = [s for s in stages if s.info["kind"] == "finetune"]
     assert {s.info["seed"] for s in fine_tunes} == set(preset["seeds"])
+
+
+@needs_data  # the preset's data files are checked when it is read, and the majority class is read from them
+def test_a_model_converted_from_its_teachers_fine_tune_runs_after_it_and_a_fresh_clone_restores_the_chain(
+        tmp_path, monkeypatch):
+    """A "teacher" model is converted from another model's own fine-tune at the same task and seed (Hedgehog's recipe
+    for a task model): one conversion per task and seed, planned after the teacher's fine-tune. In a fresh clone that
+    must fine-tune the student again while the teacher's fine-tune and the conversion are known only from the
+    records, both run again first, furthest upstream first, and their weights must have the recorded digests."""
+    import experiments.pretrained as pretrained
+    import torch
+    from safetensors.torch import save_file
+
+    from experiments.reproduction.stages import load_records, with_outcome
+
+    source = tmp_path / "minilm"
+    source.mkdir()
+    (source / "config.json").write_text("{}")
+    preset = json.loads(PRESET.read_text())
+    student = "Linear attention, from MiniLM's fine-tune"
+    preset.update(source={"path": str(source)}, seeds=[42], finetune={"sst2": preset["finetune"]["sst2"]},
+                  models={preset["baseline"]: preset["models"][preset["baseline"]],
+                          student: {"target": "linear_roberta", "teacher": preset["baseline"],
+                                    "args": {"feature_map": "hedgehog", "validation_file": None}}})
+    (tmp_path / "p.json").write_text(json.dumps(preset))
+    stages = plan(load_preset(tmp_path / "p.json", REPO_ROOT), source, tmp_path / "out", REPO_ROOT, seeds=[42, 1])
+    teacher_tunes = {s.info["seed"]: s for s in stages if s.info == {**s.info, "model": preset["baseline"]}}
+    for seed in (42, 1):
+        convert = next(s for s in stages if s.info["kind"] == "convert" and f"seed{seed}" in str(s.folder))
+        assert stages.index(convert) > stages.index(teacher_tunes[seed])
+        assert convert.argv[convert.argv.index("--model_name_or_path") + 1] == str(teacher_tunes[seed].folder)
+        assert "--validation_file" not in convert.argv  # null leaves the preset's setting out
+        assert teacher_tunes[seed].info["upstream"]
+    # a teacher listed after its student, or a model with a teacher but no target, is refused before any stage
+    for models in ({student: preset["models"][student], preset["baseline"]: preset["models"][preset["baseline"]]},
+                   {preset["baseline"]: preset["models"][preset["baseline"]], student: {"stock": True,
+                                                                                      "teacher": preset["baseline"]}}):
+        (tmp_path / "bad.json").write_text(json.dumps({**preset, "models": models}))
+        with pytest.raises(ReproductionError, match="must be a model listed before it"):
+            load_preset(tmp_path / "bad.json", REPO_ROOT)
+
+    ran = []
+
+    def fake_run_stage(stage, launcher):  # the result, weights (the same for the same stage), stage.json with inputs
+        ran.append(stage.name)
+        inputs = stage.inputs()
+        stage.folder.mkdir(parents=True, exist_ok=True)
+        save_file({"w": torch.full((2, 3), float(len(stage.name)))}, str(stage.folder / "model.safetensors"))
+        result = ({"new_parameters": 10, "copied_parameters": 100} if stage.info["kind"] == "convert"
+                  else {"eval_accuracy": 0.8 if stage.info["model"] == student else 0.9})
+        (stage.folder / stage.marker).write_text(json.dumps(result))
+        record = with_outcome(stage, {"argv": stage.argv, "inputs": inputs, "output_dir": str(stage.root),
+                                      "seconds": 1.0, "machine": "a test machine"})
+        stage.record_path.write_text(json.dumps(record))
+        return record, False
+
+    monkeypatch.setattr(pretrained, "run_stage", fake_run_stage)
+    committed = tmp_path / "committed"
+    pretrained.run(tmp_path / "p.json", REPO_ROOT, output_dir=tmp_path / "sitting1", results_dir=committed, argv=[])
+    tunes = {"teacher": f"fine-tune {preset['baseline']} on SST-2 (seed 42)", "convert": f"convert {student} on SST-2 "
+             "(seed 42)", "student": f"fine-tune {student} on SST-2 (seed 42)"}
+    assert ran == list(tunes.values())
+    records = load_records(committed / "records.json")
+    # keys: $OUTPUT_DIR/<finetune | convert>/<model>/<task>-seed<S>; the teacher's fine-tune keeps its digest
+    assert {key.split("/")[-3] + ("/student" if "linear-attention" in key else ""): "output_digest" in record
+            for key, record in records.items()} == {"finetune": True, "convert/student": True, "finetune/student": False}
+    # a fresh clone whose student is fine-tuned with other arguments: the chain is restored from the records
+    preset["models"][student]["finetune_args"] = {"learning_rate": 3e-5}
+    (tmp_path / "p.json").write_text(json.dumps(preset))
+    ran.clear()
+    second = pretrained.run(tmp_path / "p.json", REPO_ROOT, output_dir=tmp_path / "sitting2", results_dir=committed,
+                            models=[student], argv=[])
+    assert ran == list(tunes.values()) and not second["meta"]["failed"]
+    assert second["models"][student]["tasks"]["sst2"]["scores"] == [80.0]

@@ -11,10 +11,13 @@ from .files import carve_validation, load_hub, load_local, warn_same_file, requi
 
 
 def load_text_corpus(dataset_name=None, dataset_config_name=None, train_file=None, validation_file=None,
-                     text_column="text", validation_split_percentage=5.0, seed=42) -> tuple[DatasetDict, str]:
-    """Train / validation text (non-empty rows of `text_column`) from a Hub dataset or local text / json / parquet.
+                     text_column="text", validation_split_percentage=5.0, seed=42,
+                     text_pair_column=None) -> tuple[DatasetDict, str]:
+    """Train / validation text (non-empty rows of `text_column`) from a Hub dataset or local text / json / parquet /
+    csv / tsv; with `text_pair_column`, sentence pairs (rows where both columns hold text, e.g. GLUE's TSVs).
 
-    Returns the DatasetDict (one column "text") and a description of where the validation split came from.
+    Returns the DatasetDict (one column "text", and "text_pair" with pairs) and a description of where the
+    validation split came from.
     """
     if dataset_name is None and train_file is None:
         raise UsageError("no data: pass --dataset_name (a Hub dataset) or --train_file (local text / json / parquet)")
@@ -22,19 +25,23 @@ def load_text_corpus(dataset_name=None, dataset_config_name=None, train_file=Non
         raw = load_hub(dataset_name, dataset_config_name)
     else:
         files = {"train": train_file, **({"validation": validation_file} if validation_file else {})}
-        raw = load_local(files, allowed=("text", "json", "parquet"))
+        raw = load_local(files, allowed=("text", "json", "parquet", "csv"))
     if "train" not in raw:
         raise UsageError(f"the dataset has no train split (splits: {list(raw)})")
     raw = DatasetDict({split: raw[split] for split in ("train", "validation") if split in raw})
-    require_columns(raw, (text_column,), "the text (set --text_column)")
-    raw = raw.select_columns([text_column])
+    columns = [text_column] + ([text_pair_column] if text_pair_column else [])
+    require_columns(raw, tuple(columns), "the text (set --text_column" + (" / --text_pair_column)" if text_pair_column
+                                                                          else ")"))
+    raw = raw.select_columns(columns)
     for split, part in raw.items():
-        require_text(part, [text_column], split, "give every row a string (empty lines are skipped) or choose "
-                                                  "another --text_column")
+        require_text(part, columns, split, "give every row a string (empty lines are skipped) or choose "
+                                           "another --text_column")
     warn_same_file(train_file, validation_file)  # after the files' own checks, which name worse problems
-    if text_column != "text":
-        raw = raw.rename_column(text_column, "text")
-    raw = raw.filter(lambda batch: [isinstance(t, str) and t.strip() != "" for t in batch["text"]], batched=True)
+    names = ["text", "text_pair"][: len(columns)]
+    if columns != names:
+        raw = raw.rename_columns(dict(zip(columns, names)))
+    raw = raw.filter(lambda batch: [all(isinstance(t, str) and t.strip() != "" for t in texts)
+                                    for texts in zip(*(batch[name] for name in names))], batched=True)
     if "validation" in raw:
         return raw, "validation"
     carved = carve_validation(raw, validation_split_percentage, seed)
