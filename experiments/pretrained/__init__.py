@@ -159,10 +159,26 @@ def plan(preset: dict, source: Path, output_dir: Path, root: Path, seeds=None, t
                     converted[key] = Stage(title, "scripts/convert.py", folder, argv, "conversion_report.json",
                                            output_dir, root, {"kind": "convert", "model": name})
                     stages.append(converted[key])
+                    if model.get("teacher"):  # how much of the teacher's task the conversion alone keeps
+                        stages.append(_evaluate_stage(name, task, entry, folder, seed, output_dir, root))
                 tuned = {**entry, "args": {**entry.get("args", {}), **model.get("finetune_args", {})}}
                 stages.append(finetune_stage(name, task, tuned, folder, seed, output_dir, root))
                 finetuned[name, task, seed] = stages[-1]
     return stages
+
+
+def _evaluate_stage(name: str, task: str, entry: dict, model_folder: Path, seed: int, output_dir: Path,
+                    root: Path) -> Stage:
+    """Scores the converted model as it is, before fine-tuning (finetune.py --do_eval with the task's settings): for
+    a model converted from its teacher's fine-tune the head is the teacher's, so this is what conversion and
+    distillation alone keep of the teacher's score."""
+    tuned = finetune_stage(name, task, entry, model_folder, seed, output_dir, root)
+    folder = output_dir / "evaluate" / slug(name) / f"{task}-seed{seed}"
+    argv = [*tuned.argv[: tuned.argv.index("--output_dir")], "--output_dir", str(folder), "--do_eval", "True",
+            *[arg for arg in tuned.argv[tuned.argv.index("--output_dir") + 2:]]]
+    return Stage(f"evaluate {name} before fine-tuning on {TASK_TITLES[task]} (seed {seed})", "scripts/finetune.py",
+                 folder, argv, "eval_results.json", output_dir, root,
+                 {"kind": "evaluate", "model": name, "task": task, "seed": seed})
 
 
 def _scores(result: dict) -> dict:
@@ -184,6 +200,10 @@ def collect(preset: dict, stages: list, records: dict) -> dict:
             continue
         entry = results[stage.info["model"]]
         entry["seconds"] += record.get("seconds", 0.0)
+        if stage.info["kind"] == "evaluate":
+            entry.setdefault("before_finetuning", {}).setdefault(stage.info["task"], []).append(
+                next(iter(_scores(record["result"]).values())))
+            continue
         if stage.info["kind"] == "convert":
             if entry["conversion"] is not None:  # converted per task and seed (a teacher): the first one's figures
                 continue
@@ -337,6 +357,11 @@ def render_markdown(preset_name: str, preset: dict, results: dict, meta: dict) -
             continue
         distillation = conversion["distillation"]
         distilled = _distillation_cell(distillation) if distillation else "none"
+        if entry.get("before_finetuning"):
+            distilled += "; before fine-tuning: " + ", ".join(
+                f"{TASK_TITLES[task]} {statistics.fmean(scores):.1f}" + (f" ({len(scores)} seeds)" if len(scores) > 1
+                                                                         else "")
+                for task, scores in entry["before_finetuning"].items())
         lines.append(f"| {name} | {model['target']}: {options} | {conversion['copied_parameters']:,} | "
                      f"{conversion['new_parameters']:,} | {distilled} |")
     if meta.get("failed"):

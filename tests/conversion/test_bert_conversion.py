@@ -372,15 +372,17 @@ def test_dropping_unreached_rows_needs_a_structured_init_and_refuses_extension(t
         extend_max_length(model, 2 * N)
 
 
-def test_padded_pair_rows_give_each_rows_own_figures_and_padding_never_counts(tmp_path):
-    """Distillation on sentence pairs pads its rows: every figure (attention distance, end-to-end loss, last hidden
-    state cosine, window calibration) must be that of the real tokens, each row run alone and unpadded as the
-    reference, and must not change when the padding holds other ids."""
+@pytest.mark.parametrize("target, options", [("linear_roberta", dict(feature_map="hedgehog", attention_window=4)),
+                                             ("linformer", dict(linformer_k=8, linformer_init="multiscale"))])
+def test_padded_pair_rows_give_each_rows_own_figures_and_padding_never_counts(tmp_path, target, options):
+    """Distillation on sentence pairs pads its rows: every figure (attention distance or layer-output error,
+    end-to-end loss, last hidden state cosine, window calibration) must be that of the real tokens, each row run alone
+    and unpadded as the reference, and must not change when the padding holds other ids."""
     from hf_linear_attn.conversion.distill import (DistillationRows, calibrate_window_factors, distillation_distance,
                                                    output_agreement, output_loss)
 
     folder, teacher = bert_folder(tmp_path, "sequence-classification")
-    student, _ = convert(folder, "linear_roberta", feature_map="hedgehog", attention_window=4)
+    student, _ = convert(folder, target, **options)
     student.eval()
     batch = inputs(pad_from=(None, 11, 5))
     rows = DistillationRows(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])

@@ -455,7 +455,8 @@ def test_a_model_converted_from_its_teachers_fine_tune_runs_after_it_and_a_fresh
         stage.folder.mkdir(parents=True, exist_ok=True)
         save_file({"w": torch.full((2, 3), float(len(stage.name)))}, str(stage.folder / "model.safetensors"))
         result = ({"new_parameters": 10, "copied_parameters": 100} if stage.info["kind"] == "convert"
-                  else {"eval_accuracy": 0.8 if stage.info["model"] == student else 0.9})
+                  else {"eval_accuracy": 0.7 if stage.info["kind"] == "evaluate"
+                        else 0.8 if stage.info["model"] == student else 0.9})
         (stage.folder / stage.marker).write_text(json.dumps(result))
         record = with_outcome(stage, {"argv": stage.argv, "inputs": inputs, "output_dir": str(stage.root),
                                       "seconds": 1.0, "machine": "a test machine"})
@@ -467,11 +468,16 @@ def test_a_model_converted_from_its_teachers_fine_tune_runs_after_it_and_a_fresh
     pretrained.run(tmp_path / "p.json", REPO_ROOT, output_dir=tmp_path / "sitting1", results_dir=committed, argv=[])
     tunes = {"teacher": f"fine-tune {preset['baseline']} on SST-2 (seed 42)", "convert": f"convert {student} on SST-2 "
              "(seed 42)", "student": f"fine-tune {student} on SST-2 (seed 42)"}
-    assert ran == list(tunes.values())
+    before = f"evaluate {student} before fine-tuning on SST-2 (seed 42)"  # the converted model as it is
+    assert ran == [tunes["teacher"], tunes["convert"], before, tunes["student"]]
+    evaluate = next(s for s in stages if s.info["kind"] == "evaluate" and s.info["seed"] == 42)
+    assert "--do_eval" in evaluate.argv and "evaluate" in str(evaluate.folder)
+    assert "before fine-tuning: SST-2 70.0 |" in (committed / "results.md").read_text()
     records = load_records(committed / "records.json")
     # keys: $OUTPUT_DIR/<finetune | convert>/<model>/<task>-seed<S>; the teacher's fine-tune keeps its digest
     assert {key.split("/")[-3] + ("/student" if "linear-attention" in key else ""): "output_digest" in record
-            for key, record in records.items()} == {"finetune": True, "convert/student": True, "finetune/student": False}
+            for key, record in records.items()} == {"finetune": True, "convert/student": True, "finetune/student": False,
+                                                     "evaluate/student": False}
     # a fresh clone whose student is fine-tuned with other arguments: the chain is restored from the records
     preset["models"][student]["finetune_args"] = {"learning_rate": 3e-5}
     (tmp_path / "p.json").write_text(json.dumps(preset))
