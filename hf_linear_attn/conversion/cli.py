@@ -79,7 +79,7 @@ class ConvertArguments(HubArguments):
                 "--attention_window_factor_init"})
     dataset_name: str | None = field(default=None, metadata={"help": "Hub text dataset for distillation"})
     dataset_config_name: str | None = field(default=None)
-    train_file: str | None = field(default=None, metadata={"help": "local text / json / parquet for distillation"})
+    train_file: str | None = field(default=None, metadata={"help": "local text / json / parquet / csv / tsv for distillation"})
     validation_file: str | None = field(default=None)
     text_column: str = field(default="text")
     text_pair_column: str | None = field(default=None, metadata={

@@ -43,6 +43,9 @@ class DistillationRows:
         return len(self.input_ids)
 
     def __getitem__(self, index) -> "DistillationRows":
+        """The rows at `index` (an int, a slice or a tensor of indices), as a batch."""
+        if isinstance(index, int):
+            index = slice(index, index + 1 or None)
         mask = self.attention_mask[index]
         width = int(mask.any(0).nonzero().max()) + 1 if mask.any() else mask.shape[-1]  # padding is on the right
         types = None if self.token_type_ids is None else self.token_type_ids[index][:, :width]

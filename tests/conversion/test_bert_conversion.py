@@ -414,7 +414,8 @@ def test_padded_pair_rows_give_each_rows_own_figures_and_padding_never_counts(tm
                                                                        batch["token_type_ids"])) == thetas
     # a selection drops only the columns that are padding in every chosen row
     assert rows[torch.tensor([1, 2])].input_ids.shape == (2, 11) and rows[1:].input_ids.shape == (2, 11)
-    assert rows[:1].input_ids.shape == (1, N) and rows[2:].input_ids.shape == (1, 5)
+    assert rows[:1].input_ids.shape == (1, N) and rows[2:].input_ids.shape == rows[2].input_ids.shape == (1, 5)
+    assert rows[-1].input_ids.shape == (1, 5)
 
 
 def test_distillation_on_sentence_pairs_from_a_tsv_frames_them_as_the_classifier_reads_them(tmp_path):
