@@ -56,6 +56,7 @@ from .hub import check_push_target, push_folder
 from .metrics import load_task_metric
 from .metrics.entities import has_entity_scheme
 from .model_cards import write_model_card
+from .task_distillation import DistillingTrainer, check_distillation_arguments, load_teacher
 from .qa_postprocessing import QASplit, qa_metric_function, write_answers
 from .trainer_checkpoints import AtomicCheckpointTrainer, resolve_resume  # noqa: F401  (their old address)
 
@@ -187,6 +188,7 @@ def plan_run(args: FinetuneArguments, training: TrainingArguments, modes_given: 
     if args.task_name is not None:
         get_task(args.task_name)
     check_arguments(args, training)
+    check_distillation_arguments(args, do_train)
     layout = fsdp_layout(training, do_train)
     if args.task_type != "sequence_classification":
         require_head(args)
@@ -454,6 +456,7 @@ def run_finetuning(args: FinetuneArguments, training: TrainingArguments, argv=No
     output_dir = Path(training.output_dir)
     task, data, eval_split = read_data(args, training, plan)
     tokenizer, model = load_model(args, training, task, plan)
+    teacher = load_teacher(args, model) if args.distill_from is not None else None  # checked before any encoding
     encoded, collator, compute_metrics, readback = encode(args, task, data, tokenizer, plan)
     rows = {split: len(part) for split, part in data.items()}  # questions, not the windows over their contexts
 
@@ -461,9 +464,13 @@ def run_finetuning(args: FinetuneArguments, training: TrainingArguments, argv=No
         shutil.rmtree(output_dir)
     push = training.push_to_hub
     training.push_to_hub = False  # one upload at the end (model, code, card), not Trainer's per-save pushes
-    trainer = AtomicCheckpointTrainer(model=model, args=training, train_dataset=encoded.get("train"),
-                                      eval_dataset=encoded.get("validation"), processing_class=tokenizer,
-                                      data_collator=collator, compute_metrics=compute_metrics)
+    parts = dict(model=model, args=training, train_dataset=encoded.get("train"), eval_dataset=encoded.get("validation"),
+                 processing_class=tokenizer, data_collator=collator, compute_metrics=compute_metrics)
+    if teacher is not None:  # the teacher's class probabilities as well as the labels
+        trainer = DistillingTrainer(**parts, teacher=teacher, alpha=args.distill_alpha,
+                                    temperature=args.distill_temperature)
+    else:
+        trainer = AtomicCheckpointTrainer(**parts)
     metrics = {}
     if plan.do_train:
         train_metrics, train_result = train_and_save(trainer, plan, output_dir, rows["train"])

@@ -86,6 +86,13 @@ class FinetuneArguments:
         "help": "with --resume_from_checkpoint: accept a checkpoint without its RNG states (the continuation then "
                 "differs from an uninterrupted run) instead of stopping"})
     trust_remote_code: bool = field(default=False)
+    distill_from: str | None = field(default=None, metadata={
+        "help": "sequence classification: a teacher fine-tuned on the same task (a folder or Hub id) whose class "
+                "probabilities the student also learns (knowledge distillation; e.g. the model a converted student "
+                "was converted from): loss = (1 - alpha) CE(labels) + alpha T^2 KL(teacher_T || student_T); "
+                "evaluation reports the plain loss"})
+    distill_alpha: float = field(default=0.5, metadata={"help": "with --distill_from: the teacher term's weight"})
+    distill_temperature: float = field(default=2.0, metadata={"help": "with --distill_from: the softmax temperature T"})
 
 
 def check_arguments(args: FinetuneArguments, training: TrainingArguments) -> None:

@@ -156,3 +156,68 @@ def test_cards_name_a_hub_base_model_and_leave_local_folders_out(tmp_path):
     assert hub_base_model(str(tmp_path)) is None  # a local folder is no Hub id
     (tmp_path / "README.md").write_text("---\nbase_model: FacebookAI/roberta-base\n---\n# converted\n")
     assert hub_base_model(str(tmp_path)) == "FacebookAI/roberta-base"  # the folder's own card names its base
+
+
+# ------------------------------------------------------------------------------------ knowledge distillation
+
+
+def test_distillation_loss_is_the_weighted_cross_entropy_and_tempered_kl_of_a_float64_reference():
+    import torch
+
+    from hf_linear_attn.training.task_distillation import distillation_loss
+
+    generator = torch.Generator().manual_seed(0)
+    student, teacher = torch.randn(5, 3, generator=generator), torch.randn(5, 3, generator=generator)
+    labels = torch.tensor([0, 2, 1, 1, 0])
+    s, t = student.double(), teacher.double()
+    for alpha, temperature in ((0.0, 2.0), (1.0, 1.0), (0.3, 2.5)):
+        p_t, log_p_s = torch.softmax(t / temperature, -1), torch.log_softmax(s / temperature, -1)
+        kl = (p_t * (torch.log(p_t) - log_p_s)).sum(-1).mean()
+        hard = -torch.log_softmax(s, -1)[torch.arange(5), labels].mean()
+        expected = (1 - alpha) * hard + alpha * temperature**2 * kl
+        assert float(distillation_loss(student, teacher, labels, alpha, temperature)) == pytest.approx(
+            float(expected), rel=1e-5)
+
+
+def test_fine_tuning_against_a_teacher_learns_its_probabilities_and_evaluates_with_the_plain_loss(
+        tmp_path, base_model, review_files):
+    """--distill_from: a student that is its teacher (no dropout) has a distillation loss of 0 at alpha = 1, and its
+    evaluation loss is the teacher's own cross-entropy (evaluation ignores the teacher), not 0; with
+    alpha = 0 the run is the plain fine-tune's, step for step. Settings that cannot work are refused first."""
+    from finetune import main
+
+    train, dev, _ = review_files
+    columns = ["--text_columns", "review", "--label_column", "verdict", "--train_file", str(train),
+               "--validation_file", str(dev), "--do_train", "--do_eval"]
+    teacher = tmp_path / "teacher"
+    taught = main([*common(base_model, teacher), *columns])
+
+    def losses(folder):
+        state = json.loads((folder / "trainer_state.json").read_text())
+        return [entry["loss"] for entry in state["log_history"] if "loss" in entry]
+
+    itself = main([*common(teacher, tmp_path / "itself"), *columns, "--distill_from", str(teacher),
+                   "--distill_alpha", "1"])
+    assert all(loss < 1e-6 for loss in losses(tmp_path / "itself"))  # float32 rounding apart, KL = 0
+    assert itself["eval_loss"] == pytest.approx(taught["eval_loss"], rel=1e-3)  # the teacher's own cross-entropy
+    plain = main([*common(base_model, tmp_path / "plain"), *columns])
+    hard = main([*common(base_model, tmp_path / "hard"), *columns, "--distill_from", str(teacher),
+                 "--distill_alpha", "0"])
+    assert losses(tmp_path / "hard") == pytest.approx(losses(tmp_path / "plain"), rel=1e-5)
+    assert hard["eval_loss"] == pytest.approx(plain["eval_loss"], rel=1e-5)
+    soft = main([*common(base_model, tmp_path / "soft"), *columns, "--distill_from", str(teacher)])
+    assert losses(tmp_path / "soft") != losses(tmp_path / "plain") and soft["eval_samples"] == 3
+
+    refused = common(base_model, tmp_path / "refused")
+    assert "nothing is trained" in script_error(main, [*refused, *columns[:-2], "--do_eval", "--distill_from",
+                                                       str(teacher)])
+    assert "between 0 (labels only) and 1" in script_error(main, [*refused, *columns, "--distill_from", str(teacher),
+                                                                  "--distill_alpha", "1.5"])
+    assert "must be positive" in script_error(main, [*refused, *columns, "--distill_from", str(teacher),
+                                                     "--distill_temperature", "0"])
+    other = write_rows(tmp_path / "other.csv", [("review", "verdict")] + [(t, "pos") for t in POSITIVE]
+                       + [(t, "neg") for t in NEGATIVE])
+    message = script_error(main, [*refused, "--text_columns", "review", "--label_column", "verdict", "--train_file",
+                                  str(other), "--do_train", "--distill_from", str(teacher)])
+    assert "scores the labels {'bad': 0, 'good': 1}" in message and "fine-tuned on this task" in message
+    assert not (tmp_path / "refused").exists()
