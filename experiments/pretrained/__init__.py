@@ -54,7 +54,8 @@ CONVERT_HEADS = {"sequence_classification": "sequence-classification", "question
 # model of the preset: the conversion's source is then that model's own fine-tune at the same task and seed, not the
 # pretrained checkpoint (Hedgehog's recipe for a task model: convert the fine-tuned model, distil on the task's
 # inputs, fine-tune again), so there is one conversion per task and seed.
-MODEL_KEYS = {"stock", "target", "args", "distill", "tasks", "finetune_args", "teacher"}
+# "distill_from_teacher": fine-tune it against the teacher's fine-tune as well (finetune.py --distill_from).
+MODEL_KEYS = {"stock", "target", "args", "distill", "tasks", "finetune_args", "teacher", "distill_from_teacher"}
 
 
 def source_folder(source: dict, root: Path) -> Path:
@@ -108,6 +109,8 @@ def load_preset(path: Path, root: Path) -> dict:
             raise ReproductionError(f"{path}: model {name!r} has unknown keys {sorted(unknown_keys)}; known: "
                                     f"{sorted(MODEL_KEYS)}")
         earlier = list(preset["models"])[: list(preset["models"]).index(name)]
+        if model.get("distill_from_teacher") and "teacher" not in model:
+            raise ReproductionError(f"{path}: model {name!r} has distill_from_teacher but no 'teacher' to distil from")
         if "teacher" in model and (model["teacher"] not in earlier or "target" not in model):
             raise ReproductionError(f"{path}: model {name!r} has teacher {model['teacher']!r}, which must be a model "
                                     "listed before it (its fine-tunes are the conversion's source), and a 'target'; "
@@ -162,6 +165,8 @@ def plan(preset: dict, source: Path, output_dir: Path, root: Path, seeds=None, t
                     if model.get("teacher"):  # how much of the teacher's task the conversion alone keeps
                         stages.append(_evaluate_stage(name, task, entry, folder, seed, output_dir, root))
                 tuned = {**entry, "args": {**entry.get("args", {}), **model.get("finetune_args", {})}}
+                if model.get("distill_from_teacher"):  # the teacher's class probabilities as well as the labels
+                    tuned["args"]["distill_from"] = str(teacher.folder)
                 stages.append(finetune_stage(name, task, tuned, folder, seed, output_dir, root))
                 finetuned[name, task, seed] = stages[-1]
     return stages
@@ -491,21 +496,23 @@ def run(preset_path: Path, root: Path, output_dir=None, seeds=None, tasks=None, 
                 known[stage.key] = record["output_digest"]
         return record
 
-    def upstream_of(stage):
-        """The stage whose weights `stage` starts from (a conversion, a teacher's fine-tune), or None."""
-        return producers.get(stage.argv[stage.argv.index("--model_name_or_path") + 1])
+    def upstreams_of(stage):
+        """The stages whose weights `stage` reads: the one it starts from (a conversion, a teacher's fine-tune) and a
+        teacher it distils from."""
+        return [producers[arg] for arg in stage.argv if arg in producers and producers[arg] is not stage]
 
     def restore(stage, number):
         """Run again, furthest upstream first, the stages whose weights `stage` needs but this run knows only from
         the records (a teacher's fine-tune, then the conversion of it)."""
-        upstream = upstream_of(stage)
-        if upstream is None or upstream.key not in known:
-            return
-        restore(upstream, number)
-        print(f"[{number}/{len(stages)}] {upstream.name} again (known here only from the records) ...", flush=True)
-        records[upstream.name] = rerun_upstream(
-            upstream, launcher, known, vouched, "pass another --results_dir (or --records) to run the preset afresh",
-            run=run_stage)
+        for upstream in upstreams_of(stage):
+            if upstream.key not in known:
+                continue
+            restore(upstream, number)
+            print(f"[{number}/{len(stages)}] {upstream.name} again (known here only from the records) ...",
+                  flush=True)
+            records[upstream.name] = rerun_upstream(
+                upstream, launcher, known, vouched,
+                "pass another --results_dir (or --records) to run the preset afresh", run=run_stage)
 
     # every stage's record, read once and in order (a conversion's recorded digest precedes its fine-tunes); every
     # finished stage counts in the report from the start, the slice's own included, so that a slice's first report
@@ -516,8 +523,7 @@ def run(preset_path: Path, root: Path, output_dir=None, seeds=None, tasks=None, 
         record = found[stage.name]
         if record is None and (report_only or (max_stages is not None and ran >= max_stages)):
             continue
-        upstream = upstream_of(stage)
-        if record is None and upstream is not None and upstream.name in failed:
+        if record is None and any(upstream.name in failed for upstream in upstreams_of(stage)):
             continue
         if record is None:
             try:

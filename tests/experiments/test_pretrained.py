@@ -429,6 +429,7 @@ def test_a_model_converted_from_its_teachers_fine_tune_runs_after_it_and_a_fresh
     preset.update(source={"path": str(source)}, seeds=[42], finetune={"sst2": preset["finetune"]["sst2"]},
                   models={preset["baseline"]: preset["models"][preset["baseline"]],
                           student: {"target": "linear_roberta", "teacher": preset["baseline"],
+                                    "distill_from_teacher": True,
                                     "args": {"feature_map": "hedgehog", "validation_file": None}}})
     (tmp_path / "p.json").write_text(json.dumps(preset))
     stages = plan(load_preset(tmp_path / "p.json", REPO_ROOT), source, tmp_path / "out", REPO_ROOT, seeds=[42, 1])
@@ -439,6 +440,13 @@ def test_a_model_converted_from_its_teachers_fine_tune_runs_after_it_and_a_fresh
         assert convert.argv[convert.argv.index("--model_name_or_path") + 1] == str(teacher_tunes[seed].folder)
         assert "--validation_file" not in convert.argv  # null leaves the preset's setting out
         assert teacher_tunes[seed].info["upstream"]
+        tune = next(s for s in stages if s.info == {"kind": "finetune", "model": student, "task": "sst2", "seed": seed})
+        assert tune.argv[tune.argv.index("--distill_from") + 1] == str(teacher_tunes[seed].folder)
+    bad = {**preset["models"][student]}
+    del bad["teacher"]
+    (tmp_path / "bad.json").write_text(json.dumps({**preset, "models": {**preset["models"], student: bad}}))
+    with pytest.raises(ReproductionError, match="distill_from_teacher but no 'teacher'"):
+        load_preset(tmp_path / "bad.json", REPO_ROOT)
     # a teacher listed after its student, or a model with a teacher but no target, is refused before any stage
     for models in ({student: preset["models"][student], preset["baseline"]: preset["models"][preset["baseline"]]},
                    {preset["baseline"]: preset["models"][preset["baseline"]], student: {"stock": True,
