@@ -16,6 +16,21 @@ from experiments.pretrained.built_tasks import BUILT_TASKS  # noqa: E402
 from experiments.pretrained.reproduction_api import ReproductionError  # noqa: E402
 
 PRESET = REPO_ROOT / "configs" / "pretrained" / "cpu.json"
+BASELINE = "MiniLM (softmax, stock BERT)"
+
+
+def sst2_preset(tmp_path, models) -> dict:
+    """The cpu preset cut to SST-2 at seed 42 with `models(its models)`, its source a stand-in folder
+    (tmp_path/minilm), written to tmp_path/p.json; returns it."""
+    source = tmp_path / "minilm"
+    source.mkdir()
+    (source / "config.json").write_text("{}")
+    preset = json.loads(PRESET.read_text())
+    assert preset["baseline"] == BASELINE
+    preset.update(source={"path": str(source)}, seeds=[42], finetune={"sst2": preset["finetune"]["sst2"]},
+                  models=models(preset["models"]))
+    (tmp_path / "p.json").write_text(json.dumps(preset))
+    return preset
 
 
 @needs_data  # the preset's data files are checked when it is read
@@ -342,14 +357,8 @@ def test_a_fresh_clone_goes_on_from_the_committed_records_and_checks_a_reconvert
 
     from experiments.reproduction.stages import load_records, with_outcome
 
-    source = tmp_path / "minilm"
-    source.mkdir()
-    (source / "config.json").write_text("{}")
-    preset = json.loads(PRESET.read_text())
     linformer = "Linformer k = 64, rows sum to 1"
-    preset.update(source={"path": str(source)}, seeds=[42], finetune={"sst2": preset["finetune"]["sst2"]},
-                  models={name: preset["models"][name] for name in (preset["baseline"], linformer)})
-    (tmp_path / "p.json").write_text(json.dumps(preset))
+    preset = sst2_preset(tmp_path, lambda models: {name: models[name] for name in (BASELINE, linformer)})
     ran, weights = [], {"value": 1.0}
 
     def fake_run_stage(stage, launcher):  # what the real one leaves: the result, weights, stage.json with inputs
@@ -421,17 +430,11 @@ def test_a_model_converted_from_its_teachers_fine_tune_runs_after_it_and_a_fresh
 
     from experiments.reproduction.stages import load_records, with_outcome
 
-    source = tmp_path / "minilm"
-    source.mkdir()
-    (source / "config.json").write_text("{}")
-    preset = json.loads(PRESET.read_text())
     student = "Linear attention, from MiniLM's fine-tune"
-    preset.update(source={"path": str(source)}, seeds=[42], finetune={"sst2": preset["finetune"]["sst2"]},
-                  models={preset["baseline"]: preset["models"][preset["baseline"]],
-                          student: {"target": "linear_roberta", "teacher": preset["baseline"],
-                                    "distill_from_teacher": True,
-                                    "args": {"feature_map": "hedgehog", "validation_file": None}}})
-    (tmp_path / "p.json").write_text(json.dumps(preset))
+    preset = sst2_preset(tmp_path, lambda models: {BASELINE: models[BASELINE], student: {
+        "target": "linear_roberta", "teacher": BASELINE, "distill_from_teacher": True,
+        "args": {"feature_map": "hedgehog", "validation_file": None}}})
+    source = tmp_path / "minilm"
     stages = plan(load_preset(tmp_path / "p.json", REPO_ROOT), source, tmp_path / "out", REPO_ROOT, seeds=[42, 1])
     teacher_tunes = {s.info["seed"]: s for s in stages if s.info == {**s.info, "model": preset["baseline"]}}
     for seed in (42, 1):
