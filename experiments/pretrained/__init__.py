@@ -156,7 +156,7 @@ def plan(preset: dict, source: Path, output_dir: Path, root: Path, seeds=None, t
                 if not model.get("stock") and key not in converted:
                     argv = ["--model_name_or_path", str(conversion_source), "--target", model["target"],
                             "--head", head, "--output_dir", str(folder),
-                            *flags({key: value for key, value in {
+                            *flags({flag: value for flag, value in {
                                 **(preset.get("convert", {}) if model.get("distill") else {}),
                                 **model.get("args", {})}.items() if value is not None})]  # null: the preset's left out
                     converted[key] = Stage(title, "scripts/convert.py", folder, argv, "conversion_report.json",
@@ -180,7 +180,7 @@ def _evaluate_stage(name: str, task: str, entry: dict, model_folder: Path, seed:
     tuned = finetune_stage(name, task, entry, model_folder, seed, output_dir, root)
     folder = output_dir / "evaluate" / slug(name) / f"{task}-seed{seed}"
     argv = [*tuned.argv[: tuned.argv.index("--output_dir")], "--output_dir", str(folder), "--do_eval", "True",
-            *[arg for arg in tuned.argv[tuned.argv.index("--output_dir") + 2:]]]
+            *tuned.argv[tuned.argv.index("--output_dir") + 2:]]
     return Stage(f"evaluate {name} before fine-tuning on {TASK_TITLES[task]} (seed {seed})", "scripts/finetune.py",
                  folder, argv, "eval_results.json", output_dir, root,
                  {"kind": "evaluate", "model": name, "task": task, "seed": seed})
