@@ -79,7 +79,8 @@ class ConvertArguments(HubArguments):
                 "--attention_window_factor_init"})
     dataset_name: str | None = field(default=None, metadata={"help": "Hub text dataset for distillation"})
     dataset_config_name: str | None = field(default=None)
-    train_file: str | None = field(default=None, metadata={"help": "local text / json / parquet / csv / tsv for distillation"})
+    train_file: str | None = field(default=None, metadata={
+        "help": "local text / json / parquet / csv / tsv for distillation"})
     validation_file: str | None = field(default=None)
     text_column: str = field(default="text")
     text_pair_column: str | None = field(default=None, metadata={
@@ -126,8 +127,9 @@ def _pair_rows(pairs, tokenizer, max_length: int) -> DistillationRows:
     [CLS] a [SEP] b [SEP] with token types 0 / 1), cut to max_length (longest first) and padded on the right. Why
     pairs: attention distilled on packed prose never sees a question attend to its passage across [SEP], which is
     what QNLI's classifier reads (docs/pretrained.md)."""
-    encoded = tokenizer(list(pairs["text"]), list(pairs["text_pair"]), truncation="longest_first", max_length=max_length,
-                        padding="max_length", padding_side="right", return_tensors="pt", verbose=False)
+    encoded = tokenizer(list(pairs["text"]), list(pairs["text_pair"]), truncation="longest_first",
+                        max_length=max_length, padding="max_length", padding_side="right", return_tensors="pt",
+                        verbose=False)
     return DistillationRows(encoded["input_ids"], encoded["attention_mask"], encoded.get("token_type_ids"))
 
 

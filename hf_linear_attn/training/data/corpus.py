@@ -20,8 +20,8 @@ def load_text_corpus(dataset_name=None, dataset_config_name=None, train_file=Non
     validation split came from.
     """
     if dataset_name is None and train_file is None:
-        raise UsageError("no data: pass --dataset_name (a Hub dataset) or --train_file (local text / json / parquet / csv / "
-                         "tsv)")
+        raise UsageError("no data: pass --dataset_name (a Hub dataset) or --train_file (local text / json / parquet / "
+                         "csv / tsv)")
     if dataset_name is not None:
         raw = load_hub(dataset_name, dataset_config_name)
     else:
