@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-SECTIONS = ("machine", "kernel", "encoder", "images", "decode", "train")  # the order they run in
+SECTIONS = ("machine", "compile", "kernel", "encoder", "images", "decode", "train")  # the default order
 GPT2_SMALL = dict(vocab_size=50257, n_embd=768, n_head=12, n_inner=3072, n_layer=12)
 ROBERTA_BASE = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
                     vocab_size=50265)
@@ -209,6 +209,37 @@ def fla_normalised_by_fla(kernel, ones_width=16, eps=1e-6):
         return (numerator / (normaliser[..., :1].float() + eps)).transpose(1, 2)
 
     return call
+
+
+def compile_dispatch(device, preset):
+    """Which path the causal kernel takes eagerly and under torch.compile (backend "eager": tracing only), and the
+    error of each against float64: the first lease on an H100 saw a compiled call reach neither fla's kernel nor the
+    bf16 path (tests/attention/test_causal_math.py::test_torch_compile_takes_the_path_the_eager_call_takes)."""
+    import hf_linear_attn.linear_attention as la
+
+    n, heads, head_dim = preset["kernel_n"][0], preset["kernel_heads"], preset["kernel_head_dim"]
+    g = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(1, heads, n, head_dim, device=device, generator=g) for _ in range(3))
+    phi_q, phi_k = (F.elu(t).add_(1).bfloat16() for t in (q, k))
+    v = v.bfloat16()
+    reference = la.causal_linear_attention(phi_q.double(), phi_k.double(), v.double())[0]
+    seen, originals = [], {name: getattr(la, name) for name in ("_causal_bf16", "_causal_fla")}
+    for name, fn in originals.items():
+        setattr(la, name, lambda *a, _f=fn, _n=name, **kw: seen.append(_n) or _f(*a, **kw))
+    row = {"n": n, "heads": heads, "head_dim": head_dim, "paths": {}, "relative_error": {}}
+    try:
+        torch._dynamo.reset()
+        calls = {"eager": lambda: la.causal_linear_attention(phi_q, phi_k, v)[0],
+                 "compiled": torch.compile(lambda a, b, c: la.causal_linear_attention(a, b, c)[0], backend="eager")}
+        for mode, call in calls.items():
+            seen.clear()
+            out = call() if mode == "eager" else call(phi_q, phi_k, v)
+            row["paths"][mode] = list(seen) or ["float32 path"]
+            row["relative_error"][mode] = ((out.double() - reference).norm() / reference.norm()).item()
+    finally:
+        for name, fn in originals.items():
+            setattr(la, name, fn)
+    yield row
 
 
 def kernel(device, preset):
@@ -534,6 +565,14 @@ def render(records: list[dict], command: str, preset: str = "gpu") -> str:
                   f"fla {m.get('fla')}. Ceilings measured in this run: bf16 matmul "
                   f"{m['bf16_matmul_tflops']:.0f} TFLOP/s, device copy {m['copy_gb_per_s']:.0f} GB/s (read + written).",
                   ""]
+    for r in (r for r in records if r.get("section") == "compile" and "paths" in r):
+        lines += ["## The causal kernel eagerly and under torch.compile", "",
+                  f"bf16 elu + 1 features, B 1, H {r['heads']}, n {r['n']:,}, d {r['head_dim']}; the functions each "
+                  "call reached, and its relative L2 error against float64:", "", "| call | reached | error |",
+                  "|---|---|---|"]
+        for mode, reached in r["paths"].items():
+            lines.append(f"| {mode} | {', '.join(reached)} | {r['relative_error'][mode]:.3g} |")
+        lines.append("")
     kernel_rows = [r for r in records if r.get("section") == "kernel"]
     if kernel_rows:
         names = list(dict.fromkeys(name for r in kernel_rows for name in [*r["seconds"], *r["failed"]]))
@@ -687,6 +726,7 @@ def main(argv=None):
         (output / "results.md").write_text(render(records, command, args.preset))
 
     runners = {"machine": lambda: machine(device, preset), "kernel": lambda: kernel(device, preset),
+               "compile": lambda: compile_dispatch(device, preset),
                "encoder": lambda: encoder(device, preset), "images": lambda: images(device, preset, deadline),
                "train": lambda: train(device, preset), "decode": lambda: decode(device, preset, deadline)}
     for section in sections:

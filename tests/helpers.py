@@ -350,7 +350,10 @@ def fla_stand_in(calls):
                           keys=k.detach().clone(), values=v.detach().clone()))
         if initial_state is None:  # fla starts from a zero state
             initial_state = q.new_zeros(q.shape[0], q.shape[2], q.shape[3], v.shape[3], dtype=torch.float32)
-        out, s_n = la._chunkwise_parallel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), initial_state, 16)
+        out, _ = la._chunkwise_parallel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), initial_state, 16)
+        # fla sums the state in float32 (bf16 tiles multiplied into a float32 accumulator), with no bf16 rounding of
+        # each chunk's K^T V as the parallel form's bf16 products have
+        s_n = initial_state.float() + torch.einsum("bthk,bthv->bhkv", k.float(), v.float())
         return out.transpose(1, 2).to(v.dtype), (s_n if output_final_state else None)
 
     return kernel

@@ -322,9 +322,10 @@ def test_auto_form_is_chosen_by_batch_times_heads_times_length(monkeypatch):
 # ------------------------------------------- flash-linear-attention's Triton kernel as the CUDA form (issue 40)
 
 def test_auto_dispatches_the_bf16_path_to_the_fla_kernel_with_our_masking_and_normaliser(monkeypatch):
-    """Where fla's kernel can run, "auto" gives it the bf16 path's numerator: features in (B, T, H, K), scale 1, no
-    normalisation of its own, pads already zeroed in phi(K) and V, the float32 state in and out; the result equals the
-    torch forms of the same path, values, state and gradients, also continuing from a state."""
+    """Where fla's kernel can run, "auto" gives it the bf16 path: two calls (the numerator, then the normaliser as
+    the numerator of a block of ones started from z_0), features in (B, T, H, K), scale 1, no normalisation of its
+    own, pads already zeroed in phi(K) and V, the float32 states in and out; the result equals the torch forms of the
+    same path, values, states and gradients, also continuing from a state."""
     import hf_linear_attn.linear_attention as la
 
     calls = []
@@ -336,17 +337,25 @@ def test_auto_dispatches_the_bf16_path_to_the_fla_kernel_with_our_masking_and_no
     s0, z0 = draw(g, 2, 3, 8, 8).abs(), draw(g, 2, 3, 8).abs()
     leaves = [t.clone().requires_grad_(True) for t in (phi_q, phi_k, v)]
     out, (s, z) = causal_linear_attention(*leaves, key_mask=mask, state=(s0, z0), precision="bfloat16")
-    assert len(calls) == 1
-    call = calls[0]
-    assert call["shape"] == (2, 45, 3, 8) and call["scale"] == 1.0 and call["normalize"] is False
-    assert call["dtype"] == torch.bfloat16 and call["state_dtype"] == torch.float32
-    assert not call["keys"][1, :6].any() and not call["values"][1, :6].any()  # pads zeroed before the kernel
+    assert len(calls) == 2
+    for call in calls:
+        assert call["shape"] == (2, 45, 3, 8) and call["scale"] == 1.0 and call["normalize"] is False
+        assert call["dtype"] == torch.bfloat16 and call["state_dtype"] == torch.float32
+        assert not call["keys"][1, :6].any()  # pads zeroed before the kernel
+    assert not calls[0]["values"][1, :6].any()
+    assert calls[1]["values"].shape == (2, 45, 3, la.FLA_ONES_WIDTH) and (calls[1]["values"] == 1).all()
     torch_leaves = [t.detach().clone().requires_grad_(True) for t in leaves]
     ref, (s_ref, z_ref) = causal_linear_attention(*torch_leaves, key_mask=mask, state=(s0, z0), precision="bfloat16",
                                                   form="parallel", chunk_size=16)
-    assert _relative(out, ref.double()) < BF16_ROUNDING  # the stand-in rounds the numerator to bf16 once, as fla does
-    torch.testing.assert_close(s, s_ref)
-    torch.testing.assert_close(z, z_ref)
+    exact = [t.detach().double().requires_grad_(True) for t in leaves]
+    ref64, (s64, z64) = causal_linear_attention(*exact, key_mask=mask, state=(s0.double(), z0.double()),
+                                                form="parallel", chunk_size=16)
+    # the stand-in rounds the numerator and the normaliser to bf16 once each, as fla does
+    assert _relative(out, ref.double()) < 2 * BF16_ROUNDING
+    assert _relative(out, ref64) <= _relative(ref, ref64) + BF16_ROUNDING
+    # the states are summed in float32, as fla sums them (the torch parallel form rounds each chunk's K^T V to bf16)
+    assert _relative(s, s64) < 1e-6 and _relative(z, z64) < 1e-6
+    assert _relative(s_ref, s64) < BF16_ROUNDING and _relative(z_ref, z64) < 1e-6
     cotangent = draw(g, *out.shape)
     got = torch.autograd.grad((out.float() * cotangent).sum() + s.sum(), leaves)
     want = torch.autograd.grad((ref.float() * cotangent).sum() + s_ref.sum(), torch_leaves)
@@ -355,16 +364,13 @@ def test_auto_dispatches_the_bf16_path_to_the_fla_kernel_with_our_masking_and_no
     # fla's numerator to bf16 (so its backward meets one rounding more): within 2x of the torch form's error (1.56x at
     # worst of 30 draws) and under 3 bf16 roundings. (Comparing the two paths with each other failed on 17 of 40
     # draws of these inputs.)
-    exact = [t.detach().double().requires_grad_(True) for t in leaves]
-    ref64, (s64, _) = causal_linear_attention(*exact, key_mask=mask, state=(s0.double(), z0.double()),
-                                              form="parallel", chunk_size=16)
     truth = torch.autograd.grad((ref64 * cotangent.double()).sum() + s64.sum(), exact)
     for a, b, c in zip(got, want, truth):
         assert _relative(a, c) <= 2 * _relative(b, c) + 1e-4 and _relative(a, c) < 3 * BF16_ROUNDING
     # float32 inputs never go to fla (its float32 dots may run in tf32); neither does an explicit torch form
     causal_linear_attention(phi_q.float(), phi_k.float(), v.float())
     causal_linear_attention(phi_q, phi_k, v, precision="bfloat16", form="scan")
-    assert len(calls) == 1
+    assert len(calls) == 2
 
 
 def test_the_fla_form_refuses_what_it_cannot_compute():
@@ -414,6 +420,40 @@ def test_torch_compile_traces_the_causal_kernel_without_a_graph_break():
     counters.clear()
     leaves = [t.requires_grad_(True) for t in _bf16_features(1, 2, 64, 8, seed=10)]
     compiled = torch.compile(lambda a, b, c: causal_linear_attention(a, b, c)[0], backend="eager")
-    want = causal_linear_attention(*leaves)[0]
-    torch.testing.assert_close(compiled(*leaves), want)
+    got = compiled(*leaves)
     assert not counters["graph_break"], dict(counters["graph_break"])
+    # against float64, not bit for bit against the eager call: on CUDA a Triton kernel (fla's) may pick another
+    # launch configuration under compile, which sums in another order (measured on an H100: 5.7% of the bf16 outputs
+    # one rounding step apart)
+    eager = causal_linear_attention(*leaves)[0]
+    ref = causal_linear_attention(*(t.detach().double() for t in leaves))[0]
+    assert _relative(got, ref) <= _relative(eager, ref) + BF16_ROUNDING
+
+
+def test_torch_compile_takes_the_path_the_eager_call_takes(monkeypatch, request):
+    """A compiled call dispatches as the eager call does: the bf16 path, fla's kernel (here: real fla on CUDA; on the
+    CPU a stand-in, with the bf16 path asked for, so the dispatch is traced on every CI machine)."""
+    import hf_linear_attn.linear_attention as la
+
+    device = torch.get_default_device().type
+    if device == "cuda":
+        if la.fla_chunk_kernel(device) is None:
+            pytest.skip("needs flash-linear-attention (the 'fla' extra) on CUDA: scripts/gpu_check.sh runs it")
+        request.applymarker(pytest.mark.xfail(strict=False, reason=(
+            "seen on an H100 (the 2026-11-27 lease, docs/gpu.md): the compiled call reached neither fla's kernel nor, "
+            "by its error, the bf16 path; the cause is not found yet")))
+    else:
+        monkeypatch.setattr(la, "fla_chunk_kernel", lambda device_type: fla_stand_in([]))
+    seen = []
+    for name in ("_causal_bf16", "_causal_fla"):
+        monkeypatch.setattr(la, name, lambda *a, _f=getattr(la, name), _n=name, **k: seen.append(_n) or _f(*a, **k))
+    leaves = _bf16_features(1, 2, 64, 8, seed=10)
+    precision = "auto" if device == "cuda" else "bfloat16"
+    want = causal_linear_attention(*leaves, precision=precision)[0]
+    assert seen == ["_causal_bf16", "_causal_fla"]
+    seen.clear()
+    torch._dynamo.reset()
+    got = torch.compile(lambda a, b, c: causal_linear_attention(a, b, c, precision=precision)[0],
+                        backend="eager")(*leaves)
+    assert seen == ["_causal_bf16", "_causal_fla"], f"the compiled call reached {seen}"
+    torch.testing.assert_close(got, want, rtol=BF16_ROUNDING, atol=0)
