@@ -225,9 +225,24 @@ def compile_dispatch(device, preset):
     phi_q, phi_k = (F.elu(t).add_(1).bfloat16() for t in (q, k))
     v = v.bfloat16()
     reference = la.causal_linear_attention(phi_q.double(), phi_k.double(), v.double())[0]
-    seen, originals = [], {name: getattr(la, name) for name in ("_causal_bf16", "_causal_fla")}
+    # each function the dispatch goes through, with what the two deciding ones returned (a bool, kernel found or not)
+    seen, originals = [], {name: getattr(la, name) for name in ("_bf16_compute", "fla_chunk_kernel", "_causal_bf16",
+                                                               "_causal_fla")}
+
+    def recording(name, fn):
+        def call(*args, **kwargs):
+            result = fn(*args, **kwargs)
+            if name == "_bf16_compute":
+                seen.append(f"{name} -> {bool(result)}")
+            elif name == "fla_chunk_kernel":
+                seen.append(f"{name} -> {'found' if result is not None else 'None'}")
+            else:
+                seen.append(name)
+            return result
+        return call
+
     for name, fn in originals.items():
-        setattr(la, name, lambda *a, _f=fn, _n=name, **kw: seen.append(_n) or _f(*a, **kw))
+        setattr(la, name, recording(name, fn))
     row = {"n": n, "heads": heads, "head_dim": head_dim, "paths": {}, "relative_error": {}}
     try:
         torch._dynamo.reset()
@@ -236,7 +251,7 @@ def compile_dispatch(device, preset):
         for mode, call in calls.items():
             seen.clear()
             out = call() if mode == "eager" else call(phi_q, phi_k, v)
-            row["paths"][mode] = list(seen) or ["float32 path"]
+            row["paths"][mode] = list(seen)
             row["relative_error"][mode] = ((out.double() - reference).norm() / reference.norm()).item()
     finally:
         for name, fn in originals.items():
