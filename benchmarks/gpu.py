@@ -1,7 +1,8 @@
 """GPU benchmark rows, side by side in one run (issue 40): what a lent H100 / H200 measures in one short call.
 
-Sections, in the default order (``--sections`` gives another; each row is appended to results.json as soon as it is measured, so a run stopped by
-its deadline keeps what it finished; sections that would start after the deadline are recorded as skipped):
+Sections, in the default order (``--sections`` gives another; each row is appended to results.json as soon as it is
+measured, so a run stopped by its deadline keeps what it finished; sections that would start after the deadline are
+recorded as skipped):
 - ``machine``: the GPU, the software, and the two ceilings measured here (an 8192^3 bf16 matmul, a device copy);
 - ``compile``: which functions the causal kernel reaches eagerly and under torch.compile, and each one's error
   against float64 (at the first kernel n, batch 1);
