@@ -18,13 +18,14 @@ Rerunning the same command reuses every finished stage (same arguments and input
 """
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]  # the checkout: presets' paths are relative to it
 sys.path.insert(0, str(ROOT))  # experiments/ lives beside scripts/, outside the installed package
 
-from experiments.pretrained import TASK_ORDER, run  # noqa: E402
+from experiments.pretrained import TASK_ORDER, load_preset, plot, run  # noqa: E402
 from experiments.pretrained.reproduction_api import find_preset  # noqa: E402
 from hf_linear_attn.training.errors import UsageError  # noqa: E402
 
@@ -44,9 +45,19 @@ def main(argv=None):
     parser.add_argument("--max_stages", type=int, help="run at most N new stages, then write the table and stop")
     parser.add_argument("--dry_run", action="store_true", help="print the stages' commands and stop")
     parser.add_argument("--report_only", action="store_true", help="run nothing: the table of finished stages")
+    parser.add_argument("--plot_only", action="store_true",
+                        help="run nothing: draw results.png from --results_dir's results.json (a table whose stages "
+                             "have no records to rebuild it from)")
     args = parser.parse_args(argv)
     try:
         preset = find_preset(args.preset, ROOT / "configs" / "pretrained")
+        if args.plot_only:
+            if not args.results_dir or not (Path(args.results_dir) / "results.json").is_file():
+                raise UsageError("--plot_only draws from an existing results.json: pass --results_dir FOLDER, a "
+                                 "folder that holds one (e.g. results/pretrained/cpu)")
+            written = json.loads((Path(args.results_dir) / "results.json").read_text())
+            plot(load_preset(preset, ROOT), written["models"], written["meta"], Path(args.results_dir) / "results.png")
+            return
         run(preset, ROOT, args.output_dir, args.seeds, args.tasks, args.models, args.dry_run, args.report_only,
             args.max_stages, argv=sys.argv[1:] if argv is None else argv, results_dir=args.results_dir,
             records_file=args.records)

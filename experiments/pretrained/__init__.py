@@ -10,7 +10,7 @@ and the spread over seeds. The run is a list of stages, each an ordinary subproc
     convert/<model>[-multiple-choice]/ scripts/convert.py: the converted checkpoint (+ distillation figures)
     finetune/<model>/<task>-seed<S>/   scripts/finetune.py on the stock folder or the converted one
     logs/<stage>.log                   each stage's full output
-    results.json, results.md           written from the finished stages after every stage
+    results.json, .md, .png            written from the finished stages after every stage
     records.json                       every finished stage's record (arguments, input digests, result; no weights)
 
 With --results_dir (the committed copy) records.json is written there too, and a later run takes from it every
@@ -378,7 +378,60 @@ def render_markdown(preset_name: str, preset: dict, results: dict, meta: dict) -
         commonest = meta["majority"].get(task, {}).get("commonest_position")
         where = f"; the commonest right position holds {100 * commonest:.1f}% of them" if commonest else ""
         lines.append(f"- {TASK_TITLES[task]}: {rows} rows ({preset['finetune'][task].get('note', '')}{where})")
+    lines += ["", "Plot: results.png (each model's mean score per task, one standard deviation over seeds, every "
+              f"seed's score as a dot, the {'majority class' if classes_only else 'trivial baseline'} dashed)."]
     return "\n".join(lines)
+
+
+def plot_points(preset: dict, results: dict) -> list[dict]:
+    """What results.png draws, panel by panel: each model's finished score on each task (mean, spread over seeds
+    where there are two or more, every seed's own score)."""
+    tasks = [task for task in TASK_ORDER if task in preset["finetune"]]
+    return [{"task": task, "model": name, "mean": cell["mean"], "std": cell.get("std"), "scores": cell["scores"]}
+            for task in tasks for name, entry in results.items()
+            if (cell := entry["tasks"].get(task)) is not None and cell.get("mean") is not None]
+
+
+def plot(preset: dict, results: dict, meta: dict, path: Path) -> bool:
+    """results.png: one panel per task, a bar per model at its mean score with the spread over seeds (one standard
+    deviation) and each seed's score as a dot, and the task's majority class (or trivial baseline) dashed: the
+    table's figures, drawn. Without matplotlib (the 'test' / 'benchmarks' extras) it says so and draws nothing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no results.png (pip install matplotlib)")
+        return False
+    points = plot_points(preset, results)
+    tasks = list(dict.fromkeys(p["task"] for p in points)) or ["none"]
+    models = [name for name in results if any(p["model"] == name for p in points)]  # those with a score
+    figure, axes = plt.subplots(1, len(tasks), figsize=(3.6 * len(tasks) + 2.5, 1.2 + 0.32 * len(models)),
+                                squeeze=False, sharey=True)
+    colours = plt.get_cmap("tab10")
+    for axis, task in zip(axes[0], tasks):
+        rows = {p["model"]: p for p in points if p["task"] == task}
+        for y, model in enumerate(models):
+            p = rows.get(model)
+            if p is None:
+                continue
+            axis.barh(y, p["mean"], color=colours(y % 10), alpha=0.75,
+                      xerr=p["std"] if p["std"] else None, capsize=3)
+            axis.plot(p["scores"], [y] * len(p["scores"]), "k.", markersize=4)
+        floor = meta.get("majority", {}).get(task, {}).get("share")
+        if floor:
+            axis.axvline(floor * 100, color="black", linestyle="--", linewidth=1)
+        axis.set_yticks(range(len(models)), models, fontsize=6)
+        axis.set_ylim(max(len(models), 1) - 0.5, -0.5)  # the first model on top, the same rows in every panel
+        axis.set_xlim(40, 100)
+        axis.set_title(TASK_TITLES.get(task, task), fontsize=9)
+        axis.set_xlabel("score (%); dashed: " + ("majority class" if built_tasks.task_type(task) ==
+                                                 "sequence_classification" else "trivial baseline"), fontsize=7)
+    figure.subplots_adjust(wspace=0.08)
+    figure.savefig(path, dpi=110, bbox_inches="tight")  # the long model names kept whole
+    plt.close(figure)
+    return True
 
 
 def cpu_features() -> str:
@@ -462,6 +515,7 @@ def run(preset_path: Path, root: Path, output_dir=None, seeds=None, tasks=None, 
             folder.mkdir(parents=True, exist_ok=True)
             (folder / "results.json").write_text(json.dumps({"meta": meta, "models": results}, indent=2))
             (folder / "results.md").write_text(markdown + "\n")
+            plot(preset, results, meta, folder / "results.png")
             # the records of the stages outside this run (other seeds) that the archive holds are kept
             write_records(whole, records, folder, {key: r for key, r in archive.items() if key not in planned})
         return {"meta": meta, "models": results, "markdown": markdown}

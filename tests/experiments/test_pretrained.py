@@ -11,7 +11,9 @@ import pytest
 from helpers import REPO_ROOT, needs_data
 
 sys.path.insert(0, str(REPO_ROOT))  # experiments/ lives beside scripts/, outside the package
-from experiments.pretrained import built_tasks, collect, load_preset, plan, render_markdown, source_folder  # noqa: E402
+from experiments.pretrained import (  # noqa: E402
+    built_tasks, collect, load_preset, plan, plot, plot_points, render_markdown, source_folder,
+)
 from experiments.pretrained.built_tasks import BUILT_TASKS  # noqa: E402
 from experiments.pretrained.reproduction_api import ReproductionError  # noqa: E402
 
@@ -98,6 +100,12 @@ def test_table_shows_majority_class_spread_over_seeds_and_seed_noise(tmp_path):
     assert "| A | 87.0 ± 1.4 (2 seeds) |" in table and "baseline" in table
     assert "| B | 80.5 ± 0.7 (2 seeds) | 80.50 | -6.50 pt (seed noise ± 2.24: beyond)" in table
     assert "| B | linformer: linformer_k=64 | 100 | 10 | none |" in table
+    # the plot draws the table's figures: each model's mean, spread and seeds
+    points = {(p["task"], p["model"]): p for p in plot_points(preset, results)}
+    assert points[("sst2", "B")]["mean"] == pytest.approx(80.5) and points[("sst2", "B")]["std"] == pytest.approx(
+        0.7071, abs=1e-4) and sorted(points[("sst2", "B")]["scores"]) == pytest.approx([80.0, 81.0])
+    assert plot(preset, results, meta, tmp_path / "results.png")
+    assert (tmp_path / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_a_model_limited_to_some_tasks_is_compared_on_those_and_bad_model_entries_are_refused(tmp_path):
