@@ -154,13 +154,16 @@ def plan(preset: dict, source: Path, output_dir: Path, root: Path, seeds=None, t
                     key, conversion_source = (name, head), source
                     title = f"convert {name}" + ("" if default else f" ({head} head)")
                 if not model.get("stock") and key not in converted:
+                    given = {**(preset.get("convert", {}) if model.get("distill") else {}), **model.get("args", {})}
+                    args = {flag: value for flag, value in given.items() if value is not None}
+                    held_in = _held_in_rows(name, model, args, task, entry, seed, output_dir, root)
+                    if held_in is not None:
+                        args["train_file"] = str(held_in["path"])
                     argv = ["--model_name_or_path", str(conversion_source), "--target", model["target"],
-                            "--head", head, "--output_dir", str(folder),
-                            *flags({flag: value for flag, value in {
-                                **(preset.get("convert", {}) if model.get("distill") else {}),
-                                **model.get("args", {})}.items() if value is not None})]  # null: the preset's left out
+                            "--head", head, "--output_dir", str(folder), *flags(args)]  # null: the preset's left out
                     converted[key] = Stage(title, "scripts/convert.py", folder, argv, "conversion_report.json",
-                                           output_dir, root, {"kind": "convert", "model": name})
+                                           output_dir, root, {"kind": "convert", "model": name,
+                                                              **({"held_in": held_in} if held_in else {})})
                     stages.append(converted[key])
                     if model.get("teacher"):  # how much of the teacher's task the conversion alone keeps
                         stages.append(_evaluate_stage(name, task, entry, folder, seed, output_dir, root))
@@ -170,6 +173,51 @@ def plan(preset: dict, source: Path, output_dir: Path, root: Path, seeds=None, t
                 stages.append(finetune_stage(name, task, tuned, folder, seed, output_dir, root))
                 finetuned[name, task, seed] = stages[-1]
     return stages
+
+
+def _held_in_rows(name: str, model: dict, args: dict, task: str, entry: dict, seed: int, output_dir: Path,
+                  root: Path) -> dict | None:
+    """Where a conversion distils on the very file whose held-out rows score the task (IMDB: 10% of train.jsonl held
+    out by the fine-tuning seed), the file it reads instead: the task's training rows without those held-out rows,
+    written by `write_held_in_rows` before the stages run. Distilling on the held-out texts would fit the student to
+    the teacher on the very rows it is scored on (no labels, but the teacher's view of them). A conversion shared by
+    every seed cannot leave out each seed's rows: refused, with the fix."""
+    train_file = args.get("train_file")
+    if not train_file:
+        return None
+    config = merged_config(entry, root)
+    carved = not config.get("validation_file") and not config.get("dataset_name")
+    if not carved or resolve(train_file, root).resolve() != resolve(config["train_file"], root).resolve():
+        return None
+    if not model.get("teacher"):
+        raise ReproductionError(
+            f"model {name!r} distils on {train_file}, the file {TASK_TITLES[task]}'s evaluation rows are held out "
+            "of (by each fine-tuning seed), in a conversion shared by every seed: it would distil on the rows it is "
+            "scored on. Give it a 'teacher' (one conversion per task and seed, which leaves that seed's held-out rows "
+            "out), or distil on another text (train_file).")
+    return {"path": output_dir / "distill-data" / f"{task}-seed{seed}-train-rows.jsonl", "task": task, "seed": seed,
+            "entry": entry}
+
+
+def write_held_in_rows(stages: list, root: Path) -> None:
+    """The files `_held_in_rows` names, each written once: the task's training rows as the fine-tune splits them at
+    that seed (load_task_data, the same hold-out), as JSON lines of the task's text columns."""
+    from hf_linear_attn.training.data.tasks import get_task, load_task_data
+
+    for stage in stages:
+        spec = stage.info.get("held_in")
+        if spec is None or spec["path"].is_file():
+            continue
+        config = merged_config(spec["entry"], root)
+        task = get_task(config["task_name"])
+        data, _ = load_task_data(task, None, None, config["train_file"], None,
+                                 config.get("validation_split_percentage", 10.0), spec["seed"])
+        spec["path"].parent.mkdir(parents=True, exist_ok=True)
+        partial = spec["path"].with_suffix(".partial")
+        with partial.open("w") as out:
+            for row in data["train"]:
+                out.write(json.dumps({column: row[column] for column in task.text_columns}) + "\n")
+        partial.replace(spec["path"])  # whole or absent: a stopped write is not taken as the file
 
 
 def _evaluate_stage(name: str, task: str, entry: dict, model_folder: Path, seed: int, output_dir: Path,
@@ -497,6 +545,7 @@ def run(preset_path: Path, root: Path, output_dir=None, seeds=None, tasks=None, 
     # every stage the report covers: the slice's, and the preset's others at those seeds, finished earlier or not
     whole = plan(preset, source, output_dir, root, seeds_used) if (seeds or tasks or models) else stages
     built_tasks.build(preset, output_dir, root)  # the WikiText-2 tasks' data, before their baseline and fine-tunes
+    write_held_in_rows(whole, root)  # distillation text without the held-out rows, before stages are matched
     majority = _majority(preset, seeds_used, root, output_dir / "majority.json", output_dir)
     records, ran = {}, 0
     loads_file = output_dir / "loads.json"  # stage -> 5-minute load average when it ended: were the cores shared?

@@ -505,3 +505,48 @@ def test_a_model_converted_from_its_teachers_fine_tune_runs_after_it_and_a_fresh
                             models=[student], argv=[])
     assert ran == list(tunes.values()) and not second["meta"]["failed"]
     assert second["models"][student]["tasks"]["sst2"]["scores"] == [80.0]
+
+
+def test_distillation_on_the_file_the_evaluation_rows_are_held_out_of_leaves_those_rows_out(tmp_path):
+    """IMDB's evaluation rows are held out of train.jsonl by the fine-tuning seed. A teacher-converted model that
+    distils on that file reads, instead, the training rows the fine-tune at that seed keeps (none of its held-out
+    texts); a conversion shared by every seed cannot, and is refused with the fix."""
+    from experiments.pretrained import write_held_in_rows
+    from hf_linear_attn.training.data.tasks import get_task, load_task_data
+
+    reviews = tmp_path / "imdb.jsonl"
+    reviews.write_text("".join(json.dumps({"text": f"review number {i}", "label": i % 2}) + "\n" for i in range(60)))
+    config = tmp_path / "imdb.json"
+    config.write_text(json.dumps({"task_name": "imdb", "train_file": str(reviews), "validation_split_percentage": 10}))
+    student = "Linformer, from MiniLM's fine-tune"
+    preset = {"source": {"path": str(tmp_path / "minilm")}, "seeds": [42, 1], "baseline": BASELINE,
+              "finetune": {"imdb": {"config": str(config)}},
+              "models": {BASELINE: {"stock": True}, student: {
+                  "target": "linformer", "teacher": BASELINE,
+                  "args": {"linformer_k": 8, "train_file": str(reviews), "text_column": "text"}}}}
+    stages = plan(preset, tmp_path / "minilm", tmp_path / "out", REPO_ROOT)
+    converts = {s.info["held_in"]["seed"]: s for s in stages if s.info["kind"] == "convert"}
+    assert sorted(converts) == [1, 42]
+    write_held_in_rows(stages, REPO_ROOT)
+    for seed, stage in converts.items():
+        distilled = stage.argv[stage.argv.index("--train_file") + 1]
+        assert distilled != str(reviews) and f"seed{seed}" in distilled
+        texts = [json.loads(line)["text"] for line in open(distilled)]
+        split, _ = load_task_data(get_task("imdb"), None, None, str(reviews), None, 10, seed)
+        assert texts == list(split["train"]["text"]) and len(texts) == 54
+        assert not set(texts) & set(split["validation"]["text"])  # no held-out review among them
+    # the two seeds hold out different rows, so their files differ
+    assert open(converts[42].argv[converts[42].argv.index("--train_file") + 1]).read() != \
+        open(converts[1].argv[converts[1].argv.index("--train_file") + 1]).read()
+    shared = {**preset, "models": {BASELINE: {"stock": True}, student: {
+        "target": "linformer", "args": {"linformer_k": 8, "train_file": str(reviews)}}}}
+    with pytest.raises(ReproductionError, match="Give it a 'teacher'"):
+        plan(shared, tmp_path / "minilm", tmp_path / "out", REPO_ROOT)
+    # another text, or a task scored on its own validation file, is read as given
+    elsewhere = tmp_path / "other.jsonl"
+    elsewhere.write_text(reviews.read_text())
+    other = {**shared, "models": {BASELINE: {"stock": True}, student: {
+        "target": "linformer", "args": {"linformer_k": 8, "train_file": str(elsewhere)}}}}
+    convert = next(s for s in plan(other, tmp_path / "minilm", tmp_path / "out", REPO_ROOT)
+                   if s.info["kind"] == "convert")
+    assert convert.argv[convert.argv.index("--train_file") + 1] == str(elsewhere) and "held_in" not in convert.info
