@@ -212,19 +212,24 @@ def read_data(args: FinetuneArguments, training: TrainingArguments, plan: Plan):
     """(task, DatasetDict of the plan's splits, name of the evaluation split), subsets taken; training rows of a
     single label are refused."""
     hub = args.dataset_name is not None
+    # evaluating without training, on a split carved from the train file (IMDB here: 10% held out by the seed), the
+    # train rows are read to carve the same rows the fine-tune at that seed held out, then dropped
+    carve_only = (not hub and "validation" in plan.splits and "train" not in plan.splits and args.train_file
+                  and not args.validation_file)
+    splits = ["train", *plan.splits] if carve_only else plan.splits
     if not hub:
-        require_split_sources(plan.splits, args.train_file, args.validation_file, args.test_file)
+        require_split_sources(splits, args.train_file, args.validation_file, args.test_file)
     preset = get_task(args.task_name) if args.task_name is not None else None
     hub_config = (args.dataset_config_name if args.dataset_config_name is not None or preset is None
                   else preset.hub_config)
     wanted = {s: f for s, f in (("train", args.train_file), ("validation", args.validation_file),
-                                ("test", args.test_file)) if s in plan.splits}
+                                ("test", args.test_file)) if s in splits}
     read = {"token_classification": read_token_files, "question_answering": read_qa_files,
             "multiple_choice": read_choice_files}.get(plan.task_type, read_task_files)
     raw = read(args.dataset_name, hub_config, wanted.get("train"), wanted.get("validation"), wanted.get("test"))
     common = dict(dataset_name=args.dataset_name, train_file=args.train_file, validation_file=args.validation_file,
                   test_file=args.test_file, validation_split_percentage=args.validation_split_percentage,
-                  seed=training.seed, splits=plan.splits)
+                  seed=training.seed, splits=splits)
     if plan.task_type == "question_answering":
         task = resolve_qa_task(args)
         data, eval_split = load_qa_data(task, raw, **common)
@@ -235,12 +240,14 @@ def read_data(args: FinetuneArguments, training: TrainingArguments, plan: Plan):
         task = resolve_token_task(args, raw, plan.do_train)
         data, eval_split = load_token_data(task, raw, args.dataset_name, args.train_file, args.validation_file,
                                            args.test_file, args.validation_split_percentage, training.seed,
-                                           plan.splits)
+                                           splits)
     else:
         task = resolve_task(args, raw, plan.do_train)
         data, eval_split = load_task_data(task, args.dataset_name, hub_config, args.train_file, args.validation_file,
                                           args.validation_split_percentage, training.seed, test_file=args.test_file,
-                                          splits=plan.splits, raw=raw)
+                                          splits=splits, raw=raw)
+    if carve_only:
+        del data["train"]
     for split, count in (("train", args.max_train_samples), ("validation", args.max_eval_samples),
                          ("test", args.max_predict_samples)):
         if split in data:

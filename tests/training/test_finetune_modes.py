@@ -82,7 +82,7 @@ def test_new_finetuning_flags_refuse_bad_values(tmp_path, base_model, review_fil
     assert "no task: pass --task_name" in script_error(main, [*base, "--do_train", "--train_file", str(train)])
     message = script_error(main, [*base, "--do_train", "--task_name", "sst2", *columns, "--train_file", str(train)])
     assert "--text_columns / --label_column are for data without a preset" in message
-    message = script_error(main, [*base, "--do_eval", *columns, "--train_file", str(train)])
+    message = script_error(main, [*base, "--do_eval", *columns, "--test_file", str(test)])
     assert "--do_eval needs validation data: pass --validation_file" in message
     message = script_error(main, [*base, "--do_predict", *columns, "--validation_file", str(dev)])
     assert "--do_predict needs test data: pass --test_file" in message
@@ -221,3 +221,26 @@ def test_fine_tuning_against_a_teacher_learns_its_probabilities_and_evaluates_wi
                                   str(other), "--do_train", "--distill_from", str(teacher)])
     assert "scores the labels {'bad': 0, 'good': 1}" in message and "fine-tuned on this task" in message
     assert not (tmp_path / "refused").exists()
+
+
+def test_do_eval_alone_on_a_train_file_scores_the_rows_its_fine_tune_held_out(tmp_path, base_model, review_files):
+    """Without a validation file the evaluation rows are carved from the train file by the seed (IMDB's case). A
+    later --do_eval of the fine-tuned model with the same train file and seed scores those same rows: the same
+    count, accuracy and loss as the fine-tune's own evaluation."""
+    from finetune import main
+
+    train, _, _ = review_files
+    columns = ["--text_columns", "review", "--label_column", "verdict", "--validation_split_percentage", "50"]
+    tuned = tmp_path / "tuned"
+    main([*common(base_model, tuned), "--do_train", "--do_eval", *columns, "--train_file", str(train)])
+    during = json.loads((tuned / "eval_results.json").read_text())
+    evaluated = tmp_path / "evaluated"
+    main([*common(tuned, evaluated), "--do_eval", *columns, "--train_file", str(train)])
+    after = json.loads((evaluated / "eval_results.json").read_text())
+    assert not (evaluated / "model.safetensors").exists() and not (evaluated / "train_results.json").exists()
+    assert after["eval_samples"] == during["eval_samples"] and after["eval_accuracy"] == during["eval_accuracy"]
+    assert after["eval_loss"] == pytest.approx(during["eval_loss"], rel=1e-5)
+    # another seed holds out other rows
+    other = tmp_path / "other-seed"
+    main([*common(tuned, other), "--do_eval", *columns, "--train_file", str(train), "--seed", "7"])
+    assert json.loads((other / "eval_results.json").read_text())["eval_loss"] != pytest.approx(during["eval_loss"])
