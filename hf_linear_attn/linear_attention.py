@@ -229,8 +229,9 @@ def causal_linear_attention(
     "bfloat16", and with "auto" where the device computes bf16 natively and it pays (CUDA; CPUs with AVX512-BF16 /
     AMX when gradients are needed or below :data:`CPU_BF16_FORWARD_BELOW` positions; see :func:`_bf16_compute`);
     "float32" keeps the float32 path. On the bf16 path the products run in bf16, the state S,
-    z and the normaliser phi(q) . z_t are accumulated in float32 (z_t is a float32 prefix sum, the normaliser a
-    float32 dot product, never a bf16 product).
+    z and the normaliser phi(q) . z_t are accumulated in float32 (in the torch forms z_t is a float32 prefix sum and
+    the normaliser a float32 dot product; in the "fla" form fla's kernel computes the normaliser as it computes the
+    numerator, from bf16 chunk states, accumulating in float32: see :func:`_causal_fla`).
 
     ``form``: "scan" visits the chunks in order carrying the state (cache-resident steps, a hand-written backward
     of three more scans that stores nothing but the inputs); "parallel" computes every chunk at once with a prefix
