@@ -231,7 +231,7 @@ def causal_linear_attention(
     "float32" keeps the float32 path. On the bf16 path the products run in bf16, the state S,
     z and the normaliser phi(q) . z_t are accumulated in float32 (in the torch forms z_t is a float32 prefix sum and
     the normaliser a float32 dot product; in the "fla" form fla's kernel computes the normaliser as it computes the
-    numerator, from bf16 chunk states, accumulating in float32: see :func:`_causal_fla`).
+    numerator, accumulating in float32 and writing it in bf16: see :func:`_causal_fla`).
 
     ``form``: "scan" visits the chunks in order carrying the state (cache-resident steps, a hand-written backward
     of three more scans that stores nothing but the inputs); "parallel" computes every chunk at once with a prefix
@@ -440,7 +440,7 @@ def _causal_fla(phi_q, phi_k, v, s0, z0, eps):
     - the numerator tril(phi(Q) phi(K)^T) V + phi(Q) S_0, with S_n;
     - the normaliser phi(q_t) . (z_0 + sum_{j<=t} phi(k_j)), which is the numerator of a block of ones started from
       z_0, with z_n as its final state.
-    fla accumulates both in float32 and rounds each output to bf16 once; the division is in float32. Measured on an
+    fla accumulates both in float32 and writes each in bf16; the division is in float32. Measured on an
     H100 (results/benchmarks/gpu-h100-2026-11-27, n 4,096 and B 4, H 12, d 64): error against float64 2.55e-3, against
     2.65e-3 for the float32 normaliser in torch that this replaced (elementwise passes over the features and a prefix
     sum around one call: 0.99-1.89x the time of fla's own call over n 4,096-65,536, against 0.72-1.54x for two calls).
