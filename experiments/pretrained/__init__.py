@@ -163,6 +163,8 @@ def plan(preset: dict, source: Path, output_dir: Path, root: Path, seeds=None, t
                             "--head", head, "--output_dir", str(folder), *flags(args)]  # null: the preset's left out
                     converted[key] = Stage(title, "scripts/convert.py", folder, argv, "conversion_report.json",
                                            output_dir, root, {"kind": "convert", "model": name,
+                                                              **({"task": task, "seed": seed} if model.get("teacher")
+                                                                 else {}),
                                                               **({"held_in": held_in} if held_in else {})})
                     stages.append(converted[key])
                     if model.get("teacher"):  # how much of the teacher's task the conversion alone keeps
@@ -258,12 +260,16 @@ def collect(preset: dict, stages: list, records: dict) -> dict:
                 next(iter(_scores(record["result"]).values())))
             continue
         if stage.info["kind"] == "convert":
-            if entry["conversion"] is not None:  # converted per task and seed (a teacher): the first one's figures
-                continue
             report = record["result"]
+            if entry["conversion"] is not None:  # converted per task and seed (a teacher): the others' figures too
+                entry["conversion"].setdefault("more", []).append(
+                    {"task": stage.info.get("task"), "seed": stage.info.get("seed"),
+                     "distillation": report.get("distillation")})
+                continue
             entry["conversion"] = {"new_parameters": report["new_parameters"],
                                    "copied_parameters": report["copied_parameters"],
-                                   "distillation": report.get("distillation")}
+                                   "distillation": report.get("distillation"),
+                                   "task": stage.info.get("task"), "seed": stage.info.get("seed")}
             continue
         task = entry["tasks"].setdefault(stage.info["task"], {"scores": [], "seeds": []})
         scores = _scores(record["result"])
@@ -410,6 +416,13 @@ def render_markdown(preset_name: str, preset: dict, results: dict, meta: dict) -
             continue
         distillation = conversion["distillation"]
         distilled = _distillation_cell(distillation) if distillation else "none"
+        if conversion.get("seed") is not None:  # a teacher model: one conversion per task and seed, each named
+            distilled = f"{TASK_TITLES.get(conversion['task'], conversion['task'])} seed {conversion['seed']}: " \
+                        + distilled
+        for other in conversion.get("more", []):  # a teacher model: one conversion per task and seed
+            if other["distillation"]:
+                distilled += (f"; {TASK_TITLES.get(other['task'], other['task'])} seed {other['seed']}: "
+                              + _distillation_cell(other["distillation"]))
         if entry.get("before_finetuning"):
             distilled += "; before fine-tuning: " + ", ".join(
                 f"{TASK_TITLES[task]} {statistics.fmean(scores):.1f}" + (f" ({len(scores)} seeds)" if len(scores) > 1

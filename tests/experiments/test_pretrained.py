@@ -550,3 +550,35 @@ def test_distillation_on_the_file_the_evaluation_rows_are_held_out_of_leaves_tho
     convert = next(s for s in plan(other, tmp_path / "minilm", tmp_path / "out", REPO_ROOT)
                    if s.info["kind"] == "convert")
     assert convert.argv[convert.argv.index("--train_file") + 1] == str(elsewhere) and "held_in" not in convert.info
+
+
+def test_a_teacher_models_table_shows_each_seeds_conversion(tmp_path):
+    """A model converted from its teacher's fine-tune has one conversion per task and seed: the conversions table
+    names each one with its own distillation figures (seed 1's end-to-end steps can move the other way)."""
+    reviews = tmp_path / "imdb.jsonl"
+    reviews.write_text("".join(json.dumps({"text": f"review {i}", "label": i % 2}) + "\n" for i in range(20)))
+    config = tmp_path / "imdb.json"
+    config.write_text(json.dumps({"task_name": "imdb", "train_file": str(reviews), "validation_split_percentage": 10}))
+    student = "Linformer, from MiniLM's fine-tune"
+    preset = {"source": {"path": str(tmp_path / "minilm")}, "seeds": [42, 1], "baseline": BASELINE,
+              "finetune": {"imdb": {"config": str(config)}},
+              "models": {BASELINE: {"stock": True}, student: {"target": "linformer", "teacher": BASELINE,
+                                                               "args": {"linformer_k": 8}}}}
+    stages = plan(preset, tmp_path / "minilm", tmp_path / "out", REPO_ROOT)
+    cosines = {42: 0.626, 1: 0.594}
+    records = {}
+    for stage in stages:
+        if stage.info["kind"] == "convert":
+            distillation = {"mode": "layer_output", "distance_before": 0.04, "distance_after": 0.12, "steps": 100,
+                            "output_steps": 300, "seconds": 950, "output_cosine_before": 0.5,
+                            "output_cosine_after": cosines[stage.info["seed"]]}
+            records[stage.name] = {"result": {"new_parameters": 10, "copied_parameters": 100,
+                                              "distillation": distillation}}
+        else:
+            records[stage.name] = {"result": {"eval_accuracy": 0.8}}
+    meta = {"command": "c", "machine": "m", "source": "s", "seeds": [42, 1], "seconds": 1.0, "stages": 8,
+            "stages_done": 8, "majority": {"imdb": {"share": 0.5, "rows": 2}}}
+    table = render_markdown("t", preset, collect(preset, stages, records), meta)
+    row = next(line for line in table.splitlines() if line.startswith(f"| {student} | linformer"))
+    assert "IMDB seed 42: layer_output" in row and "0.500 -> 0.626" in row
+    assert "IMDB seed 1: layer_output" in row and "0.500 -> 0.594" in row
