@@ -507,6 +507,25 @@ def test_a_model_converted_from_its_teachers_fine_tune_runs_after_it_and_a_fresh
     assert second["models"][student]["tasks"]["sst2"]["scores"] == [80.0]
 
 
+IMDB_STUDENT = "Linformer, from MiniLM's fine-tune"
+
+
+def imdb_teacher_preset(tmp_path, args: dict) -> tuple[dict, Path]:
+    """A preset of MiniLM and a Linformer converted from its IMDB fine-tune (convert.py `args`) at seeds 42 and 1,
+    IMDB read from 60 stand-in reviews with 10% held out by the seed; returns it and the reviews' file."""
+    reviews = tmp_path / "imdb.jsonl"
+    reviews.write_text("".join(json.dumps({"text": f"review number {i}", "label": i % 2}) + "\n" for i in range(60)))
+    config = tmp_path / "imdb.json"
+    config.write_text(json.dumps({"task_name": "imdb", "train_file": str(reviews), "validation_split_percentage": 10}))
+    preset = {"source": {"path": str(tmp_path / "minilm")}, "seeds": [42, 1], "baseline": BASELINE,
+              "finetune": {"imdb": {"config": str(config)}},
+              "models": {BASELINE: {"stock": True}, IMDB_STUDENT: {
+                  "target": "linformer", "teacher": BASELINE,
+                  "args": {"linformer_k": 8, **{key: value if value != "REVIEWS" else str(reviews)
+                                                for key, value in args.items()}}}}}
+    return preset, reviews
+
+
 def test_distillation_on_the_file_the_evaluation_rows_are_held_out_of_leaves_those_rows_out(tmp_path):
     """IMDB's evaluation rows are held out of train.jsonl by the fine-tuning seed. A teacher-converted model that
     distils on that file reads, instead, the training rows the fine-tune at that seed keeps (none of its held-out
@@ -514,16 +533,8 @@ def test_distillation_on_the_file_the_evaluation_rows_are_held_out_of_leaves_tho
     from experiments.pretrained import write_held_in_rows
     from hf_linear_attn.training.data.tasks import get_task, load_task_data
 
-    reviews = tmp_path / "imdb.jsonl"
-    reviews.write_text("".join(json.dumps({"text": f"review number {i}", "label": i % 2}) + "\n" for i in range(60)))
-    config = tmp_path / "imdb.json"
-    config.write_text(json.dumps({"task_name": "imdb", "train_file": str(reviews), "validation_split_percentage": 10}))
-    student = "Linformer, from MiniLM's fine-tune"
-    preset = {"source": {"path": str(tmp_path / "minilm")}, "seeds": [42, 1], "baseline": BASELINE,
-              "finetune": {"imdb": {"config": str(config)}},
-              "models": {BASELINE: {"stock": True}, student: {
-                  "target": "linformer", "teacher": BASELINE,
-                  "args": {"linformer_k": 8, "train_file": str(reviews), "text_column": "text"}}}}
+    preset, reviews = imdb_teacher_preset(tmp_path, {"train_file": "REVIEWS", "text_column": "text"})
+    student = IMDB_STUDENT
     stages = plan(preset, tmp_path / "minilm", tmp_path / "out", REPO_ROOT)
     converts = {s.info["held_in"]["seed"]: s for s in stages if s.info["kind"] == "convert"}
     assert sorted(converts) == [1, 42]
@@ -555,15 +566,8 @@ def test_distillation_on_the_file_the_evaluation_rows_are_held_out_of_leaves_tho
 def test_a_teacher_models_table_shows_each_seeds_conversion(tmp_path):
     """A model converted from its teacher's fine-tune has one conversion per task and seed: the conversions table
     names each one with its own distillation figures (seed 1's end-to-end steps can move the other way)."""
-    reviews = tmp_path / "imdb.jsonl"
-    reviews.write_text("".join(json.dumps({"text": f"review {i}", "label": i % 2}) + "\n" for i in range(20)))
-    config = tmp_path / "imdb.json"
-    config.write_text(json.dumps({"task_name": "imdb", "train_file": str(reviews), "validation_split_percentage": 10}))
-    student = "Linformer, from MiniLM's fine-tune"
-    preset = {"source": {"path": str(tmp_path / "minilm")}, "seeds": [42, 1], "baseline": BASELINE,
-              "finetune": {"imdb": {"config": str(config)}},
-              "models": {BASELINE: {"stock": True}, student: {"target": "linformer", "teacher": BASELINE,
-                                                               "args": {"linformer_k": 8}}}}
+    preset, _ = imdb_teacher_preset(tmp_path, {})
+    student = IMDB_STUDENT
     stages = plan(preset, tmp_path / "minilm", tmp_path / "out", REPO_ROOT)
     cosines = {42: 0.626, 1: 0.594}
     records = {}
