@@ -346,8 +346,8 @@ def _causal_bf16(phi_q, phi_k, v, key_mask, eps, c, state, form):
     phi(q_t) . (z_0 + sum_{j<=t} phi(k_j)) in float32: in the scan and prefix-sum forms a float32 prefix sum and dot
     product (:func:`_float32_normaliser`); in the parallel form the float32 row sums of the chunk's own bf16 scores
     (the very weights the numerator applies to the values) plus phi(q_t) . z before the chunk in float32
-    (:func:`_chunkwise_parallel_bf16`); in the fla form fla's kernel accumulates it in float32 and rounds it to bf16
-    once (:func:`_causal_fla`).
+    (:func:`_chunkwise_parallel_bf16`); in the fla form fla's kernel accumulates it in float32 and writes it in bf16
+    (:func:`_causal_fla`).
     """
     batch, heads, n, m = phi_q.shape
     d_v = v.shape[-1]

@@ -197,11 +197,11 @@ def _held_in_rows(name: str, model: dict, args: dict, task: str, entry: dict, se
             "of (by each fine-tuning seed), in a conversion shared by every seed: it would distil on the rows it is "
             "scored on. Give it a 'teacher' (one conversion per task and seed, which leaves that seed's held-out rows "
             "out), or distil on another text (train_file).")
-    return {"path": output_dir / "distill-data" / f"{task}-seed{seed}-train-rows.jsonl", "task": task, "seed": seed,
-            "entry": entry}
+    return {"path": output_dir / "distill-data" / f"{task}-seed{seed}-train-rows.jsonl", "seed": seed,
+            "config": config}
 
 
-def write_held_in_rows(stages: list, root: Path) -> None:
+def write_held_in_rows(stages: list) -> None:
     """The files `_held_in_rows` names, each written once: the task's training rows as the fine-tune splits them at
     that seed (load_task_data, the same hold-out), as JSON lines of the task's text columns."""
     from hf_linear_attn.training.data.tasks import get_task, load_task_data
@@ -210,7 +210,7 @@ def write_held_in_rows(stages: list, root: Path) -> None:
         spec = stage.info.get("held_in")
         if spec is None or spec["path"].is_file():
             continue
-        config = merged_config(spec["entry"], root)
+        config = spec["config"]
         task = get_task(config["task_name"])
         data, _ = load_task_data(task, None, None, config["train_file"], None,
                                  config.get("validation_split_percentage", 10.0), spec["seed"])
@@ -558,7 +558,7 @@ def run(preset_path: Path, root: Path, output_dir=None, seeds=None, tasks=None, 
     # every stage the report covers: the slice's, and the preset's others at those seeds, finished earlier or not
     whole = plan(preset, source, output_dir, root, seeds_used) if (seeds or tasks or models) else stages
     built_tasks.build(preset, output_dir, root)  # the WikiText-2 tasks' data, before their baseline and fine-tunes
-    write_held_in_rows(whole, root)  # distillation text without the held-out rows, before stages are matched
+    write_held_in_rows(whole)  # distillation text without the held-out rows, before stages are matched
     majority = _majority(preset, seeds_used, root, output_dir / "majority.json", output_dir)
     records, ran = {}, 0
     loads_file = output_dir / "loads.json"  # stage -> 5-minute load average when it ended: were the cores shared?

@@ -538,7 +538,7 @@ def test_distillation_on_the_file_the_evaluation_rows_are_held_out_of_leaves_tho
     stages = plan(preset, tmp_path / "minilm", tmp_path / "out", REPO_ROOT)
     converts = {s.info["held_in"]["seed"]: s for s in stages if s.info["kind"] == "convert"}
     assert sorted(converts) == [1, 42]
-    write_held_in_rows(stages, REPO_ROOT)
+    write_held_in_rows(stages)
     for seed, stage in converts.items():
         distilled = stage.argv[stage.argv.index("--train_file") + 1]
         assert distilled != str(reviews) and f"seed{seed}" in distilled
