@@ -86,6 +86,9 @@ class FinetuneArguments:
         "help": "with --resume_from_checkpoint: accept a checkpoint without its RNG states (the continuation then "
                 "differs from an uninterrupted run) instead of stopping"})
     trust_remote_code: bool = field(default=False)
+    config_overrides: str | None = field(default=None, metadata={
+        "help": "settings of the checkpoint's config to change for this run, as run_mlm.py takes them: "
+                "'attention_probs_dropout_prob=0,hidden_dropout_prob=0.2' (each key must be in the config)"})
     distill_from: str | None = field(default=None, metadata={
         "help": "sequence classification: a teacher fine-tuned on the same task (a folder or Hub id) whose class "
                 "probabilities the student also learns (knowledge distillation; e.g. the model a converted student "
@@ -127,9 +130,24 @@ def check_arguments(args: FinetuneArguments, training: TrainingArguments) -> Non
                         ("--max_predict_samples", args.max_predict_samples)):
         if value is not None and value < 1:
             raise UsageError(f"{flag} must be at least 1 (got {value})")
+    parse_config_overrides(args.config_overrides)
     if not Path(args.model_card_template).is_file():
         raise UsageError(f"model card template not found: {args.model_card_template} (--model_card_template)")
     check_template(Path(args.model_card_template))
+
+
+def parse_config_overrides(text: str | None) -> dict[str, str]:
+    """--config_overrides as {key: value text}: comma-separated key=value pairs, each key once."""
+    if not text:
+        return {}
+    pairs = {}
+    for item in text.split(","):
+        key, sep, value = (part.strip() for part in item.partition("="))
+        if not sep or not key or not value or key in pairs:
+            raise UsageError(f"--config_overrides takes comma-separated key=value pairs, each key once, such as "
+                             f"'attention_probs_dropout_prob=0,hidden_dropout_prob=0.2'; got {text!r}")
+        pairs[key] = value
+    return pairs
 
 
 TOKEN_FLAGS = ("label_list", "label_all_tokens", "return_entity_level_metrics")

@@ -15,7 +15,7 @@ from .data.qa_tasks import QATask
 from .data.tasks import custom_task, get_task, parse_text_columns
 from .data.token_tasks import TokenTask, token_label_names
 from .errors import UsageError
-from .finetuning_arguments import FinetuneArguments, parse_label_names
+from .finetuning_arguments import FinetuneArguments, parse_config_overrides, parse_label_names
 from .sources import check_model_source, check_tokenizer_source
 
 
@@ -28,13 +28,27 @@ def subset(rows, count: int | None, hub: bool, seed: int):
 
 
 def read_model_config(args: FinetuneArguments, **overrides):
-    """--model_name_or_path's config (with `overrides`), or an error naming the folder and why it cannot be read."""
+    """--model_name_or_path's config (with `overrides`, then --config_overrides), or an error naming the folder and
+    why it cannot be read."""
     check_model_source(args.model_name_or_path, "--model_name_or_path")
     try:
-        return AutoConfig.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code,
-                                          **overrides)
+        config = AutoConfig.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code,
+                                            **overrides)
     except Exception as error:
         raise UsageError(f"cannot read a model config from {args.model_name_or_path}: {error}") from error
+    given = parse_config_overrides(args.config_overrides)
+    if not given:
+        return config
+    unknown = [key for key in given if not hasattr(config, key)]
+    if unknown:
+        raise UsageError(f"--config_overrides names {', '.join(unknown)}, not in {args.model_name_or_path}'s "
+                         f"{type(config).__name__}: a misspelt key would change nothing (its dropout settings: "
+                         f"{', '.join(k for k in config.to_dict() if 'dropout' in k) or 'none'})")
+    try:  # typed as the config's own value (int, float, bool, str), as run_mlm.py's overrides are
+        config.update_from_string(",".join(f"{key}={value}" for key, value in given.items()))
+    except (ValueError, TypeError) as error:  # a value of the wrong type; a field that is not a number or a word
+        raise UsageError(f"--config_overrides: {error}") from error
+    return config
 
 
 def load_tokenizer_and_config(args: FinetuneArguments, task, train: bool = True):

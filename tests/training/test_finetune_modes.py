@@ -104,6 +104,36 @@ def test_new_finetuning_flags_refuse_bad_values(tmp_path, base_model, review_fil
     assert not (tmp_path / "out").exists()  # every refusal came before anything was written
 
 
+def test_config_overrides_reach_the_trained_model_and_bad_ones_are_refused(tmp_path, base_model, review_files):
+    """--config_overrides (run_mlm.py's flag) changes the checkpoint's config for the run: the fine-tuned model's
+    dropout modules and its saved config carry the new values; a misspelt key, a malformed list or a value of the
+    wrong type is refused before anything is written."""
+    import torch
+    from finetune import main
+    from transformers import AutoModelForSequenceClassification
+
+    train = review_files[0]
+    columns = ["--text_columns", "review", "--label_column", "verdict", "--train_file", str(train)]
+    tuned = tmp_path / "tuned"
+    main([*common(base_model, tuned), "--do_train", *columns,
+          "--config_overrides", "attention_probs_dropout_prob=0,hidden_dropout_prob=0.25"])
+    config = json.loads((tuned / "config.json").read_text())
+    assert (config["attention_probs_dropout_prob"], config["hidden_dropout_prob"]) == (0.0, 0.25)
+    model = AutoModelForSequenceClassification.from_pretrained(tuned)
+    rates = {m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)}
+    assert 0.25 in rates and 0.1 not in rates  # the checkpoint's 0.1 replaced wherever it was used
+    out = tmp_path / "out"
+    for overrides, expected in (
+        ("attention_dropout_prob=0", "names attention_dropout_prob, not in"),
+        ("attention_probs_dropout_prob", "comma-separated key=value pairs"),
+        ("hidden_dropout_prob=0,hidden_dropout_prob=0.1", "each key once"),
+        ("hidden_dropout_prob=lots", "--config_overrides:"),
+    ):
+        said = script_error(main, [*common(base_model, out), "--do_train", *columns, "--config_overrides", overrides])
+        assert expected in said, (overrides, said)
+        assert not out.exists(), overrides
+
+
 # ------------------------------------------------------------------------------------------ push before training
 
 
