@@ -346,6 +346,19 @@ def _distillation_cell(d: dict) -> str:
     return cell
 
 
+def _finetune_recipe(preset: dict) -> str:
+    """What the Machine line says of the fine-tunes' arithmetic: float32, or bf16 autocast for the tasks whose args
+    ask for it, and any config changes (--config_overrides) they make."""
+    entries = {task: preset["finetune"][task].get("args", {}) for task in TASK_ORDER if task in preset["finetune"]}
+    bf16 = [TASK_TITLES[task] for task, args in entries.items() if args.get("bf16")]
+    text = "fine-tuning in float32"
+    if bf16:
+        text = "fine-tuning in bf16 autocast" + ("" if len(bf16) == len(entries)
+                                                  else f" ({', '.join(bf16)}; float32 for the other tasks)")
+    overrides = sorted({args["config_overrides"] for args in entries.values() if args.get("config_overrides")})
+    return text + (f", model config changed for the fine-tune: {'; '.join(overrides)}" if overrides else "")
+
+
 def render_markdown(preset_name: str, preset: dict, results: dict, meta: dict) -> str:
     tasks = [task for task in TASK_ORDER if task in preset["finetune"]]
     # a preset of classification tasks only keeps its table as it was: accuracy, and the majority class as the floor
@@ -358,7 +371,7 @@ def render_markdown(preset_name: str, preset: dict, results: dict, meta: dict) -
         f"# A real pretrained encoder and its conversions: preset `{preset_name}`", "",
         preset.get("description", ""), "",
         f"Command: `{meta['command']}`  ",
-        f"Machine: {describe_machines(meta)}; {meta.get('cpu_features', 'unknown')}; fine-tuning in float32  ",
+        f"Machine: {describe_machines(meta)}; {meta.get('cpu_features', 'unknown')}; {_finetune_recipe(preset)}  ",
         f"Cores: {_load_note(meta.get('loads', {}))}  ",
         f"Source checkpoint: {meta['source']}  ",
         f"Seeds (fine-tuning): {', '.join(map(str, meta['seeds']))}  ",

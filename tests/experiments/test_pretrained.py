@@ -586,3 +586,18 @@ def test_a_teacher_models_table_shows_each_seeds_conversion(tmp_path):
     row = next(line for line in table.splitlines() if line.startswith(f"| {student} | linformer"))
     assert "IMDB seed 42: layer_output" in row and "0.500 -> 0.626" in row
     assert "IMDB seed 1: layer_output" in row and "0.500 -> 0.594" in row
+
+
+def test_the_machine_line_names_each_presets_arithmetic_and_config_changes():
+    """The tables said "fine-tuning in float32" whatever the preset asked; imdb-budget fine-tunes in bf16 autocast
+    with attention dropout 0, and a table must say so."""
+    from experiments.pretrained import _finetune_recipe
+
+    assert _finetune_recipe(json.loads(PRESET.read_text())) == "fine-tuning in float32"
+    budget = json.loads((REPO_ROOT / "configs" / "pretrained" / "imdb-budget.json").read_text())
+    assert _finetune_recipe(budget) == ("fine-tuning in bf16 autocast, model config changed for the fine-tune: "
+                                        "attention_probs_dropout_prob=0")
+    mixed = json.loads(PRESET.read_text())
+    mixed["finetune"]["imdb"] = {**mixed["finetune"]["imdb"], "args": {**mixed["finetune"]["imdb"].get("args", {}),
+                                                                       "bf16": True}}
+    assert _finetune_recipe(mixed) == "fine-tuning in bf16 autocast (IMDB; float32 for the other tasks)"
