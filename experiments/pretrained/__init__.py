@@ -236,10 +236,11 @@ def _evaluate_stage(name: str, task: str, entry: dict, model_folder: Path, seed:
                  {"kind": "evaluate", "model": name, "task": task, "seed": seed})
 
 
-def _scores(result: dict) -> dict:
+def _scores(result: dict, task: str) -> dict:
     """A fine-tune's scores in percent, the table's figure first: {"accuracy"}, or for question answering SQuAD's
-    {"f1", "exact_match"} (finetune.py writes those in percent already)."""
-    if "eval_f1" in result:
+    {"f1", "exact_match"} (finetune.py writes those in percent already). By the task, not by the keys: QQP's GLUE
+    metric writes an F1 (of the duplicate class) beside its accuracy."""
+    if built_tasks.task_type(task) == "question_answering":
         return {"f1": float(result["eval_f1"]), "exact_match": float(result["eval_exact_match"])}
     return {"accuracy": 100 * float(result.get("eval_accuracy", result.get("accuracy")))}
 
@@ -257,7 +258,7 @@ def collect(preset: dict, stages: list, records: dict) -> dict:
         entry["seconds"] += record.get("seconds", 0.0)
         if stage.info["kind"] == "evaluate":
             entry.setdefault("before_finetuning", {}).setdefault(stage.info["task"], []).append(
-                next(iter(_scores(record["result"]).values())))
+                next(iter(_scores(record["result"], stage.info["task"]).values())))
             continue
         if stage.info["kind"] == "convert":
             report = record["result"]
@@ -272,7 +273,7 @@ def collect(preset: dict, stages: list, records: dict) -> dict:
                                    "task": stage.info.get("task"), "seed": stage.info.get("seed")}
             continue
         task = entry["tasks"].setdefault(stage.info["task"], {"scores": [], "seeds": []})
-        scores = _scores(record["result"])
+        scores = _scores(record["result"], stage.info["task"])
         task["scores"].append(next(iter(scores.values())))
         task["seeds"].append(stage.info["seed"])
         if "exact_match" in scores:

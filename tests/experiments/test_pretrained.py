@@ -601,3 +601,14 @@ def test_the_machine_line_names_each_presets_arithmetic_and_config_changes():
     mixed["finetune"]["imdb"] = {**mixed["finetune"]["imdb"], "args": {**mixed["finetune"]["imdb"].get("args", {}),
                                                                        "bf16": True}}
     assert _finetune_recipe(mixed) == "fine-tuning in bf16 autocast (IMDB; float32 for the other tasks)"
+
+
+def test_qqp_is_scored_by_its_accuracy_though_its_metric_writes_an_f1(tmp_path):
+    """GLUE's QQP metric writes eval_f1 beside eval_accuracy; the table read any eval_f1 as question answering and
+    the run's report failed (KeyError 'eval_exact_match') after the first QQP fine-tune."""
+    preset = {"baseline": "A", "models": {"A": {"stock": True}},
+              "finetune": {"qqp": {"config": "x", "args": {}}}, "seeds": [42]}
+    stages = plan(preset, tmp_path, tmp_path / "out", REPO_ROOT)
+    records = {s.name: {"seconds": 1.0, "result": {"eval_accuracy": 0.875, "eval_f1": 0.81}} for s in stages}
+    cell = collect(preset, stages, records)["A"]["tasks"]["qqp"]
+    assert cell["scores"] == [87.5] and "metric" not in cell and "exact_match" not in cell
