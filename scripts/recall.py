@@ -1,6 +1,7 @@
 """Recall (issue 42): multi-query associative recall (MQAR, Zoology's definition) for softmax GPT-2, linear_gpt2
 with each feature map, the causal block Linformer and Reformer, against the bytes of each model's decoding state;
-and passkey retrieval in WikiText-2 text (Landmark Attention's test) after pretraining and a short fine-tune.
+and passkey retrieval in WikiText-2 text (Landmark Attention's test) after pretraining and a short fine-tune; and
+the capacity probe: how many of MQAR's pairs one layer's state holds when nothing else must be learned.
 
     python scripts/recall.py --preset smoke --output_dir /tmp/recall-smoke        # every model, about a minute
     nohup nice -n 10 python scripts/recall.py --preset cpu --output_dir results/recall/cpu &   # hours, resumable
@@ -9,10 +10,12 @@ and passkey retrieval in WikiText-2 text (Landmark Attention's test) after pretr
     python scripts/recall.py --preset cpu --output_dir results/recall/cpu --widths 128      # a slice by model width
     python scripts/recall.py --preset passkey-smoke --output_dir /tmp/passkey-smoke    # passkey, every code path
     python scripts/recall.py --preset passkey-cpu --estimate      # a probe of a few steps: the preset's hours here
+    python scripts/recall.py --preset capacity --output_dir results/recall/capacity   # the state alone, ~30 min
 
-Presets are configs/recall/NAME.json (or a path); a preset with "task": "passkey" runs passkey retrieval, any other
-MQAR. Rerunning the same command reuses finished stages, and an MQAR preset with "checkpoint_every" resumes the
-stage it was in from its last checkpoint (keep the same OMP_NUM_THREADS to continue it bit for bit).
+Presets are configs/recall/NAME.json (or a path); a preset with "task": "passkey" runs passkey retrieval, one with
+"task": "capacity" the capacity probe (--models then names its memories), any other MQAR. Rerunning the same command
+reuses finished stages, and an MQAR preset with "checkpoint_every" resumes the stage it was in from its last checkpoint
+(keep the same OMP_NUM_THREADS to continue it bit for bit).
 """
 
 import argparse
@@ -22,7 +25,7 @@ from pathlib import Path
 import _checkout  # noqa: F401  (experiments/ is beside scripts/, outside the package)
 
 from experiments import find_preset
-from experiments.recall import passkey_runner, runner
+from experiments.recall import capacity_runner, passkey_runner, runner
 from hf_linear_attn.training.errors import UsageError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -54,8 +57,16 @@ def main(argv=None):
             passkey_runner.estimate(preset, args.models, log=lambda s: print(s, flush=True))
             return
         output_dir = Path(args.output_dir or f"outputs/recall/{preset.stem}")
-        if (args.pairs or args.widths) and passkey:
-            raise UsageError("--pairs and --widths choose MQAR settings; a passkey preset has neither (use --models)")
+        capacity = capacity_runner.is_capacity_preset(preset)
+        if (args.pairs or args.widths) and (passkey or capacity):
+            raise UsageError("--pairs and --widths choose MQAR settings; a passkey or capacity preset has neither "
+                             "(use --models)")
+        if capacity:
+            capacity_runner.run(preset, output_dir, args.models, args.dry_run, args.report_only,
+                                argv=sys.argv[1:] if argv is None else argv, log=lambda s: print(s, flush=True))
+            if not args.dry_run:
+                print(f"wrote {output_dir}/results.md, results.json, capacity.png")
+            return
         (passkey_runner if passkey else runner).run(preset, output_dir, args.models, args.dry_run, args.report_only,
                                                     argv=sys.argv[1:] if argv is None else argv,
                                                     log=lambda s: print(s, flush=True),
