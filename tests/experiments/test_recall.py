@@ -275,3 +275,19 @@ def test_a_bf16_preset_trains_under_autocast_and_leaves_float32_stages_their_arg
                            for d in ("bf16", "float32"))
     loss16, loss32 = bf16["metrics"]["loss_curve"][0][1], float32["metrics"]["loss_curve"][0][1]
     assert loss16 != loss32 and abs(loss16 - loss32) < 0.02 * loss32  # rounded differently, the same training
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in (REPO_ROOT / "configs" / "recall").glob("*.json")))
+def test_every_committed_recall_preset_loads_and_plans(name):
+    """Each preset of configs/recall passes its own loader's checks and plans at least one stage, whichever task
+    (MQAR, passkey, the capacity probe) it names."""
+    from experiments.recall import capacity_runner, passkey_runner
+
+    path = REPO_ROOT / "configs" / "recall" / f"{name}.json"
+    if passkey_runner.is_passkey_preset(path):
+        stages = passkey_runner.plan(passkey_runner.load_preset(path))
+    elif capacity_runner.is_capacity_preset(path):
+        stages = capacity_runner.plan(capacity_runner.load_preset(path))
+    else:
+        stages, _ = plan(load_preset(path))
+    assert stages
