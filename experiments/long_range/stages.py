@@ -118,6 +118,19 @@ def run_stages(stages: list[Stage], run, output_dir: Path, machine: str, log=pri
     return records
 
 
+def run_or_reload(stages: list[Stage], run, output_dir: Path, report_only: bool, log=print,
+                  retake=None) -> tuple[dict, str]:
+    """(records, machine) for a runner's report: every finished stage, after running the unfinished ones with
+    `run_stages` (this machine and its hardware recorded with each), or as recorded when `report_only`."""
+    from benchmarks.measuring import describe_hardware, describe_machine
+
+    output_dir.mkdir(parents=True, exist_ok=True)
+    machine = describe_machine()
+    if report_only:
+        return load_records(output_dir), machine
+    return run_stages(stages, run, output_dir, machine, log, retake=retake, hardware=describe_hardware()), machine
+
+
 def whole_command(argv: list[str], slice_flags: tuple[str, ...]) -> list[str]:
     """The arguments of the command that runs the whole preset: argv without --report_only and the slice flags
     (``--models`` and the like, with their values), which is what a report of every finished stage covers."""

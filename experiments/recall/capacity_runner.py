@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from experiments.long_range.stages import Stage, load_records, run_stages, stage_machines, whole_command, write_atomic
+from experiments.long_range.stages import Stage, run_or_reload, stage_machines, whole_command, write_atomic
 from hf_linear_attn.training.errors import UsageError
 
 from .capacity import MEMORIES, check_capacity, state_bytes, train_capacity
@@ -200,7 +200,7 @@ def plot(rows: list[dict], preset: dict, path: Path) -> None:
 
 def run(preset_path: Path, output_dir: Path, memories=None, dry_run=False, report_only=False, argv=None,
         log=print) -> dict:
-    from benchmarks.measuring import describe_hardware, describe_machine, hardware_of_records
+    from benchmarks.measuring import hardware_of_records
 
     preset = load_preset(preset_path)
     stages, whole = plan(preset, memories), plan(preset)
@@ -209,13 +209,7 @@ def run(preset_path: Path, output_dir: Path, memories=None, dry_run=False, repor
             log(f"{stage.key}: {json.dumps(stage.args)}")
         log(f"{len(stages)} stages")
         return {}
-    output_dir = Path(output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    machine = describe_machine()
-    if report_only:
-        records = load_records(output_dir)
-    else:
-        records = run_stages(stages, run_stage, output_dir, machine, log, hardware=describe_hardware())
+    records, machine = run_or_reload(stages, run_stage, Path(output_dir), report_only, log)
     keys = {s.key for s in whole}
     finished = {k: r for k, r in records.items() if k in keys}
     root = Path(__file__).resolve().parents[2]
@@ -229,6 +223,7 @@ def run(preset_path: Path, output_dir: Path, memories=None, dry_run=False, repor
                       f"{preset['batch_size']} of fresh random pairings, AdamW lr {preset['lr']} (no weight decay), "
                       f"5% warm-up then cosine decay, seed {preset['seed']}; scored on {preset['eval_batches']} "
                       "batches from another seed.")}
+    output_dir = Path(output_dir)
     write_atomic(output_dir / "results.json", json.dumps({"meta": meta, "rows": rows}, indent=1))
     write_atomic(output_dir / "results.md", render(rows, preset, meta))
     plot(rows, preset, output_dir / "capacity.png")

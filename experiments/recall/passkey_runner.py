@@ -26,7 +26,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from experiments.long_range.models import Dims
-from experiments.long_range.stages import Stage, StageFailed, load_records, run_stages, stage_machines, write_atomic
+from experiments.long_range.stages import Stage, StageFailed, load_records, run_or_reload, stage_machines, write_atomic
 from hf_linear_attn.training.errors import UsageError
 
 from .models import LABELS, build_recall_model, check_models
@@ -393,7 +393,7 @@ def describe(preset: dict) -> str:
 
 def run(preset_path: Path, output_dir: Path, models=None, dry_run=False, report_only=False, argv=None,
         log=print) -> dict:
-    from benchmarks.measuring import describe_hardware, describe_machine, hardware_of_records
+    from benchmarks.measuring import hardware_of_records
 
     preset = load_preset(preset_path)
     stages = plan(preset, models)
@@ -403,16 +403,11 @@ def run(preset_path: Path, output_dir: Path, models=None, dry_run=False, report_
         log(f"{len(stages)} stages")
         return {}
     output_dir = Path(output_dir).resolve()
-    output_dir.mkdir(parents=True, exist_ok=True)
-    machine = describe_machine()
     runners = {"tokenizer": lambda stage: run_tokenizer(stage, output_dir, preset),
                "pretrain": lambda stage: run_pretrain(stage, output_dir),
                "passkey": lambda stage: run_passkey(stage, output_dir)}
-    if report_only:
-        records = load_records(output_dir)
-    else:
-        records = run_stages(stages, lambda stage: runners[stage.kind](stage), output_dir, machine, log,
-                             retake=missing_outputs(output_dir), hardware=describe_hardware())
+    records, machine = run_or_reload(stages, lambda stage: runners[stage.kind](stage), output_dir, report_only, log,
+                                     retake=missing_outputs(output_dir))
     keys = {s.key for s in stages}
     finished = {k: r for k, r in records.items() if k in keys}
     summary = summarise(finished)

@@ -16,8 +16,8 @@ from pathlib import Path
 
 from experiments.long_range.models import Dims
 from experiments.long_range.training import PRECISIONS, Checkpointing
-from experiments.long_range.stages import (Stage, checkpoint_file, load_records, run_stages, stage_machines,
-                                           whole_command, write_atomic)
+from experiments.long_range.stages import (Stage, checkpoint_file, run_or_reload, stage_machines, whole_command,
+                                           write_atomic)
 from hf_linear_attn.training.errors import UsageError
 
 from .models import LABELS, build_recall_model, check_models, decoding_state_bytes
@@ -283,7 +283,7 @@ def run(preset_path: Path, output_dir: Path, models=None, dry_run=False, report_
     """Run the preset's stages (only `models` / `pairs` / `widths` where given: a slice) and report every finished
     stage of the whole preset, so a slice run adds its rows to the committed table instead of replacing it with the
     slice's."""
-    from benchmarks.measuring import describe_hardware, describe_machine, hardware_of_records
+    from benchmarks.measuring import hardware_of_records
 
     preset = load_preset(preset_path)
     stages, _ = plan(preset, models, pairs, widths)
@@ -294,13 +294,7 @@ def run(preset_path: Path, output_dir: Path, models=None, dry_run=False, report_
         log(f"{len(stages)} stages" + (f"; left out: {'; '.join(left_out)}" if left_out else ""))
         return {}
     output_dir = Path(output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    machine = describe_machine()
-    if report_only:
-        records = load_records(output_dir)
-    else:
-        records = run_stages(stages, stage_runner(output_dir, log), output_dir, machine, log,
-                             hardware=describe_hardware())
+    records, machine = run_or_reload(stages, stage_runner(output_dir, log), output_dir, report_only, log)
     keys = {s.key for s in whole}
     finished = {k: r for k, r in records.items() if k in keys}
     rows = summarise(finished)
