@@ -17,8 +17,8 @@ pooled in one layer.
 
 Memories (`MEMORIES`):
 - "elu": linear_gpt2's own read, phi = elu + 1 and the normaliser, y = phi(q) S / (phi(q) . z + eps).
-- "elu_unnormalized": the same features without the normaliser, y = phi(q) S (as fla's linear attention runs
-  without feature-map normalisation).
+- "elu_unnormalized": the same features without the normaliser, y = phi(q) S (RetNet and GLA read their states
+  without one, and normalise the layer's output instead).
 - "identity": no feature map and no normaliser, y = q S with S = sum_j k_j v_j^T: the classical linear associative
   memory, with signed keys.
 - "softmax": softmax attention over the stored keys, i.e. its cache of every key and value. Its memory grows with

@@ -50,6 +50,10 @@ def load_preset(path: Path) -> dict:
     return preset
 
 
+def stage_key(memory: str, setting: dict, heads: int) -> str:
+    return f"{memory}/k{setting['num_keys']}-v{setting['num_values']}-p{setting['pairs']}-h{heads}"
+
+
 def plan(preset: dict, memories=None) -> list[Stage]:
     if memories:
         unknown = [m for m in memories if m not in preset["memories"]]
@@ -63,8 +67,7 @@ def plan(preset: dict, memories=None) -> list[Stage]:
             for memory in preset["memories"]:
                 if memories and memory not in memories:
                     continue
-                key = f"{memory}/k{setting['num_keys']}-v{setting['num_values']}-p{setting['pairs']}-h{heads}"
-                stages.append(Stage(key, "capacity", {**common, "memory": memory, "heads": heads,
+                stages.append(Stage(stage_key(memory, setting, heads), "capacity", {**common, "memory": memory, "heads": heads,
                                                       **{k: setting[k] for k in ("num_keys", "num_values", "pairs")}}))
     return stages
 
@@ -96,8 +99,7 @@ def summarise(preset: dict, records: dict, root: Path) -> list[dict]:
             row = {k: setting[k] for k in ("num_keys", "num_values", "pairs")}
             row.update(heads=heads, width=width, memories={})
             for memory in preset["memories"]:
-                key = f"{memory}/k{setting['num_keys']}-v{setting['num_values']}-p{setting['pairs']}-h{heads}"
-                record = records.get(key)
+                record = records.get(stage_key(memory, setting, heads))
                 if record is not None:
                     m = record["metrics"]
                     row["memories"][memory] = {"accuracy": m["accuracy"], "loss": m["loss"],
