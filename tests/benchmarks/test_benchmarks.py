@@ -14,10 +14,19 @@ from benchmarks.suites import PRESETS, configurations, linear_attention_flops
 
 
 def test_peak_memory_sees_a_known_allocation():
-    with PeakMemory("cpu") as memory:
-        block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
-        del block
-    assert 60 * 2**20 <= memory.extra <= 200 * 2**20
+    """In a fresh process, as the benchmarks measure (one configuration per process). In a suite worker the test once
+    read 0 extra bytes (full suite, 2026-11-27) and passed alone and after the benchmark and recall tests in one
+    process. The likely cause, not shown: memory freed during the block by threads other tests left running."""
+    code = ("import torch; from benchmarks.measuring import PeakMemory\n"
+            "with PeakMemory('cpu') as memory:\n"
+            "    block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched\n"
+            "    del block\n"
+            "print(memory.extra)")
+    done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, cwd=REPO_ROOT,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    extra = int(done.stdout.split()[-1])
+    assert 60 * 2**20 <= extra <= 200 * 2**20, extra
 
 
 def test_flop_counts_match_a_hand_count():
