@@ -10,7 +10,7 @@ the capacity probe: how many of MQAR's pairs one layer's state holds when nothin
     python scripts/recall.py --preset cpu --output_dir results/recall/cpu --widths 128      # a slice by model width
     python scripts/recall.py --preset passkey-smoke --output_dir /tmp/passkey-smoke    # passkey, every code path
     python scripts/recall.py --preset passkey-cpu --estimate      # a probe of a few steps: the preset's hours here
-    python scripts/recall.py --preset capacity --output_dir results/recall/capacity   # the state alone, ~30 min
+    python scripts/recall.py --preset capacity --output_dir results/recall/capacity   # the state alone, ~1 h
 
 Presets are configs/recall/NAME.json (or a path); a preset with "task": "passkey" runs passkey retrieval, one with
 "task": "capacity" the capacity probe (--models then names its memories), any other MQAR. Rerunning the same command
