@@ -25,7 +25,7 @@ from pathlib import Path
 import _checkout  # noqa: F401  (experiments/ is beside scripts/, outside the package)
 
 from experiments import find_preset
-from experiments.recall import capacity_runner, passkey_runner, runner
+from experiments.recall import capacity_runner, passkey_runner, preset_task, runner
 from hf_linear_attn.training.errors import UsageError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -49,32 +49,25 @@ def main(argv=None):
     args = parser.parse_args(argv)
     try:
         preset = find_preset(args.preset, REPO / "configs" / "recall")
-        passkey = passkey_runner.is_passkey_preset(preset)
+        task = preset_task(preset)
         if args.estimate:
-            if not passkey:
+            if task != "passkey":
                 raise UsageError("--estimate projects a passkey preset's time; MQAR presets state theirs in their "
                                  "description")
             passkey_runner.estimate(preset, args.models, log=lambda s: print(s, flush=True))
             return
         output_dir = Path(args.output_dir or f"outputs/recall/{preset.stem}")
-        capacity = capacity_runner.is_capacity_preset(preset)
-        if (args.pairs or args.widths) and (passkey or capacity):
+        if (args.pairs or args.widths) and task != "mqar":
             raise UsageError("--pairs and --widths choose MQAR settings; a passkey or capacity preset has neither "
                              "(use --models)")
-        if capacity:
-            capacity_runner.run(preset, output_dir, args.models, args.dry_run, args.report_only,
-                                argv=sys.argv[1:] if argv is None else argv, log=lambda s: print(s, flush=True))
-            if not args.dry_run:
-                print(f"wrote {output_dir}/results.md, results.json, capacity.png")
-            return
-        (passkey_runner if passkey else runner).run(preset, output_dir, args.models, args.dry_run, args.report_only,
-                                                    argv=sys.argv[1:] if argv is None else argv,
-                                                    log=lambda s: print(s, flush=True),
-                                                    **({} if passkey else {"pairs": args.pairs, "widths": args.widths}))
+        {"passkey": passkey_runner, "capacity": capacity_runner}.get(task, runner).run(
+            preset, output_dir, args.models, args.dry_run, args.report_only,
+            argv=sys.argv[1:] if argv is None else argv, log=lambda s: print(s, flush=True),
+            **({"pairs": args.pairs, "widths": args.widths} if task == "mqar" else {}))
     except UsageError as error:
         sys.exit(f"error: {error}")
     if not args.dry_run:
-        print(f"wrote {output_dir}/results.md, results.json, {'passkey' if passkey else 'mqar'}.png")
+        print(f"wrote {output_dir}/results.md, results.json, {task}.png")
 
 
 if __name__ == "__main__":

@@ -22,13 +22,6 @@ LABELS = {"elu": "elu + 1, normalised (linear_gpt2's read)", "elu_unnormalized":
 DECODER = "linear_gpt2_conv"  # the trained decoder whose state the probe isolates
 
 
-def is_capacity_preset(path: Path) -> bool:
-    try:
-        return json.loads(Path(path).read_text()).get("task") == "capacity"
-    except (OSError, json.JSONDecodeError, AttributeError):
-        return False
-
-
 def load_preset(path: Path) -> dict:
     """The preset, its every setting checked (with the fix named) before any stage runs."""
     preset = json.loads(Path(path).read_text())
@@ -67,8 +60,9 @@ def plan(preset: dict, memories=None) -> list[Stage]:
             for memory in preset["memories"]:
                 if memories and memory not in memories:
                     continue
-                stages.append(Stage(stage_key(memory, setting, heads), "capacity", {**common, "memory": memory, "heads": heads,
-                                                      **{k: setting[k] for k in ("num_keys", "num_values", "pairs")}}))
+                args = {**common, "memory": memory, "heads": heads,
+                        **{k: setting[k] for k in ("num_keys", "num_values", "pairs")}}
+                stages.append(Stage(stage_key(memory, setting, heads), "capacity", args))
     return stages
 
 
@@ -78,22 +72,19 @@ def run_stage(stage: Stage) -> dict:
                           a["steps"], a["batch_size"], a["lr"], a["seed"], a["eval_batches"], a["log_every"])
 
 
-def decoder_accuracy(compare: dict | None, pairs: int, width: int, root: Path) -> tuple[float, str] | None:
-    """The trained decoder's MQAR accuracy at this pair count and width, from the results file `compare` names."""
-    if not compare:
-        return None
-    path = root / compare["results"] / "results.json"
-    if not path.is_file():
-        return None
-    for row in json.loads(path.read_text())["rows"]:
-        if (row["model"], row["length"], row["pairs"], row["width"]) == (DECODER, compare["length"], pairs, width):
-            return row["accuracy"], compare["results"]
-    return None
+def decoder_accuracies(compare: dict | None, pairs: int, root: Path) -> dict[int, float]:
+    """The trained decoder's MQAR accuracy by width at this pair count, from the results file `compare` names."""
+    path = root / compare["results"] / "results.json" if compare else None
+    if path is None or not path.is_file():
+        return {}
+    return {row["width"]: row["accuracy"] for row in json.loads(path.read_text())["rows"]
+            if (row["model"], row["length"], row["pairs"]) == (DECODER, compare["length"], pairs)}
 
 
 def summarise(preset: dict, records: dict, root: Path) -> list[dict]:
     rows = []
     for setting in preset["settings"]:
+        decoder = decoder_accuracies(setting.get("compare"), setting["pairs"], root)
         for heads in setting["heads"]:
             width = heads * preset["head_size"]
             row = {k: setting[k] for k in ("num_keys", "num_values", "pairs")}
@@ -105,10 +96,10 @@ def summarise(preset: dict, records: dict, root: Path) -> list[dict]:
                     row["memories"][memory] = {"accuracy": m["accuracy"], "loss": m["loss"],
                                                "state_bytes": m["state_bytes"],
                                                "final_train_loss": m["loss_curve"][-1][1]}
-            found = decoder_accuracy(setting.get("compare"), setting["pairs"], width, root)
-            if found:
-                row["decoder"] = {"model": DECODER, "accuracy": found[0], "results": found[1],
-                                  "length": setting["compare"]["length"]}
+            if width in decoder:
+                compare = setting["compare"]
+                row["decoder"] = {"model": DECODER, "accuracy": decoder[width], "results": compare["results"],
+                                  "length": compare["length"]}
             rows.append(row)
     return rows
 
@@ -232,4 +223,4 @@ def run(preset_path: Path, output_dir: Path, memories=None, dry_run=False, repor
     return {"meta": meta, "rows": rows}
 
 
-__all__ = ["MEMORIES", "is_capacity_preset", "load_preset", "plan", "run", "state_bytes"]
+__all__ = ["MEMORIES", "load_preset", "plan", "run", "state_bytes"]

@@ -47,14 +47,6 @@ NOT_FOR_PASSKEY = {"reformer_lsh": "its axial position table holds exactly one s
                                    "every model at each of the preset's lengths"}
 
 
-def is_passkey_preset(path: Path) -> bool:
-    """Whether a recall preset describes the passkey task (its "task" key), not MQAR."""
-    try:
-        return json.loads(Path(path).read_text()).get("task") == "passkey"
-    except (OSError, json.JSONDecodeError, AttributeError):
-        return False  # the MQAR loader names what is wrong with the file
-
-
 def data_path(name: str) -> Path:
     """A preset's data file: absolute, or relative to the project root (where ../shared/data is)."""
     path = Path(name)

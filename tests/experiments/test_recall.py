@@ -281,12 +281,12 @@ def test_a_bf16_preset_trains_under_autocast_and_leaves_float32_stages_their_arg
 def test_every_committed_recall_preset_loads_and_plans(name):
     """Each preset of configs/recall passes its own loader's checks and plans at least one stage, whichever task
     (MQAR, passkey, the capacity probe) it names."""
-    from experiments.recall import capacity_runner, passkey_runner
+    from experiments.recall import capacity_runner, passkey_runner, preset_task
 
     path = REPO_ROOT / "configs" / "recall" / f"{name}.json"
-    if passkey_runner.is_passkey_preset(path):
+    if preset_task(path) == "passkey":
         stages = passkey_runner.plan(passkey_runner.load_preset(path))
-    elif capacity_runner.is_capacity_preset(path):
+    elif preset_task(path) == "capacity":
         stages = capacity_runner.plan(capacity_runner.load_preset(path))
     else:
         stages, _ = plan(load_preset(path))
