@@ -65,6 +65,7 @@ def bidirectional_linear_attention(
     out_dtype = v.dtype
     with _no_autocast(v):
         if _bf16_compute(precision, phi_q, phi_k, v):
+            phi_q, phi_k = phi_q.bfloat16(), phi_k.bfloat16()
             phi_k, v = mask_keys(phi_k, v, key_mask)
             z = phi_k.float().sum(-2, keepdim=True)  # (B, H, 1, m) float32
             normaliser = (phi_q.float() * z).sum(-1, keepdim=True)
@@ -117,7 +118,9 @@ def _chunked_scan(a, b, c, state, chunk: int, reverse: bool = False):
     n = a.shape[1]
     low = a.dtype != torch.float32
     out = torch.empty(*a.shape[:2], c.shape[-1], dtype=torch.float32, device=a.device)
-    state = state.float().clone()
+    # Contiguous: the backward passes transposed states, and a strided state sends every baddbmm_ below through a
+    # loop of per-matrix addmm_ (8,192 calls in one training step of the copy-paper decoder, profiled).
+    state = state.float().clone(memory_format=torch.contiguous_format)
     mask = torch.ones(chunk, chunk, dtype=a.dtype, device=a.device)
     mask = mask.triu_() if reverse else mask.tril_()
     starts = range(0, n, chunk)
@@ -225,7 +228,8 @@ def causal_linear_attention(
     earlier call (prefill, then decoding).
 
     ``precision``: float32 inputs are computed in float32 (z rides along as a column of ones after V, so one product
-    gives numerator and normaliser). bf16 inputs (phi(Q), phi(K) and V all bf16) take the bf16 compute path with
+    gives numerator and normaliser). bf16 V (as a model's value projection gives it under autocast or with bf16
+    weights), with phi(Q), phi(K) in bf16 or float32 (rounded to bf16 here), takes the bf16 compute path with
     "bfloat16", and with "auto" where the device computes bf16 natively and it pays (CUDA; CPUs with AVX512-BF16 /
     AMX when gradients are needed or below :data:`CPU_BF16_FORWARD_BELOW` positions; see :func:`_bf16_compute`);
     "float32" keeps the float32 path. On the bf16 path the products run in bf16, the state S,
@@ -275,7 +279,7 @@ def causal_linear_attention(
         c = max(1, min(chunk_size or 64, n))
     with _no_autocast(v):
         if low:
-            return _causal_bf16(phi_q, phi_k, v, key_mask, eps, c, state, form)
+            return _causal_bf16(phi_q.bfloat16(), phi_k.bfloat16(), v, key_mask, eps, c, state, form)
         phi_q, phi_k, v = _float32_inputs(phi_q, phi_k, v, key_mask)
         state0 = _state_with_normaliser(state, batch, heads, m, d_v, phi_q)
         v1 = _with_ones(v)
@@ -315,11 +319,16 @@ CPU_BF16_FORWARD_BELOW = 98304
 
 def _bf16_compute(precision: str, *tensors: torch.Tensor, causal: bool = False, needs_grad: bool = False,
                   positions: int = 0) -> bool:
-    """Whether the bf16 compute path applies: every input (features and values) bf16, and ``precision``
-    "bfloat16", or "auto" where bf16 products are native (:func:`native_bf16`) and measured to pay (below)."""
+    """Whether the bf16 compute path applies: the values V (the last tensor) bf16, the features bf16 or float32, and
+    ``precision`` "bfloat16", or "auto" where bf16 products are native (:func:`native_bf16`) and measured to pay
+    (below). V's dtype is the compute dtype: under autocast or with bf16 weights V leaves its projection in bf16, while
+    the feature maps return float32 features (their elu / exp computed in float32), which the bf16 path rounds to bf16.
+    Keyed on every input being bf16, as it once was, the path was never reached from a model."""
     if precision not in ("auto", "float32", "bfloat16"):
         raise ValueError(f"precision must be 'auto', 'float32' or 'bfloat16', got {precision!r}.")
-    if precision == "float32" or not all(t.dtype == torch.bfloat16 for t in tensors):
+    *features, values = tensors
+    if (precision == "float32" or values.dtype != torch.bfloat16
+            or not all(t.dtype in (torch.bfloat16, torch.float32) for t in features)):
         return False
     if precision == "bfloat16":
         return True

@@ -245,17 +245,29 @@ def decoder_settings(name: str, n: int) -> dict:
     return {}
 
 
-def build_decoder(name: str, dims: Dims, n: int, vocab_size: int, dropout: float = 0.0):
-    """A randomly initialised causal LM `name` of the given dims for sequences of n tokens."""
+# The GPT-2-style decoders' feed-forward activations: GPT-2's own "gelu_new" (tanh-approximated GELU in seven
+# elementwise ops, the default) and "gelu_pytorch_tanh", the same function as one fused kernel (transformers'
+# GELUTanh; equal up to rounding). In the copy-paper decoder's bf16 step the seven ops and their backward took about a
+# quarter of the step on one CPU thread (profiled 2026-11-28, docs/long_range.md).
+DECODER_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")
+
+
+def build_decoder(name: str, dims: Dims, n: int, vocab_size: int, dropout: float = 0.0, activation: str | None = None):
+    """A randomly initialised causal LM `name` of the given dims for sequences of n tokens. `activation` (one of
+    DECODER_ACTIVATIONS) sets the GPT-2-style decoders' feed-forward activation (GPT-2's "gelu_new" when None);
+    Reformer keeps its exact GELU either way."""
     import transformers as tf
 
     import hf_linear_attn as ours
 
     check_model_names([name], "copy")
+    if activation is not None and activation not in DECODER_ACTIVATIONS:
+        raise UsageError(f"unknown activation {activation!r}: use one of {', '.join(DECODER_ACTIVATIONS)}")
     s = decoder_settings(name, n)
     gpt = dict(vocab_size=vocab_size, n_positions=n, n_embd=dims.hidden_size, n_layer=dims.num_layers,
                n_head=dims.num_heads, n_inner=dims.intermediate_size, resid_pdrop=dropout, embd_pdrop=dropout,
-               attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=1)
+               attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=1,
+               **({"activation_function": activation} if activation else {}))
     if name == "gpt2_sdpa":
         return tf.GPT2LMHeadModel._from_config(tf.GPT2Config(**gpt), attn_implementation="sdpa")
     if name in ("linear_gpt2", "linear_gpt2_window", *DECODER_FEATURE_MAPS):

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from hf_linear_attn.training.errors import UsageError
 
-from .models import DECODERS, ENCODERS, POOLINGS, Dims, check_length, check_model_names
+from .models import DECODER_ACTIVATIONS, DECODERS, ENCODERS, POOLINGS, Dims, check_length, check_model_names
 from .stages import Stage
 from .tasks import BYTES_VOCAB_SIZE, check_copy_length, copy_paper_lengths
 from .training import PRECISIONS, check_optimizer
@@ -59,6 +59,9 @@ def check_copy_entry(entry: dict) -> None:
     if entry.get("precision", "float32") not in PRECISIONS:
         raise UsageError(f"copy: unknown precision {entry['precision']!r}: use 'float32' or 'bf16' (bfloat16 autocast "
                          "of the forward, float32 weights)")
+    if entry.get("activation", "gelu_new") not in DECODER_ACTIVATIONS:
+        raise UsageError(f"copy: unknown activation {entry['activation']!r}: use one of "
+                         f"{', '.join(DECODER_ACTIVATIONS)} (the GPT-2-style decoders' activation_function)")
     every = entry.get("checkpoint_every")
     if every is not None and (not isinstance(every, int) or every < 1):
         raise UsageError(f"copy: 'checkpoint_every' must be a positive number of steps (or absent: no checkpoints), "
@@ -117,9 +120,10 @@ def plan(preset: dict) -> list[Stage]:
                                      **({"retries": entry["retries"]} if "retries" in entry else {})}))
     if "copy" in tasks:
         entry = tasks["copy"]
-        # the paper's variant and bf16 enter the arguments only where a preset names them, so that the stages of
-        # presets without them keep the arguments they were recorded with; checkpointing changes no result
-        extra = {k: entry[k] for k in ("variant", "precision") if k in entry}
+        # the paper's variant, bf16 and the activation enter the arguments only where a preset names them, so that
+        # the stages of presets without them keep the arguments they were recorded with; checkpointing changes no
+        # result
+        extra = {k: entry[k] for k in ("variant", "precision", "activation") if k in entry}
         options = {"checkpoint_every": entry["checkpoint_every"]} if entry.get("checkpoint_every") else {}
         for setting in entry["settings"]:
             for model in entry["models"]:

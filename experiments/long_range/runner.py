@@ -81,7 +81,7 @@ def _runner(data: DataCache, best: list[float], output_dir: Path | None = None, 
         dims = Dims(**a["dims"])
         torch.manual_seed(a["seed"])
         if stage.kind == "copy":
-            model = build_decoder(a["model"], dims, a["length"], COPY_VOCAB_SIZE, a["dropout"])
+            model = build_decoder(a["model"], dims, a["length"], COPY_VOCAB_SIZE, a["dropout"], a.get("activation"))
             every = stage.options.get("checkpoint_every")
             checkpointing = (Checkpointing(checkpoint_file(output_dir, stage.key), every, a,
                                            log=lambda s, key=stage.key: log(f"    {key}: {s}"))
@@ -153,7 +153,8 @@ def time_copy_steps(preset_path: Path, models, steps: int, lengths=None, log=pri
         runs = {}
         for precision in PRECISIONS:
             torch.manual_seed(a["seed"])
-            model = build_decoder(a["model"], Dims(**a["dims"]), a["length"], COPY_VOCAB_SIZE, a["dropout"])
+            model = build_decoder(a["model"], Dims(**a["dims"]), a["length"], COPY_VOCAB_SIZE, a["dropout"],
+                                  a.get("activation"))
             optimizer, scheduler = make_optimizer(model, a["optimizer"], a["steps"])
             model.train()
             runs[precision] = (model, optimizer, scheduler, autocast_for(model, precision), [], [])

@@ -135,14 +135,27 @@ def test_both_forms_of_the_steps_query_state_product_equal_float64(by_matmul):
     torch.testing.assert_close(got.double(), phi_q.double() @ s.double(), atol=1e-5, rtol=1e-5)
 
 
-def test_causal_form_accumulates_in_float32_under_bf16():
+@pytest.mark.parametrize("native", [False, True])
+def test_causal_form_accumulates_in_float32_under_bf16(monkeypatch, native):
+    """Under autocast with bf16 values and the float32 features a feature map returns: without native bf16 the
+    float32 path (the output is the float64 result rounded to bf16 almost everywhere); with it, the bf16 compute path
+    (bf16 features and products, within bf16 rounding of the float32 path's error). The state and z stay float32."""
+    import hf_linear_attn.linear_attention as la
+
+    monkeypatch.setattr(la, "native_bf16", lambda device_type: native)
     phi = build_feature_map("elu", 2, 16)
     q, k, v = qkv(b=1, h=2, n=2048, d=16, dtype=torch.bfloat16)
     with torch.autocast(torch.get_default_device().type, dtype=torch.bfloat16):
-        out, (s, z) = causal_linear_attention(phi(q, True), phi(k, False), v, chunk_size=64)
-    assert out.dtype == torch.bfloat16 and s.dtype == torch.float32 and z.dtype == torch.float32
-    ref = causal_quadratic_reference(phi(q, True), phi(k, False), v, 1e-6).to(torch.bfloat16)
-    assert (out == ref).float().mean().item() > 0.95
+        phi_q, phi_k = phi(q, True), phi(k, False)
+        out, (s, z) = causal_linear_attention(phi_q, phi_k, v, chunk_size=64)
+    assert phi_q.dtype == torch.float32 and out.dtype == torch.bfloat16
+    assert s.dtype == torch.float32 and z.dtype == torch.float32
+    exact = causal_quadratic_reference(phi_q.double(), phi_k.double(), v.double(), 1e-6)
+    if native:
+        full, _ = causal_linear_attention(phi_q, phi_k, v.float(), chunk_size=64)
+        assert _relative(out, exact) <= _relative(full, exact) + BF16_ROUNDING
+    else:
+        assert (out == exact.to(torch.bfloat16)).float().mean().item() > 0.95
 
 
 # ------------------------------------------------------------------------- the bf16 compute path (issue 29)

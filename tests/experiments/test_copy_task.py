@@ -268,6 +268,7 @@ def test_the_decoders_with_other_feature_maps_run_them():
     (lambda p: p["tasks"]["copy"].update(variant="random"), "unknown copy task variant 'random'"),
     (lambda p: p["tasks"]["copy"].update(precision="fp16"), "unknown precision 'fp16'.*'bf16'"),
     (lambda p: p["tasks"]["copy"].update(checkpoint_every=0), "'checkpoint_every' must be a positive"),
+    (lambda p: p["tasks"]["copy"].update(activation="swish"), "unknown activation 'swish'.*gelu_pytorch_tanh"),
     (lambda p: p["tasks"]["copy"].update(dropout=1.5), r"'dropout' must lie in \[0, 1\)"),
     (lambda p: p["optimizer"].update(name="lamb"), "unknown optimizer name 'lamb': use 'adamw'.*'radam'"),
     (lambda p: p["optimizer"].update(schedule="cosine"), "unknown optimizer schedule 'cosine'"),
@@ -308,6 +309,25 @@ def test_the_copy_paper_preset_validates_and_plans_the_papers_settings_in_the_is
         assert a["optimizer"]["name"] == "radam" and a["optimizer"]["lr"] == 1e-3
         assert (a["optimizer"]["milestones"], a["optimizer"]["gamma"]) == ([3000], 0.1)
         assert stage.options == {"checkpoint_every": 100}
+        assert (a["precision"], a["activation"]) == ("bf16", "gelu_pytorch_tanh")
+
+
+@pytest.mark.parametrize("name", ["gpt2_sdpa", "linear_gpt2", "linformer_gpt2"])
+def test_the_fused_activation_is_gpt2s_gelu_up_to_rounding(name):
+    """"gelu_pytorch_tanh" (the copy-paper preset's, one fused kernel) sets the decoder's feed-forward activation and
+    computes the function GPT-2's default "gelu_new" does: the same weights give the same logits within float32
+    rounding; an activation outside the list is refused."""
+    torch.manual_seed(0)
+    default = build_decoder(name, TINY, 32, COPY_VOCAB_SIZE).eval()
+    fused = build_decoder(name, TINY, 32, COPY_VOCAB_SIZE, activation="gelu_pytorch_tanh").eval()
+    fused.load_state_dict(default.state_dict())
+    assert (default.config.activation_function, fused.config.activation_function) == ("gelu_new",
+                                                                                      "gelu_pytorch_tanh")
+    assert [type(block.mlp.act).__name__ for block in fused.transformer.h] == ["GELUTanh"] * TINY.num_layers
+    ids, _ = copy_task_batch("paper", 2, 32, torch.Generator().manual_seed(0))
+    torch.testing.assert_close(fused(ids).logits, default(ids).logits, atol=1e-5, rtol=1e-5)
+    with pytest.raises(UsageError, match="unknown activation 'relu'"):
+        build_decoder(name, TINY, 32, COPY_VOCAB_SIZE, activation="relu")
 
 
 @pytest.mark.slow

@@ -269,6 +269,40 @@ def test_bf16_weights_and_autocast_stay_close_to_float32(variant):
         assert_close_to_reference(model(ids).logits)
 
 
+@pytest.mark.parametrize("variant", ["linear-elu", "linear-relu", "linear-hedgehog"])
+def test_training_in_bf16_reaches_the_bf16_kernel_where_bf16_is_native(monkeypatch, variant):
+    """Under bf16 autocast and with bf16 weights, a training step of a linear decoder runs causal linear attention on
+    its bf16 compute path exactly where bf16 products are native (the kernel's "auto" rule), although the feature maps
+    return float32 features; its loss and gradients are as close to float32's as those of the same step with the
+    kernel's float32 path (the rest of the model in bf16 either way). Until 2026-11-28 the kernel asked for bf16
+    features as well, so no model reached that path."""
+    import hf_linear_attn.linear_attention as la
+
+    calls, kernel = [], la._causal_bf16
+    monkeypatch.setattr(la, "_causal_bf16", lambda *a, **k: calls.append(a[0].dtype) or kernel(*a, **k))
+    ids = random_ids(2, 40)
+
+    def step(model, autocast):
+        model.train()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(ids, labels=ids).loss
+        loss.backward()
+        return loss.float(), model.transformer.h[0].attn.c_attn.weight.grad.float()
+
+    loss32, grad32 = step(causal_lm(variant), autocast=False)
+    assert not calls  # float32 weights, no autocast: the float32 path
+    for autocast in (True, False):  # bf16 autocast; bf16 weights
+        errors = {}
+        for native in (False, True):
+            monkeypatch.setattr(la, "native_bf16", lambda device_type: native)
+            loss, grad = step(causal_lm(variant) if autocast else causal_lm(variant).to(torch.bfloat16), autocast)
+            assert calls == ([torch.bfloat16] * 2 if native else []), calls  # one call per layer, bf16 features
+            calls.clear()
+            errors[native] = (abs(loss - loss32) / loss32, (grad - grad32).norm() / grad32.norm())
+        loss_error, grad_error = errors[True]
+        assert loss_error < 0.01 and grad_error <= 1.25 * errors[False][1] + 0.005, errors
+
+
 # -------------------------------------------------------------------------------------- memory grows linearly
 
 
