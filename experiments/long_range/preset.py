@@ -166,6 +166,8 @@ def task_notes(preset: dict) -> str:
                         "per sequence, loss on the separator and the copy")
         if e.get("precision", "float32") != "float32" or "dropout" in e:
             settings += f"; {e.get('precision', 'float32')}, hidden dropout {e.get('dropout', 0.0)}"
+        if "activation" in e:
+            settings += f"; feed-forward activation {e['activation']} (GPT-2-style decoders)"
         parts.append("copy " + settings)
     dims = {task: e["dims"] for task, e in t.items() if "dims" in e}
     parts.append("dims " + "; ".join(f"{k}: {v['hidden_size']} wide, {v['num_layers']} layers, {v['num_heads']} heads, "

@@ -196,9 +196,36 @@ def render_markdown(meta: dict, summary: dict) -> str:
                                    f"{m['eval_copy_loss']:.4f} | "
                                    f"{100 * m['eval_copy_accuracy']:.2f} | "
                                    f"{', '.join(map(str, m.get('resumed_at', []))) or '-'} |")
+    out += in_progress_lines(meta.get("in_progress") or {})
     out += ["", "## Goals (from the finished stages)", ""] + goals(summary)
     out += ["", "Plots: accuracy.png, efficiency.png, copy_task.png. Records of every stage: records.json."]
     return "\n".join(out) + "\n"
+
+
+def in_progress_lines(running: dict) -> list[str]:
+    """The copy stages still running (from their checkpoints): where each stands, and the training losses of the
+    models of one length at the last step that all of them have logged, so that a run of many sittings can be read
+    before it ends. Training losses (dropout on, the separator scored), not the eval losses the goals judge."""
+    if not running:
+        return []
+    out = ["", "## Copy task in progress (from the running stages' checkpoints; not in the tables or goals above)", "",
+           ("Dashed in copy_task.png. Training loss averaged over the logged window, with dropout, separator and copy "
+            "scored as in training; the eval loss and accuracy come when a stage finishes."), "",
+           "| length | model | step | of | last logged training loss | training hours so far | resumed at steps |",
+           "|---|---|---|---|---|---|---|"]
+    for key, m in sorted(running.items(), key=lambda kv: (kv[1]["length"], kv[0])):
+        last = f"{m['curve'][-1][1]:.4f} (step {m['curve'][-1][0]})" if m["curve"] else "-"
+        out.append(f"| {m['length']} | {LABELS[m['model']]} | {m['step']} | {m['steps']} | {last} | "
+                   f"{m['seconds'] / 3600:.2f} | {', '.join(map(str, m['resumed_at'])) or '-'} |")
+    for length in sorted({m["length"] for m in running.values()}):
+        curves = {m["model"]: dict(m["curve"]) for m in running.values() if m["length"] == length and m["curve"]}
+        common = set.intersection(*(set(c) for c in curves.values())) if len(curves) > 1 else set()
+        if common:
+            step = max(common)
+            out += ["", f"n = {length}, step {step}, the last step every running model has logged: "
+                    + "; ".join(f"{LABELS[model]} {curve[step]:.4f}" for model, curve in sorted(curves.items()))
+                    + " (training loss)."]
+    return out
 
 
 def plots(summary: dict, meta: dict, folder: Path) -> list[Path]:
@@ -247,13 +274,17 @@ def plots(summary: dict, meta: dict, folder: Path) -> list[Path]:
     plt.close(figure)
 
     copy = summary["copy"]
-    lengths = sorted(copy) or [None]
+    running = [m for m in (meta.get("in_progress") or {}).values() if m["curve"]]
+    lengths = sorted(set(copy) | {m["length"] for m in running}) or [None]
     figure, axes = plt.subplots(1, len(lengths), figsize=(5.5 * len(lengths), 4), squeeze=False)
     for axis, length in zip(axes[0], lengths):
         for model in meta["decoders"]:
             m = copy.get(length, {}).get(model)
             if m:
                 axis.plot(*zip(*m["loss_curve"]), label=LABELS[model])
+        for m in running:
+            if m["length"] == length:
+                axis.plot(*zip(*m["curve"]), linestyle="--", label=f"{LABELS[m['model']]} (running, step {m['step']})")
         floors = {m["loss_floor"] for m in copy.get(length, {}).values() if "loss_floor" in m}
         for floor in floors:  # the paper's task: the separator's cost, which no model can go below
             axis.axhline(floor, color="grey", linestyle=":", linewidth=1, label="floor (random separator)")

@@ -255,5 +255,23 @@ def run(preset_path: Path, output_dir: Path, tasks=None, models=None, dataset="l
             "decoders": [m for m in DECODERS if any(s.args.get("model") == m for s in reported)],
             "efficiency_models": [m for m in ENCODERS if any(s.kind == "efficiency" and s.args.get("model") == m
                                                              for s in reported)],
-            "task_notes": task_notes(full), "dataset": dataset}
+            "task_notes": task_notes(full), "dataset": dataset,
+            "in_progress": copy_in_progress(whole, finished, output_dir)}
     return write_report(output_dir, meta, finished)
+
+
+def copy_in_progress(stages, finished: dict, output_dir: Path) -> dict:
+    """The copy stages not yet finished that have a checkpoint of their own arguments in output_dir: key -> length,
+    model, steps and the checkpoint's progress (training.checkpoint_progress). A multi-session run shows its curves
+    in the report while it goes on; nothing here enters the tables of finished stages or the goals."""
+    from .training import checkpoint_progress
+
+    out = {}
+    for stage in stages:
+        if stage.kind != "copy" or stage.key in finished or not stage.options.get("checkpoint_every"):
+            continue
+        progress = checkpoint_progress(checkpoint_file(output_dir, stage.key), stage.args)
+        if progress is not None:
+            out[stage.key] = {"length": stage.args["length"], "model": stage.args["model"],
+                              "steps": stage.args["steps"], **progress}
+    return out

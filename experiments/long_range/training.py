@@ -153,6 +153,20 @@ def load_checkpoint(checkpointing: Checkpointing) -> dict | None:
     return state
 
 
+def checkpoint_progress(path: Path, identity: dict) -> dict | None:
+    """How far the run that writes the checkpoint at `path` has come: its step, loss curve, training seconds and the
+    steps it resumed at; None where there is no checkpoint or it belongs to a run with other arguments. Read for
+    reports while the run goes on (checkpoints are replaced whole, never written in place)."""
+    path = Path(path)
+    if not path.is_file():
+        return None
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    if state["identity"] != json.loads(json.dumps(identity)):
+        return None
+    return {"step": state["step"], "curve": state["curve"], "seconds": state["seconds"],
+            "resumed_at": state["resumed_at"]}
+
+
 def train_causal_lm(model, next_batch, steps: int, optim: dict, log_every: int, stop_on_nonfinite: bool = False,
                     precision: str = "float32", checkpointing: Checkpointing | None = None,
                     generator: torch.Generator | None = None) -> dict:

@@ -14,7 +14,7 @@ from helpers import REPO_ROOT
 
 import experiments.long_range.training as training
 from experiments.long_range import load_preset, plan, run
-from experiments.long_range.models import DECODER_FEATURE_MAPS, Dims, build_decoder
+from experiments.long_range.models import DECODER_FEATURE_MAPS, LABELS, Dims, build_decoder
 from experiments.long_range.stages import checkpoint_file
 from experiments.long_range.tasks import (
     COPY_VOCAB_SIZE, copy_batch, copy_paper_batch, copy_paper_lengths, copy_paper_loss_floor, copy_task_batch,
@@ -235,8 +235,15 @@ def test_the_runner_resumes_a_killed_stage_mid_way_and_drops_its_checkpoint_once
             run(tmp_path / "tiny.json", tmp_path / "resumed", **quiet)
     assert checkpoint_file(tmp_path / "resumed", "copy-n32/gpt2_sdpa").is_file()
     assert not (tmp_path / "resumed" / "records.json").is_file()
+    # while it is stopped (or running), the report shows the stage's curve so far from its checkpoint
+    run(tmp_path / "tiny.json", tmp_path / "resumed", report_only=True, **quiet)
+    straight = json.loads((tmp_path / "straight" / "records.json").read_text())["copy-n32/gpt2_sdpa"]["metrics"]
+    partial = (tmp_path / "resumed" / "results.md").read_text()
+    assert "## Copy task in progress" in partial and "stages finished: 0 of 1" in partial
+    assert f"| 32 | {LABELS['gpt2_sdpa']} | 4 | 6 | {dict(straight['loss_curve'])[4]:.4f} (step 4) |" in partial
     run(tmp_path / "tiny.json", tmp_path / "resumed", **quiet)
     assert not checkpoint_file(tmp_path / "resumed", "copy-n32/gpt2_sdpa").is_file()
+    assert "## Copy task in progress" not in (tmp_path / "resumed" / "results.md").read_text()
     straight, resumed = (json.loads((tmp_path / d / "records.json").read_text())["copy-n32/gpt2_sdpa"]["metrics"]
                          for d in ("straight", "resumed"))
     assert resumed["resumed_at"] == [4] and "resumed_at" not in straight
