@@ -17,7 +17,7 @@ from hf_linear_attn.training.errors import UsageError
 # RetNet's fixed per-head decay, GLA's per-feature gate from the input); a hybrid schedule whose first layer is
 # GPT-2's softmax attention (its key/value cache grows with n, the linear layers' states do not); a short causal
 # convolution on q, k, v (fla's use_short_conv, width 4: the previous-token shift an induction head needs, which lets
-# 2-layer models learn MQAR in Zoology / Based), on elu + 1, on the gated state and on the sliding window + linear
+# 2-layer models learn MQAR in Zoology / Based), on elu + 1, on hedgehog's spiky softmax-like features, on the gated state and on the sliding window + linear
 # attention (Based's recipe: exact softmax over the last 64 keys, linear attention beyond, the convolution before
 # both; the window's factor started at log(head size), elu + 1's feature width, so that its keys start with the
 # weight of the keys beyond it: at 0 they start with about 1/m of it, issue 41's finding); and the same convolution
@@ -33,6 +33,7 @@ LINEAR_VARIANTS = {
                                                           + ["linear_attention"] * (dims.num_layers - 1)},
     "linear_gpt2_conv": {"use_short_conv": True},
     "linear_gpt2_gated_conv": {"state_decay": "gated", "use_short_conv": True},
+    "linear_gpt2_hedgehog_conv": {"feature_map": "hedgehog", "use_short_conv": True},
     "linear_gpt2_window_conv": lambda dims, n: {
         "attention_window": min(64, n), "linear_attention_chunk_size": min(64, n), "use_short_conv": True,
         "attention_window_factor_init": math.log(dims.hidden_size // dims.num_heads)},
@@ -48,6 +49,7 @@ LABELS = {"gpt2_sdpa": "GPT-2 (softmax)", "reformer_lsh": "Reformer (LSH)", "lin
           "linear_gpt2_hybrid": "linear_gpt2, softmax layer 1 + linear",
           "linear_gpt2_conv": "linear_gpt2 (elu+1), short conv",
           "linear_gpt2_gated_conv": "linear_gpt2, gated (GLA), short conv",
+          "linear_gpt2_hedgehog_conv": "linear_gpt2 (hedgehog), short conv",
           "linear_gpt2_window_conv": "linear_gpt2, sliding window 64 + linear, short conv (Based's recipe)",
           "gpt2_conv": "GPT-2 (softmax), short conv"}
 
