@@ -108,7 +108,7 @@ def test_decoding_state_bytes_constant_for_recurrent_models_and_growing_for_soft
     vocab = mqar_vocab_size(16, 16)
     sizes = {}
     for name in ("gpt2_sdpa", "linear_gpt2", "linear_gpt2_hedgehog", "linear_gpt2_conv", "gpt2_conv",
-                 "linear_gpt2_window", "linear_gpt2_window_conv"):
+                 "linear_gpt2_window", "linear_gpt2_window_conv", "linear_gpt2_hedgehog_conv"):
         torch.manual_seed(0)
         model = build_recall_model(name, dims, 128, vocab)
         sizes[name] = [decoding_state_bytes(model, n, vocab) for n in (32, 64, 128)]
@@ -135,6 +135,10 @@ def test_decoding_state_bytes_constant_for_recurrent_models_and_growing_for_soft
     assert build_recall_model("linear_gpt2_window_conv", dims, 32, vocab).config.attention_window == 32
     gated_conv = build_recall_model("linear_gpt2_gated_conv", dims, 64, vocab).config
     assert gated_conv.use_short_conv and gated_conv.state_decay == "gated" and gated_conv.feature_map == "elu"
+    # hedgehog + conv: hedgehog's state plus the same buffers
+    hedgehog_conv = build_recall_model("linear_gpt2_hedgehog_conv", dims, 64, vocab).config
+    assert hedgehog_conv.use_short_conv and hedgehog_conv.feature_map == "hedgehog"
+    assert sizes["linear_gpt2_hedgehog_conv"] == [size + 2 * 3 * 3 * 32 * 4 for size in sizes["linear_gpt2_hedgehog"]]
 
 
 @pytest.mark.slow
