@@ -26,7 +26,9 @@ from dataclasses import fields
 from pathlib import Path
 
 from experiments.long_range.models import Dims
-from experiments.long_range.stages import Stage, StageFailed, load_records, run_or_reload, stage_machines, write_atomic
+from experiments.long_range.stages import (
+    Stage, StageFailed, load_records, run_or_reload, stage_machines, whole_command, write_atomic,
+)
 from hf_linear_attn.training.errors import UsageError
 
 from .models import LABELS, build_recall_model, check_models
@@ -400,15 +402,18 @@ def run(preset_path: Path, output_dir: Path, models=None, dry_run=False, report_
                "passkey": lambda stage: run_passkey(stage, output_dir)}
     records, machine = run_or_reload(stages, lambda stage: runners[stage.kind](stage), output_dir, report_only, log,
                                      retake=missing_outputs(output_dir))
-    keys = {s.key for s in stages}
+    # the report covers every finished stage of the whole preset, so that a --models slice adds its rows instead of
+    # replacing the folder's report with the slice's, under the command that runs the whole preset
+    whole = plan(preset)
+    keys = {s.key for s in whole}
     finished = {k: r for k, r in records.items() if k in keys}
     summary = summarise(finished)
     # the machines the stages ran on (each record keeps its own), not the one writing the report
     meta = {"preset": Path(preset_path).stem, "machine": stage_machines(finished, machine), "finished": len(finished),
-            "total": len(stages),
+            "total": len(whole),
             "hardware": hardware_of_records(finished.values()), "date": time.strftime("%Y-%m-%d"),
-            "command": "python scripts/recall.py " + shlex.join(a for a in (sys.argv[1:] if argv is None else argv)
-                                                               if a != "--report_only"),
+            "command": "python scripts/recall.py " + shlex.join(whole_command(sys.argv[1:] if argv is None else argv,
+                                                                              ("--models",))),
             "notes": describe(preset)}
     write_atomic(output_dir / "results.json", json.dumps({"meta": meta, "models": summary}, indent=1))
     write_atomic(output_dir / "results.md", render(summary, meta))

@@ -213,3 +213,27 @@ def test_the_script_runs_the_smoke_preset_resumes_and_rerenders(tmp_path):
     assert again.returncode == 0 and again.stdout.count("finished earlier, reused") == results["meta"]["total"]
     rerendered = subprocess.run(command + ["--report_only"], capture_output=True, text=True, cwd=REPO_ROOT, env=ENV)
     assert rerendered.returncode == 0 and (tmp_path / "results.md").read_text() == report
+
+
+@needs_wikitext
+def test_a_models_slice_reports_every_finished_model_of_the_preset_under_the_whole_command(tmp_path):
+    """A run with --models adds its models' rows to the folder's report; it does not replace them with its own
+    (a slice run on 2026-11-28 had rewritten passkey-budget's report with its one model)."""
+    from experiments.recall.passkey_runner import run
+
+    preset = json.loads((PRESETS / "passkey-smoke.json").read_text())
+    preset.update(models=["gpt2_sdpa", "linear_gpt2"], lengths=[64], depths=[0.5], eval_examples=2)
+    preset["finetune"]["steps"] = 2
+    (tmp_path / "tiny.json").write_text(json.dumps(preset))
+    out = tmp_path / "out"
+    argv = ["--preset", str(tmp_path / "tiny.json"), "--output_dir", str(out)]
+    first = run(tmp_path / "tiny.json", out, models=["gpt2_sdpa"], argv=argv + ["--models", "gpt2_sdpa"],
+                log=lambda s: None)
+    assert set(first["models"]) == {"gpt2_sdpa"} and (first["meta"]["finished"], first["meta"]["total"]) == (3, 5)
+    second = run(tmp_path / "tiny.json", out, models=["linear_gpt2"], argv=argv + ["--models", "linear_gpt2"],
+                 log=lambda s: None)
+    assert set(second["models"]) == {"gpt2_sdpa", "linear_gpt2"} and second["meta"]["finished"] == 5
+    assert second["meta"]["command"] == "python scripts/recall.py " + " ".join(argv)
+    report = (out / "results.md").read_text()
+    assert "| GPT-2 (softmax) | 64 |" in report and "| linear_gpt2 (elu+1) | 64 |" in report
+    assert "5 of 5 stages finished" in report
