@@ -34,6 +34,11 @@ LINEAR_VARIANTS = {
     "linear_gpt2_conv": {"use_short_conv": True},
     "linear_gpt2_gated_conv": {"state_decay": "gated", "use_short_conv": True},
     "linear_gpt2_hedgehog_conv": {"feature_map": "hedgehog", "use_short_conv": True},
+    # hedgehog with half the features (2 x head/2: elu + 1's width, so elu + 1 + conv's state): spiky features without
+    # the extra width, the control that separates the two on passkey
+    "linear_gpt2_hedgehog_narrow_conv": lambda dims, n: {
+        "feature_map": "hedgehog", "learned_feature_dim": dims.hidden_size // dims.num_heads // 2,
+        "use_short_conv": True},
     "linear_gpt2_window_conv": lambda dims, n: {
         "attention_window": min(64, n), "linear_attention_chunk_size": min(64, n), "use_short_conv": True,
         "attention_window_factor_init": math.log(dims.hidden_size // dims.num_heads)},
@@ -50,6 +55,7 @@ LABELS = {"gpt2_sdpa": "GPT-2 (softmax)", "reformer_lsh": "Reformer (LSH)", "lin
           "linear_gpt2_conv": "linear_gpt2 (elu+1), short conv",
           "linear_gpt2_gated_conv": "linear_gpt2, gated (GLA), short conv",
           "linear_gpt2_hedgehog_conv": "linear_gpt2 (hedgehog), short conv",
+          "linear_gpt2_hedgehog_narrow_conv": "linear_gpt2 (hedgehog, 2 x head/2 features: elu's width), short conv",
           "linear_gpt2_window_conv": "linear_gpt2, sliding window 64 + linear, short conv (Based's recipe)",
           "gpt2_conv": "GPT-2 (softmax), short conv"}
 

@@ -108,7 +108,8 @@ def test_decoding_state_bytes_constant_for_recurrent_models_and_growing_for_soft
     vocab = mqar_vocab_size(16, 16)
     sizes = {}
     for name in ("gpt2_sdpa", "linear_gpt2", "linear_gpt2_hedgehog", "linear_gpt2_conv", "gpt2_conv",
-                 "linear_gpt2_window", "linear_gpt2_window_conv", "linear_gpt2_hedgehog_conv"):
+                 "linear_gpt2_window", "linear_gpt2_window_conv", "linear_gpt2_hedgehog_conv",
+                 "linear_gpt2_hedgehog_narrow_conv"):
         torch.manual_seed(0)
         model = build_recall_model(name, dims, 128, vocab)
         sizes[name] = [decoding_state_bytes(model, n, vocab) for n in (32, 64, 128)]
@@ -139,6 +140,10 @@ def test_decoding_state_bytes_constant_for_recurrent_models_and_growing_for_soft
     hedgehog_conv = build_recall_model("linear_gpt2_hedgehog_conv", dims, 64, vocab).config
     assert hedgehog_conv.use_short_conv and hedgehog_conv.feature_map == "hedgehog"
     assert sizes["linear_gpt2_hedgehog_conv"] == [size + 2 * 3 * 3 * 32 * 4 for size in sizes["linear_gpt2_hedgehog"]]
+    # the narrow hedgehog: 2 x 8 features at head size 16, elu + 1's width, so elu + 1 + conv's state to the byte
+    narrow = build_recall_model("linear_gpt2_hedgehog_narrow_conv", dims, 64, vocab).config
+    assert (narrow.feature_map, narrow.learned_feature_dim, narrow.use_short_conv) == ("hedgehog", 8, True)
+    assert sizes["linear_gpt2_hedgehog_narrow_conv"] == sizes["linear_gpt2_conv"]
 
 
 @pytest.mark.slow
