@@ -17,10 +17,11 @@ from hf_linear_attn.training.errors import UsageError
 # RetNet's fixed per-head decay, GLA's per-feature gate from the input); a hybrid schedule whose first layer is
 # GPT-2's softmax attention (its key/value cache grows with n, the linear layers' states do not); a short causal
 # convolution on q, k, v (fla's use_short_conv, width 4: the previous-token shift an induction head needs, which lets
-# 2-layer models learn MQAR in Zoology / Based), on elu + 1, on hedgehog's spiky softmax-like features, on the gated state and on the sliding window + linear
-# attention (Based's recipe: exact softmax over the last 64 keys, linear attention beyond, the convolution before
-# both; the window's factor started at log(head size), elu + 1's feature width, so that its keys start with the
-# weight of the keys beyond it: at 0 they start with about 1/m of it, issue 41's finding); and the same convolution
+# 2-layer models learn MQAR in Zoology / Based), on elu + 1, on hedgehog's spiky softmax-like features, on the gated
+# state and on the sliding window + linear attention (Based's recipe: exact softmax over the last 64 keys, linear
+# attention beyond, the convolution before both; the window's factor started at log(head size), elu + 1's feature
+# width, so that its keys start with the weight of the keys beyond it: at 0 they start with about 1/m of it, issue
+# 41's finding); and the same convolution
 # on GPT-2's softmax attention (every layer full_attention, short_conv_on_full_attention), the equal-architecture
 # baseline of the convolution models: the dims, the convolution and everything but the attention are theirs.
 LINEAR_VARIANTS = {
