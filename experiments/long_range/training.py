@@ -157,11 +157,11 @@ def checkpoint_progress(path: Path, identity: dict) -> dict | None:
     """How far the run that writes the checkpoint at `path` has come: its step, loss curve, training seconds and the
     steps it resumed at; None where there is no checkpoint or it belongs to a run with other arguments. Read for
     reports while the run goes on (checkpoints are replaced whole, never written in place)."""
-    path = Path(path)
-    if not path.is_file():
+    try:
+        state = load_checkpoint(Checkpointing(Path(path), 1, identity))
+    except UsageError:  # another run's checkpoint: nothing of this stage's to show
         return None
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    if state["identity"] != json.loads(json.dumps(identity)):
+    if state is None:
         return None
     return {"step": state["step"], "curve": state["curve"], "seconds": state["seconds"],
             "resumed_at": state["resumed_at"]}
