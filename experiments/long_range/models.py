@@ -252,6 +252,36 @@ def decoder_settings(name: str, n: int) -> dict:
 DECODER_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")
 
 
+# GPT-2's attention here: transformers' SDPA attention, except that on a CPU, bf16 queries, keys and values (under bf16
+# autocast) go to the kernel in float32 and the output back to bf16. Why: PyTorch's CPU flash-attention kernel is
+# slower in bf16 than in float32 at the copy-paper preset's shapes (8 heads of 32, n = 128): GPT-2's bf16 training
+# step took 1.106 s with the bf16 kernel and 0.836 s with this (one thread of the AVX512-BF16 EPYC, 2026-11-28,
+# docs/long_range.md). Float32 is the more exact of the two, so the softmax baseline loses nothing; float32 runs and
+# other devices call transformers' SDPA function unchanged. Registered under its own name with SDPA's mask function, so padding masks
+# and the causal fast path (no mask, is_causal) are SDPA's own.
+GPT2_ATTENTION = "sdpa_float32_on_cpu"
+
+
+def _sdpa_float32_on_cpu(module, query, key, value, attention_mask, **kwargs):
+    import torch
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if query.device.type != "cpu" or query.dtype == torch.float32:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    with torch.autocast("cpu", enabled=False):
+        output, weights = sdpa_attention_forward(module, query.float(), key.float(), value.float(), attention_mask,
+                                                 **kwargs)
+    return output.to(query.dtype), weights
+
+
+def _register_gpt2_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(GPT2_ATTENTION, _sdpa_float32_on_cpu)
+    AttentionMaskInterface.register(GPT2_ATTENTION, sdpa_mask)
+
+
 def build_decoder(name: str, dims: Dims, n: int, vocab_size: int, dropout: float = 0.0, activation: str | None = None):
     """A randomly initialised causal LM `name` of the given dims for sequences of n tokens. `activation` (one of
     DECODER_ACTIVATIONS) sets the GPT-2-style decoders' feed-forward activation (GPT-2's "gelu_new" when None);
@@ -269,7 +299,8 @@ def build_decoder(name: str, dims: Dims, n: int, vocab_size: int, dropout: float
                attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=1,
                **({"activation_function": activation} if activation else {}))
     if name == "gpt2_sdpa":
-        return tf.GPT2LMHeadModel._from_config(tf.GPT2Config(**gpt), attn_implementation="sdpa")
+        _register_gpt2_attention()
+        return tf.GPT2LMHeadModel._from_config(tf.GPT2Config(**gpt), attn_implementation=GPT2_ATTENTION)
     if name in ("linear_gpt2", "linear_gpt2_window", *DECODER_FEATURE_MAPS):
         return ours.LinearGPT2ForCausalLM(ours.LinearGPT2Config(**gpt, **s))
     if name == "linformer_gpt2":

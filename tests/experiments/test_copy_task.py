@@ -7,6 +7,7 @@ import math
 import os
 import subprocess
 import sys
+from copy import deepcopy
 
 import pytest
 import torch
@@ -335,6 +336,44 @@ def test_the_fused_activation_is_gpt2s_gelu_up_to_rounding(name):
     torch.testing.assert_close(fused(ids).logits, default(ids).logits, atol=1e-5, rtol=1e-5)
     with pytest.raises(UsageError, match="unknown activation 'relu'"):
         build_decoder(name, TINY, 32, COPY_VOCAB_SIZE, activation="relu")
+
+
+def test_gpt2s_attention_is_sdpa_with_the_kernel_in_float32_under_bf16_on_the_cpu(monkeypatch):
+    """The copy-task GPT-2 runs transformers' SDPA attention, except that under bf16 autocast on the CPU the kernel
+    gets float32 queries, keys and values (its bf16 CPU kernel is the slower). Against stock SDPA GPT-2 with the same
+    weights: equal logits in float32, with and without padding (SDPA's own masks); under bf16 autocast the kernel sees
+    float32 only, and the logits are at least as close to float32's as stock SDPA's bf16 logits (plus rounding)."""
+    import transformers as tf
+
+    from experiments.long_range.models import GPT2_ATTENTION
+
+    torch.manual_seed(0)
+    ours = build_decoder("gpt2_sdpa", TINY, 32, COPY_VOCAB_SIZE).eval()
+    stock = tf.GPT2LMHeadModel._from_config(deepcopy(ours.config), attn_implementation="sdpa").eval()
+    stock.load_state_dict(ours.state_dict())
+    assert (ours.config._attn_implementation, stock.config._attn_implementation) == (GPT2_ATTENTION, "sdpa")
+    ids, _ = copy_task_batch("paper", 3, 32, torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, 20:] = 0  # a padded row: the mask must reach the kernel as SDPA's would
+    for kwargs in ({}, {"attention_mask": mask}):
+        assert torch.equal(ours(ids, **kwargs).logits, stock(ids, **kwargs).logits)
+    reference = stock(ids, attention_mask=mask).logits.double()
+
+    seen, sdpa = [], torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, *args, **kwargs):
+        seen.append((q.dtype, k.dtype, v.dtype))
+        return sdpa(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours_bf16 = ours(ids, attention_mask=mask).logits.double()
+        calls = len(seen)
+        stock_bf16 = stock(ids, attention_mask=mask).logits.double()
+    assert calls == TINY.num_layers and set(seen[:calls]) == {(torch.float32,) * 3}
+    assert set(seen[calls:]) == {(torch.bfloat16,) * 3}  # stock SDPA under autocast: the bf16 kernel
+    ours_error, stock_error = ((x - reference).abs().max().item() for x in (ours_bf16, stock_bf16))
+    assert ours_error <= 1.25 * stock_error + 1e-3, (ours_error, stock_error)
 
 
 @pytest.mark.slow
