@@ -9,6 +9,8 @@ package's Linformer / linear attention against Transformers' RoBERTa, Longformer
     python scripts/long_range.py --preset cpu --profile 4096 --models linear_favor     # where a step's time goes
     nohup nice -n 10 python scripts/long_range.py --preset copy-paper --output_dir results/long_range/copy-paper \
         > outputs/copy-paper.log 2>&1 &          # the paper's copy task: checkpoints, a rerun resumes mid-stage
+    python scripts/long_range.py --preset copy-paper --output_dir results/long_range/copy-paper --report_only \
+        --eval_running                                                                # score the running checkpoints
     python scripts/long_range.py --preset copy-paper --time_steps 10 --time_lengths 128 --models gpt2_sdpa linear_gpt2
 
 Presets are configs/long_range/NAME.json (or a path). Rerunning the same command reuses finished stages.
@@ -43,6 +45,9 @@ def main(argv=None):
     parser.add_argument("--dry_run", action="store_true", help="print every stage and its arguments, run nothing")
     parser.add_argument("--report_only", action="store_true",
                         help="run nothing: write results.md / results.json / plots from the stages finished so far")
+    parser.add_argument("--eval_running", action="store_true",
+                        help="with --report_only: also score each running copy stage's checkpoint as the finished "
+                             "stage will be scored (float32, its 4 held-out batches; seconds a stage) and report it")
     parser.add_argument("--profile", type=int, metavar="N",
                         help="run nothing else: print torch.profiler's top operators of one training step of each "
                              "efficiency model (or --models) at length N")
@@ -60,10 +65,13 @@ def main(argv=None):
         if args.time_steps:
             time_copy_steps(preset, args.models, args.time_steps, args.time_lengths, log=lambda s: print(s, flush=True))
             return
+        if args.eval_running and not args.report_only:
+            raise UsageError("--eval_running scores the checkpoints of running stages for a report: add --report_only "
+                             "(a run scores each stage when it finishes)")
         output_dir = Path(args.output_dir or f"outputs/long_range/{preset.stem}")
         run(preset, output_dir, args.tasks, args.models, args.dataset, Path(args.data_dir), args.dry_run,
             args.report_only, argv=sys.argv[1:] if argv is None else argv, log=lambda s: print(s, flush=True),
-            seed=args.seed)
+            seed=args.seed, eval_running=args.eval_running)
     except UsageError as error:
         sys.exit(f"error: {error}")
     if not args.dry_run:

@@ -12,7 +12,9 @@ from hf_linear_attn.training.errors import UsageError
 
 from .models import DECODERS, ENCODERS, Dims, build_decoder, build_encoder
 from .preset import load_preset, plan, select, task_notes
-from .stages import Stage, StageFailed, checkpoint_file, load_records, run_stages, whole_command, write_atomic
+from .stages import (
+    Stage, StageFailed, checkpoint_file, checkpoint_scores_file, load_records, run_stages, whole_command, write_atomic,
+)
 from .tasks import (
     BYTES_VOCAB_SIZE, COPY_VOCAB_SIZE, LISTOPS_VOCAB_SIZE, digest_of, encode_bytes, encode_listops, generate_listops,
     generate_listops_sized, load_imdb,
@@ -192,11 +194,12 @@ def _hardware(finished: dict) -> list[str]:
 
 
 def run(preset_path: Path, output_dir: Path, tasks=None, models=None, dataset="local", data_dir=None,
-        dry_run=False, report_only=False, argv=None, log=print, seed=None) -> dict:
+        dry_run=False, report_only=False, argv=None, log=print, seed=None, eval_running=False) -> dict:
     """Run (or reuse) the preset's stages (only `tasks` / `models` where given: a slice), then report every finished
     stage of the whole preset, so that a slice adds its rows to the folder's tables instead of replacing them with
     the slice's; returns the report's summary. `seed` replaces the preset's seed (model initialisation, batch
-    order, ListOps generation, the IMDB held-out split)."""
+    order, ListOps generation, the IMDB held-out split). `eval_running` (with report_only) also scores the running
+    copy stages' checkpoints (evaluate_running_copies)."""
     from benchmarks.measuring import describe_hardware, describe_machine
 
     from .report import write_report
@@ -240,6 +243,8 @@ def run(preset_path: Path, output_dir: Path, tasks=None, models=None, dataset="l
                              hardware=describe_hardware())
     keys = {stage.key for stage in whole}
     finished = {k: r for k, r in records.items() if k in keys}
+    if eval_running:
+        evaluate_running_copies(whole, finished, output_dir, log)
     # the report's rows: every model with a finished stage, and the models this run ran (pending ones too)
     ran = set() if report_only else {stage.key for stage in stages}
     reported = [stage for stage in whole if stage.key in ran or stage.key in finished]
@@ -262,8 +267,9 @@ def run(preset_path: Path, output_dir: Path, tasks=None, models=None, dataset="l
 
 def copy_in_progress(stages, finished: dict, output_dir: Path) -> dict:
     """The copy stages not yet finished that have a checkpoint of their own arguments in output_dir: key -> length,
-    model, steps and the checkpoint's progress (training.checkpoint_progress). A multi-session run shows its curves
-    in the report while it goes on; nothing here enters the tables of finished stages or the goals."""
+    model, steps and the checkpoint's progress (training.checkpoint_progress), and `eval`, the held-out scores of
+    that very checkpoint where evaluate_running_copies has written them. A multi-session run shows its curves in the
+    report while it goes on; nothing here enters the tables of finished stages or the goals."""
     from .training import checkpoint_progress
 
     out = {}
@@ -274,4 +280,35 @@ def copy_in_progress(stages, finished: dict, output_dir: Path) -> dict:
         if progress is not None:
             out[stage.key] = {"length": stage.args["length"], "model": stage.args["model"],
                               "steps": stage.args["steps"], **progress}
+            scores = checkpoint_scores_file(output_dir, stage.key)
+            if scores.is_file() and (cached := json.loads(scores.read_text()))["step"] == progress["step"]:
+                out[stage.key]["eval"] = cached["metrics"]  # of this checkpoint; a later one has no scores yet
     return out
+
+
+def evaluate_running_copies(stages, finished: dict, output_dir: Path, log=print) -> None:
+    """Score each running copy stage's checkpoint as the stage will be scored when it finishes (float32, the same
+    4 held-out batches: training.evaluate_copy with the stage's seed + 1), and keep the scores beside the checkpoint
+    (stages.checkpoint_scores_file, with its step) for the report. A few seconds a stage; the run itself is not touched
+    (the checkpoint is read, never written)."""
+    import torch
+
+    from .training import Checkpointing, evaluate_copy, load_checkpoint
+
+    for stage in stages:
+        if stage.kind != "copy" or stage.key in finished or not stage.options.get("checkpoint_every"):
+            continue
+        a, path = stage.args, checkpoint_file(output_dir, stage.key)
+        try:
+            state = load_checkpoint(Checkpointing(path, 1, a))
+        except UsageError:  # another run's checkpoint
+            continue
+        if state is None:
+            continue
+        model = build_decoder(a["model"], Dims(**a["dims"]), a["length"], COPY_VOCAB_SIZE, a["dropout"],
+                              a.get("activation"))
+        model.load_state_dict(state["model"])
+        with torch.no_grad():
+            metrics = evaluate_copy(model, a["length"], a["batch_size"], 4, a["seed"] + 1, a.get("variant", "fixed"))
+        write_atomic(checkpoint_scores_file(output_dir, stage.key), json.dumps({"step": state["step"], "metrics": metrics}, indent=1))
+        log(f"{stage.key}: scored the checkpoint at step {state['step']}: eval loss {metrics['eval_loss']:.4f}")

@@ -50,6 +50,12 @@ def checkpoint_file(output_dir: Path, key: str) -> Path:
     return output_dir / "checkpoints" / (key.replace("/", "__") + ".pt")
 
 
+def checkpoint_scores_file(output_dir: Path, key: str) -> Path:
+    """Where the held-out scores of a running stage's checkpoint are kept (runner.evaluate_running_copies), with
+    the step they were taken at, until the stage is recorded."""
+    return checkpoint_file(output_dir, key).with_suffix(".eval.json")
+
+
 def stage_machines(records: dict, fallback: str) -> str:
     """The machines (measuring.describe_machine) the recorded stages ran on, joined; `fallback` where none has run."""
     return "; ".join(sorted({r["machine"] for r in records.values() if r.get("machine")})) or fallback
@@ -111,10 +117,12 @@ def run_stages(stages: list[Stage], run, output_dir: Path, machine: str, log=pri
         records[stage.key] = record
         write_atomic(output_dir / "records.json", json.dumps(records, indent=1))
         checkpoint_file(output_dir, stage.key).unlink(missing_ok=True)
+        checkpoint_scores_file(output_dir, stage.key).unlink(missing_ok=True)
         log(f"[{index}/{len(stages)}] {stage.key}: done in {record['seconds']:.0f} s: "
             + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items() if isinstance(v, (int, float))))
     for key in records:  # a recorded stage needs its checkpoint no more (one left by a run killed in between)
         checkpoint_file(output_dir, key).unlink(missing_ok=True)
+        checkpoint_scores_file(output_dir, key).unlink(missing_ok=True)
     return records
 
 

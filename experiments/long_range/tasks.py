@@ -6,7 +6,6 @@ task symbols from 3 on. Classification inputs are `<s> tokens </s>`, padded on t
 
 import hashlib
 import json
-import math
 import random
 from pathlib import Path
 
@@ -268,16 +267,6 @@ def copy_paper_batch(batch_size: int, length: int, generator: torch.Generator) -
     ids = torch.where(pos == m, torch.full_like(ids, COPY_SEPARATOR), ids)
     labels = torch.where((pos >= m) & (pos <= 2 * m), ids, torch.full_like(ids, -100))
     return ids, labels
-
-
-def copy_paper_loss_floor(length: int) -> float:
-    """The least mean cross entropy (nats per scored token) any model can reach on the paper's copy task: the
-    separator's position is random, so predicting it costs log(high + 1 - m) nats at best (after m symbols, each
-    longer length is as likely), while the copy itself can be exact. Averaged as the loss is: summed over the scored
-    tokens of many sequences, divided by their number (m + 1 per sequence)."""
-    low, high = copy_paper_lengths(length)
-    counts = range(low, high + 1)
-    return sum(math.log(high + 1 - m) for m in counts) / sum(m + 1 for m in counts)
 
 
 def copy_task_batch(variant: str, batch_size: int, length: int, generator: torch.Generator):

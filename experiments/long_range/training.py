@@ -18,7 +18,7 @@ import torch
 
 from hf_linear_attn.training.errors import DiskFullError, UsageError
 
-from .tasks import COPY_SEPARATOR, copy_batch, copy_paper_loss_floor, copy_task_batch, pad_batch
+from .tasks import COPY_SEPARATOR, copy_batch, copy_paper_lengths, copy_task_batch, pad_batch
 
 OPTIMIZERS = ("adamw", "radam")
 SCHEDULES = ("linear", "step")
@@ -291,13 +291,20 @@ def score_causal_lm(model, batches) -> dict:
 def evaluate_copy(model, length: int, batch_size: int, batches: int, seed: int, variant: str = "fixed") -> dict:
     """Loss and token accuracy on the scored positions, over fresh seeded batches. The paper's variant scores the
     separator and the copy, as it trains (eval_loss, eval_token_accuracy: token-weighted), and adds the copy alone
-    (eval_copy_loss, eval_copy_accuracy) and `loss_floor`, the least eval_loss any model can reach."""
+    (eval_copy_loss, eval_copy_accuracy) and the separator alone (eval_separator_loss, eval_separator_accuracy). All
+    can reach zero: the separator is scored only where it falls, so a model that predicts it after every symbol of
+    the first half (where nothing else is scored) is never wrong. Where the copy goes wrong: its token accuracy by
+    the sequence's number of symbols m (four equal ranges of the generator's lengths) and by the token's place in
+    the copy (its quarters, from the first symbols copied to the last; every one was read m + 1 tokens before, so
+    the place says how many tokens the model has taken in by then: m + 1 + place)."""
     generator = torch.Generator().manual_seed(seed)
     if variant == "fixed":
         score = score_causal_lm(model, (copy_batch(batch_size, length, generator) for _ in range(batches)))
         return {"eval_loss": score["loss"], "eval_token_accuracy": score["accuracy"]}
     model.eval()
-    sums = {"all": [0.0, 0, 0], "copy": [0.0, 0, 0]}  # loss, correct, tokens
+    sums = {"all": [0.0, 0, 0], "copy": [0.0, 0, 0], "separator": [0.0, 0, 0]}  # loss, correct, tokens
+    low, high = copy_paper_lengths(length)
+    bins = {"length": torch.zeros(2, 4), "place": torch.zeros(2, 4)}  # correct, tokens per bin
     with torch.no_grad():
         for _ in range(batches):
             ids, labels = copy_task_batch(variant, batch_size, length, generator)
@@ -306,14 +313,33 @@ def evaluate_copy(model, length: int, batch_size: int, batches: int, seed: int, 
             losses = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
                                                        ignore_index=-100, reduction="none").view_as(target)
             right = logits.argmax(-1) == target
-            for part, keep in (("all", target != -100), ("copy", (target != -100) & (target != COPY_SEPARATOR))):
+            scored = target != -100
+            for part, keep in (("all", scored), ("copy", scored & (target != COPY_SEPARATOR)),
+                               ("separator", scored & (target == COPY_SEPARATOR))):
                 sums[part][0] += losses[keep].sum().item()
                 sums[part][1] += right[keep].sum().item()
                 sums[part][2] += keep.sum().item()
+            copied = scored & (target != COPY_SEPARATOR)
+            m = (ids == COPY_SEPARATOR).long().argmax(1, keepdim=True)  # the separator's position: m symbols before
+            place = torch.arange(1, length) - m - 1  # 0 .. m - 1 along the copy (target j predicts token j + 1)
+            for name, which in (("length", ((m - low) * 4 // (high - low + 1)).expand_as(target)),
+                                ("place", (place * 4 // m).clamp(0, 3))):
+                for b in range(4):
+                    keep = copied & (which == b)
+                    bins[name][0, b] += right[keep].sum().item()
+                    bins[name][1, b] += keep.sum().item()
     model.train()
+    edges = [low - (-(high - low + 1) * b // 4) for b in range(5)]  # bin b holds m with 4 (m - low) // span == b
+    by_length = {f"m {edges[b]}-{edges[b + 1] - 1}": (bins["length"][0, b] / bins["length"][1, b]).item()
+                 for b in range(4) if bins["length"][1, b]}
+    by_place = {f"quarter {b + 1}": (bins["place"][0, b] / bins["place"][1, b]).item()
+                for b in range(4) if bins["place"][1, b]}
     return {"eval_loss": sums["all"][0] / sums["all"][2], "eval_token_accuracy": sums["all"][1] / sums["all"][2],
             "eval_copy_loss": sums["copy"][0] / sums["copy"][2],
-            "eval_copy_accuracy": sums["copy"][1] / sums["copy"][2], "loss_floor": copy_paper_loss_floor(length)}
+            "eval_copy_accuracy": sums["copy"][1] / sums["copy"][2],
+            "eval_separator_loss": sums["separator"][0] / sums["separator"][2],
+            "eval_separator_accuracy": sums["separator"][1] / sums["separator"][2],
+            "eval_copy_accuracy_by_length": by_length, "eval_copy_accuracy_by_place": by_place}
 
 
 def train_copy(model, length: int, steps: int, batch_size: int, optim: dict, seed: int, log_every: int,
