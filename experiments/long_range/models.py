@@ -257,8 +257,8 @@ DECODER_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")
 # slower in bf16 than in float32 at the copy-paper preset's shapes (8 heads of 32, n = 128): GPT-2's bf16 training
 # step took 1.106 s with the bf16 kernel and 0.836 s with this (one thread of the AVX512-BF16 EPYC, 2026-11-28,
 # docs/long_range.md). Float32 is the more exact of the two, so the softmax baseline loses nothing; float32 runs and
-# other devices call transformers' SDPA function unchanged. Registered under its own name with SDPA's mask function, so padding masks
-# and the causal fast path (no mask, is_causal) are SDPA's own.
+# other devices call transformers' SDPA function unchanged. Registered under its own name with SDPA's mask function,
+# so padding masks and the causal fast path (no mask, is_causal) are SDPA's own.
 GPT2_ATTENTION = "sdpa_float32_on_cpu"
 
 

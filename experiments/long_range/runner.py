@@ -289,8 +289,8 @@ def copy_in_progress(stages, finished: dict, output_dir: Path) -> dict:
 def evaluate_running_copies(stages, finished: dict, output_dir: Path, log=print) -> None:
     """Score each running copy stage's checkpoint as the stage will be scored when it finishes (float32, the same
     4 held-out batches: training.evaluate_copy with the stage's seed + 1), and keep the scores beside the checkpoint
-    (stages.checkpoint_scores_file, with its step) for the report. A few seconds a stage; the run itself is not touched
-    (the checkpoint is read, never written)."""
+    (stages.checkpoint_scores_file, with its step) for the report. A few seconds a stage; the run itself is not
+    touched (the checkpoint is read, never written)."""
     import torch
 
     from .training import Checkpointing, evaluate_copy, load_checkpoint
@@ -310,5 +310,6 @@ def evaluate_running_copies(stages, finished: dict, output_dir: Path, log=print)
         model.load_state_dict(state["model"])
         with torch.no_grad():
             metrics = evaluate_copy(model, a["length"], a["batch_size"], 4, a["seed"] + 1, a.get("variant", "fixed"))
-        write_atomic(checkpoint_scores_file(output_dir, stage.key), json.dumps({"step": state["step"], "metrics": metrics}, indent=1))
+        write_atomic(checkpoint_scores_file(output_dir, stage.key),
+                     json.dumps({"step": state["step"], "metrics": metrics}, indent=1))
         log(f"{stage.key}: scored the checkpoint at step {state['step']}: eval loss {metrics['eval_loss']:.4f}")
