@@ -1,6 +1,8 @@
 """The copy task at the paper's settings (issue 42, item 1): the paper's generator against an independent checker,
-its loss mask (the separator costs a perfect copier nothing), RAdam and the step schedule against the original algorithm, bf16 autocast, mid-stage
-checkpoints that resume exactly, the refusals of bad settings, and the copy-paper preset's plan."""
+its loss mask (the separator costs a perfect copier nothing) and the eval's breakdown against known copiers, RAdam
+and the step schedule against the original algorithm, bf16 autocast, mid-stage checkpoints that resume exactly and
+are scored while they run, GPT-2's attention against stock SDPA, the refusals of bad settings, and the copy-paper
+preset's plan."""
 
 import json
 import math
