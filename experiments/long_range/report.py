@@ -248,6 +248,14 @@ def in_progress_lines(running: dict) -> list[str]:
         out += ["", f"Where the copy goes wrong in these checkpoints: token accuracy (%) {BREAKDOWN}.", "",
                 "| length | model | step | by m | by place |", "|---|---|---|---|---|"]
         out += [f"| {m['length']} | {LABELS[m['model']]} | {m['step']} | {_breakdown(m['eval'])} |" for _, m in scored]
+    histories = sorted(((key, m) for key, m in running.items() if len(m.get("eval_history", [])) > 1),
+                       key=lambda kv: (kv[1]["length"], kv[0]))
+    if histories:
+        out += ["", "Eval loss (and copy token accuracy, %) at every checkpoint scored so far (dotted in copy_task.png):",
+                ""]
+        out += [f"- n = {m['length']}, {LABELS[m['model']]}: "
+                + "; ".join(f"step {step} {loss:.4f} ({100 * acc:.2f})" for step, loss, acc in m["eval_history"])
+                for _, m in histories]
     for length in sorted({m["length"] for m in running.values()}):
         curves = {m["model"]: dict(m["curve"]) for m in running.values() if m["length"] == length and m["curve"]}
         common = set.intersection(*(set(c) for c in curves.values())) if len(curves) > 1 else set()
@@ -316,6 +324,9 @@ def plots(summary: dict, meta: dict, folder: Path) -> list[Path]:
         for m in running:
             if m["length"] == length:
                 axis.plot(*zip(*m["curve"]), linestyle="--", label=f"{LABELS[m['model']]} (running, step {m['step']})")
+                if m.get("eval_history"):
+                    axis.plot([h[0] for h in m["eval_history"]], [h[1] for h in m["eval_history"]], linestyle=":",
+                              marker=".", label=f"{LABELS[m['model']]} (running, eval loss)")
         axis.set_yscale("log")
         axis.set_xlabel("gradient step")
         axis.set_ylabel("cross entropy (copied half)")

@@ -281,16 +281,20 @@ def copy_in_progress(stages, finished: dict, output_dir: Path) -> dict:
             out[stage.key] = {"length": stage.args["length"], "model": stage.args["model"],
                               "steps": stage.args["steps"], **progress}
             scores = checkpoint_scores_file(output_dir, stage.key)
-            if scores.is_file() and (cached := json.loads(scores.read_text()))["step"] == progress["step"]:
-                out[stage.key]["eval"] = cached["metrics"]  # of this checkpoint; a later one has no scores yet
+            if scores.is_file():
+                cached = json.loads(scores.read_text())
+                if cached["step"] == progress["step"]:  # of this checkpoint; a later one has no scores yet
+                    out[stage.key]["eval"] = cached["metrics"]
+                out[stage.key]["eval_history"] = cached.get("history", [])
     return out
 
 
 def evaluate_running_copies(stages, finished: dict, output_dir: Path, log=print) -> None:
     """Score each running copy stage's checkpoint as the stage will be scored when it finishes (float32, the same
     4 held-out batches: training.evaluate_copy with the stage's seed + 1), and keep the scores beside the checkpoint
-    (stages.checkpoint_scores_file, with its step) for the report. A few seconds a stage; the run itself is not
-    touched (the checkpoint is read, never written)."""
+    (stages.checkpoint_scores_file, with its step, and the history of every checkpoint scored so far: step, eval
+    loss, copy accuracy) for the report. A few seconds a stage; the run itself is not touched (the checkpoint is
+    read, never written)."""
     import torch
 
     from .training import Checkpointing, evaluate_copy, load_checkpoint
@@ -310,6 +314,9 @@ def evaluate_running_copies(stages, finished: dict, output_dir: Path, log=print)
         model.load_state_dict(state["model"])
         with torch.no_grad():
             metrics = evaluate_copy(model, a["length"], a["batch_size"], 4, a["seed"] + 1, a.get("variant", "fixed"))
-        write_atomic(checkpoint_scores_file(output_dir, stage.key),
-                     json.dumps({"step": state["step"], "metrics": metrics}, indent=1))
+        scores = checkpoint_scores_file(output_dir, stage.key)
+        history = json.loads(scores.read_text()).get("history", []) if scores.is_file() else []
+        history = [h for h in history if h[0] < state["step"]] + [
+            [state["step"], metrics["eval_loss"], metrics.get("eval_copy_accuracy", metrics["eval_token_accuracy"])]]
+        write_atomic(scores, json.dumps({"step": state["step"], "metrics": metrics, "history": history}, indent=1))
         log(f"{stage.key}: scored the checkpoint at step {state['step']}: eval loss {metrics['eval_loss']:.4f}")

@@ -273,10 +273,13 @@ def test_the_runner_resumes_a_killed_stage_mid_way_and_drops_its_checkpoint_once
     (tmp_path / "tiny.json").write_text(json.dumps(preset))
     quiet = dict(log=lambda s: None, argv=[])
     run(tmp_path / "tiny.json", tmp_path / "straight", **quiet)
-    with monkeypatch.context() as patch:
-        killed_after(5, patch)
-        with pytest.raises(Killed):
-            run(tmp_path / "tiny.json", tmp_path / "resumed", **quiet)
+    for sitting in range(2):  # killed at step 3, then at step 5 of the resumed run: checkpoints at steps 2 and 4
+        with monkeypatch.context() as patch:
+            killed_after(3, patch)
+            with pytest.raises(Killed):
+                run(tmp_path / "tiny.json", tmp_path / "resumed", **quiet)
+        if sitting == 0:
+            run(tmp_path / "tiny.json", tmp_path / "resumed", report_only=True, eval_running=True, **quiet)
     assert checkpoint_file(tmp_path / "resumed", "copy-n32/gpt2_sdpa").is_file()
     assert not (tmp_path / "resumed" / "records.json").is_file()
     # while it is stopped (or running), the report shows the stage's curve so far from its checkpoint
@@ -296,9 +299,13 @@ def test_the_runner_resumes_a_killed_stage_mid_way_and_drops_its_checkpoint_once
     run(tmp_path / "tiny.json", tmp_path / "resumed", report_only=True, eval_running=True, **quiet)
     scores = json.loads((tmp_path / "resumed" / "checkpoints" / "copy-n32__gpt2_sdpa.eval.json").read_text())
     assert scores["step"] == 4 and scores["metrics"] == {k: v for k, v in at_four.items() if k.startswith("eval_")}
+    assert [h[0] for h in scores["history"]] == [2, 4]
+    assert scores["history"][1] == [4, at_four["eval_loss"], at_four["eval_copy_accuracy"]]
     partial = (tmp_path / "resumed" / "results.md").read_text()
     assert (f"| 32 | {LABELS['gpt2_sdpa']} | 4 | {at_four['eval_loss']:.4f} | "
             f"{100 * at_four['eval_token_accuracy']:.2f} | {at_four['eval_copy_loss']:.4f} |") in partial
+    assert (f"step 4 {at_four['eval_loss']:.4f} ({100 * at_four['eval_copy_accuracy']:.2f})" in partial
+            and "step 2 " in partial)
     run(tmp_path / "tiny.json", tmp_path / "resumed", report_only=True, **quiet)  # kept for later reports
     assert "Held-out scores" in (tmp_path / "resumed" / "results.md").read_text()
     run(tmp_path / "tiny.json", tmp_path / "resumed", **quiet)
@@ -307,7 +314,7 @@ def test_the_runner_resumes_a_killed_stage_mid_way_and_drops_its_checkpoint_once
     assert "## Copy task in progress" not in (tmp_path / "resumed" / "results.md").read_text()
     straight, resumed = (json.loads((tmp_path / d / "records.json").read_text())["copy-n32/gpt2_sdpa"]["metrics"]
                          for d in ("straight", "resumed"))
-    assert resumed["resumed_at"] == [4] and "resumed_at" not in straight
+    assert resumed["resumed_at"] == [2, 4] and "resumed_at" not in straight
     assert resumed["loss_curve"] == straight["loss_curve"] and resumed["eval_loss"] == straight["eval_loss"]
     assert "| resumed at steps |" in (tmp_path / "resumed" / "results.md").read_text()
 
