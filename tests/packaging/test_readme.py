@@ -36,7 +36,7 @@ print(json.dumps({"logits": model(torch.tensor([[0, 5, 6, 7, 2]])).logits.tolist
 
 def readme_snippet() -> str:
     text = (REPO_ROOT / "README.md").read_text()
-    return re.search(r"```python\n(.*?)```", text[text.index("## Use"):], re.S).group(1)
+    return re.search(r"```python\n(.*?)```", text[text.index("## Use"):], re.DOTALL).group(1)
 
 
 def test_the_readme_usage_snippet_runs_and_its_checkpoint_opens_without_the_package(tmp_path):
