@@ -75,7 +75,7 @@ def main(argv=None):
     except UsageError as error:
         sys.exit(f"error: {error}")
     if not args.dry_run:
-        print(f"wrote {output_dir}/results.md, results.json, accuracy.png, efficiency.png, copy_task.png")
+        print(f"wrote {output_dir}/results.md, results.json and the plots of its tasks")
 
 
 if __name__ == "__main__":

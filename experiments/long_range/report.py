@@ -5,6 +5,7 @@ from pathlib import Path
 
 from .efficiency import CONTENDED_BELOW, PROBE_SIZE, best_probe, contended, memory_bytes
 from .models import LABELS, OURS
+from .preset import TASKS as ALL_TASKS  # a report's sections and plots follow the preset's tasks
 from .stages import write_atomic
 
 # Long Range Arena (Tay et al. 2021), Table 1 (accuracy, %) and Table 2 (steps / s at 1K-4K, peak memory at 4K, GB),
@@ -47,12 +48,12 @@ def speed(result: dict) -> float | None:
     return result.get("best_steps_per_second", result.get("steps_per_second"))
 
 
-def goals(summary: dict) -> list[str]:
-    """The issue's goals, each met or missed by how much, from what has finished."""
+def goals(summary: dict, tasks=ALL_TASKS) -> list[str]:
+    """The issue's goals, each met or missed by how much, from what has finished (of the preset's `tasks`)."""
     acc, eff = summary["accuracy"], summary["efficiency"]
     lines = []
     base = acc.get(BASELINE, {})
-    for task in ("listops", "text"):
+    for task in [t for t in ("listops", "text") if t in tasks]:
         if task not in base:
             lines.append(f"- {task}: softmax baseline not finished yet; no accuracy goal can be judged.")
             continue
@@ -66,6 +67,8 @@ def goals(summary: dict) -> list[str]:
                      f"{ours[best]:.2f} (gap {gap:+.2f}): {verdict}. Every one of ours: "
                      + ", ".join(f"{m} {v - base[task]:+.2f}" for m, v in sorted(ours.items())))
     lines += copy_goals(summary.get("copy", {}))
+    if "efficiency" not in tasks:
+        return lines
     n = max((n for v in eff.values() for n in v), default=None)
     if n is None or BASELINE not in eff or n not in eff[BASELINE] or "steps_per_second" not in eff[BASELINE][n]:
         lines.append("- efficiency: softmax at the longest length not measured yet.")
@@ -122,11 +125,12 @@ def render_markdown(meta: dict, summary: dict) -> str:
            f"- stages finished: {meta['finished']} of {meta['total']}" + (" (partial: rerun the command to go on)"
                                                                           if meta["finished"] < meta["total"] else ""),
            f"- tasks: {meta['task_notes']}", ""]
-    out += ["## Accuracy (LRA Table 1 shape; %, held-out)", "",
-            "| model | ListOps | Text | avg | gap to softmax (ListOps / Text) | LRA ListOps | LRA Text |",
-            "|---|---|---|---|---|---|---|"]
+    tasks = set(meta.get("tasks", ALL_TASKS))
+    out += (["## Accuracy (LRA Table 1 shape; %, held-out)", "",
+             "| model | ListOps | Text | avg | gap to softmax (ListOps / Text) | LRA ListOps | LRA Text |",
+             "|---|---|---|---|---|---|---|"] if tasks & {"listops", "text"} else [])
     base = acc.get(BASELINE, {})
-    for model in meta["encoders"]:
+    for model in meta["encoders"] if tasks & {"listops", "text"} else []:
         row = acc.get(model, {})
         lo, tx = row.get("listops"), row.get("text")
         avg = (lo + tx) / 2 if lo is not None and tx is not None else None
@@ -197,8 +201,11 @@ def render_markdown(meta: dict, summary: dict) -> str:
                                    f"{100 * m['eval_copy_accuracy']:.2f} | {_breakdown(m)} | "
                                    f"{', '.join(map(str, m.get('resumed_at', []))) or '-'} |")
     out += in_progress_lines(meta.get("in_progress") or {})
-    out += ["", "## Goals (from the finished stages)", ""] + goals(summary)
-    out += ["", "Plots: accuracy.png, efficiency.png, copy_task.png. Records of every stage: records.json."]
+    out += ["", "## Goals (from the finished stages)", ""] + (goals(summary, tasks) or [
+        "- none can be judged yet: each goal needs the finished stages it compares (softmax's and ours)."])
+    drawn = [name for name, needs in (("accuracy.png", {"listops", "text"}), ("efficiency.png", {"efficiency"}),
+                                      ("copy_task.png", {"copy"})) if tasks & needs]
+    out += ["", f"Plots: {', '.join(drawn)}. Records of every stage: records.json."]
     return "\n".join(out) + "\n"
 
 
@@ -268,13 +275,25 @@ def in_progress_lines(running: dict) -> list[str]:
 
 
 def plots(summary: dict, meta: dict, folder: Path) -> list[Path]:
-    """accuracy.png, efficiency.png and copy_task.png (each drawn even when empty, so a partial run shows its state)."""
+    """accuracy.png (ListOps, Text), efficiency.png and copy_task.png, each where the preset has its tasks
+    (`meta["tasks"]`; all where it does not say), drawn even when empty, so a partial run shows its state."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    tasks = set(meta.get("tasks", ALL_TASKS))
     written = []
+    if tasks & {"listops", "text"}:
+        written.append(_accuracy_plot(plt, summary, meta, folder))
+    if "efficiency" in tasks:
+        written.append(_efficiency_plot(plt, summary, meta, folder))
+    if "copy" in tasks:
+        written.append(_copy_plot(plt, summary, meta, folder))
+    return written
+
+
+def _accuracy_plot(plt, summary: dict, meta: dict, folder: Path) -> Path:
     acc = summary["accuracy"]
     figure, axis = plt.subplots(figsize=(10, 4))
     models = [m for m in meta["encoders"] if m in acc]
@@ -287,10 +306,12 @@ def plots(summary: dict, meta: dict, folder: Path) -> list[Path]:
         axis.legend()
     axis.set_title("ListOps and byte-level Text")
     figure.tight_layout()
-    written.append(folder / "accuracy.png")
-    figure.savefig(written[-1], dpi=110)
+    figure.savefig(folder / "accuracy.png", dpi=110)
     plt.close(figure)
+    return folder / "accuracy.png"
 
+
+def _efficiency_plot(plt, summary: dict, meta: dict, folder: Path) -> Path:
     eff = summary["efficiency"]
     figure, axes = plt.subplots(1, 2, figsize=(11, 4))
     for model in meta["encoders"]:
@@ -308,10 +329,12 @@ def plots(summary: dict, meta: dict, folder: Path) -> list[Path]:
     if axes[0].get_legend_handles_labels()[0]:
         axes[0].legend(fontsize=7)
     figure.tight_layout()
-    written.append(folder / "efficiency.png")
-    figure.savefig(written[-1], dpi=110)
+    figure.savefig(folder / "efficiency.png", dpi=110)
     plt.close(figure)
+    return folder / "efficiency.png"
 
+
+def _copy_plot(plt, summary: dict, meta: dict, folder: Path) -> Path:
     copy = summary["copy"]
     running = [m for m in (meta.get("in_progress") or {}).values() if m["curve"]]
     lengths = sorted(set(copy) | {m["length"] for m in running}) or [None]
@@ -335,10 +358,9 @@ def plots(summary: dict, meta: dict, folder: Path) -> list[Path]:
         if axis.get_legend_handles_labels()[0]:
             axis.legend(fontsize=8)
     figure.tight_layout()
-    written.append(folder / "copy_task.png")
-    figure.savefig(written[-1], dpi=110)
+    figure.savefig(folder / "copy_task.png", dpi=110)
     plt.close(figure)
-    return written
+    return folder / "copy_task.png"
 
 
 def write_report(output_dir: Path, meta: dict, records: dict) -> dict:

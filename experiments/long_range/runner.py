@@ -260,7 +260,7 @@ def run(preset_path: Path, output_dir: Path, tasks=None, models=None, dataset="l
             "decoders": [m for m in DECODERS if any(s.args.get("model") == m for s in reported)],
             "efficiency_models": [m for m in ENCODERS if any(s.kind == "efficiency" and s.args.get("model") == m
                                                              for s in reported)],
-            "task_notes": task_notes(full), "dataset": dataset,
+            "task_notes": task_notes(full), "dataset": dataset, "tasks": list(full["tasks"]),
             "in_progress": copy_in_progress(whole, finished, output_dir)}
     return write_report(output_dir, meta, finished)
 
