@@ -258,8 +258,8 @@ def in_progress_lines(running: dict) -> list[str]:
     histories = sorted(((key, m) for key, m in running.items() if len(m.get("eval_history", [])) > 1),
                        key=lambda kv: (kv[1]["length"], kv[0]))
     if histories:
-        out += ["", "Eval loss (and copy token accuracy, %) at every checkpoint scored so far (dotted in copy_task.png):",
-                ""]
+        out += ["", "Eval loss (and copy token accuracy, %) at every checkpoint scored so far (dotted in "
+                "copy_task.png):", ""]
         out += [f"- n = {m['length']}, {LABELS[m['model']]}: "
                 + "; ".join(f"step {step} {loss:.4f} ({100 * acc:.2f})" for step, loss, acc in m["eval_history"])
                 for _, m in histories]
