@@ -71,8 +71,9 @@ def check_copy_entry(entry: dict) -> None:
         raise UsageError(f"copy: 'dropout' must lie in [0, 1), got {dropout!r}")
 
 
-def select(preset: dict, tasks=None, models=None) -> dict:
-    """The preset narrowed to some tasks and models (names checked)."""
+def select(preset: dict, tasks=None, models=None, lengths=None) -> dict:
+    """The preset narrowed to some tasks, models and sequence lengths (names checked; lengths: the copy task's
+    settings, the efficiency lengths, ListOps' and Text's length; a slice that leaves no stage is refused)."""
     if tasks:
         unknown = [t for t in tasks if t not in TASKS]
         if unknown:
@@ -88,10 +89,36 @@ def select(preset: dict, tasks=None, models=None) -> dict:
         chosen = [m for m in entry["models"] if not models or m in models]
         if chosen:
             out["tasks"][task] = {**entry, "models": chosen}
+    if lengths:
+        kept = {}
+        for task, entry in out["tasks"].items():
+            if task == "copy":
+                entry = {**entry, "settings": [s for s in entry["settings"] if s["length"] in lengths]}
+                keep = bool(entry["settings"])
+            elif task == "efficiency":
+                entry = {**entry, "lengths": [n for n in entry["lengths"] if n in lengths]}
+                keep = bool(entry["lengths"])
+            else:
+                keep = entry["length"] in lengths
+            if keep:
+                kept[task] = entry
+        if not kept:
+            raise UsageError(f"--lengths {' '.join(map(str, lengths))}: no stage of the chosen tasks and models has "
+                             f"that length; the preset's lengths are {', '.join(map(str, preset_lengths(out)))}")
+        out["tasks"] = kept
     for task, entry in out["tasks"].items():  # a task left out may still lend its dims (`--tasks efficiency`)
         if "dims_from" in entry and entry["dims_from"] not in out["tasks"]:
             entry["dims"] = task_dims(preset, task)
     return out
+
+
+def preset_lengths(preset: dict) -> list[int]:
+    """Every sequence length the preset's tasks train or measure at."""
+    found = set()
+    for task, entry in preset["tasks"].items():
+        found |= ({s["length"] for s in entry["settings"]} if task == "copy" else set(entry["lengths"])
+                  if task == "efficiency" else {entry["length"]})
+    return sorted(found)
 
 
 def task_dims(preset: dict, task: str) -> dict:

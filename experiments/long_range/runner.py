@@ -194,10 +194,10 @@ def _hardware(finished: dict) -> list[str]:
 
 
 def run(preset_path: Path, output_dir: Path, tasks=None, models=None, dataset="local", data_dir=None,
-        dry_run=False, report_only=False, argv=None, log=print, seed=None, eval_running=False) -> dict:
+        dry_run=False, report_only=False, argv=None, log=print, seed=None, eval_running=False, lengths=None) -> dict:
     """Run (or reuse) the preset's stages (only `tasks` / `models` where given: a slice), then report every finished
     stage of the whole preset, so that a slice adds its rows to the folder's tables instead of replacing them with
-    the slice's; returns the report's summary. `seed` replaces the preset's seed (model initialisation, batch
+    the slice's (`lengths`: only the stages at these sequence lengths); returns the report's summary. `seed` replaces the preset's seed (model initialisation, batch
     order, ListOps generation, the IMDB held-out split). `eval_running` (with report_only) also scores the running
     copy stages' checkpoints (evaluate_running_copies)."""
     from benchmarks.measuring import describe_hardware, describe_machine
@@ -207,7 +207,7 @@ def run(preset_path: Path, output_dir: Path, tasks=None, models=None, dataset="l
     full = load_preset(preset_path)
     if seed is not None:
         full["seed"] = seed
-    preset = select(full, tasks, models)
+    preset = select(full, tasks, models, lengths)
     stages = plan(preset)
     whole = plan(full)
     if dry_run:
@@ -253,7 +253,7 @@ def run(preset_path: Path, output_dir: Path, tasks=None, models=None, dataset="l
             # each stage's instruction sets and matmul peaks (none in records made before they were recorded)
             **({"hardware": hw} if (hw := _hardware(finished)) else {}),
             "command": "python scripts/long_range.py " + shlex.join(
-                whole_command(sys.argv[1:] if argv is None else argv, ("--models", "--tasks"))),
+                whole_command(sys.argv[1:] if argv is None else argv, ("--models", "--tasks", "--lengths"))),
             "report_only": report_only,
             "date": time.strftime("%Y-%m-%d"), "finished": len(finished), "total": len(whole),
             "encoders": [m for m in ENCODERS if any(s.args.get("model") == m for s in reported)],

@@ -140,13 +140,14 @@ def run_or_reload(stages: list[Stage], run, output_dir: Path, report_only: bool,
 
 
 def whole_command(argv: list[str], slice_flags: tuple[str, ...]) -> list[str]:
-    """The arguments of the command that runs the whole preset: argv without --report_only and the slice flags
-    (``--models`` and the like, with their values), which is what a report of every finished stage covers."""
+    """The arguments of the command that runs the whole preset: argv without --report_only (and --eval_running, its
+    companion) and the slice flags (``--models`` and the like, with their values), which is what a report of every
+    finished stage covers."""
     out, skipping = [], False
     for arg in argv:
         if arg.startswith("--"):
             skipping = arg.split("=")[0] in slice_flags
-            if skipping or arg == "--report_only":
+            if skipping or arg in ("--report_only", "--eval_running"):
                 continue
         if not skipping:
             out.append(arg)

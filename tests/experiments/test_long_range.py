@@ -17,7 +17,7 @@ from experiments.long_range.models import (
     DECODER_FEATURE_MAPS, DECODERS, ENCODERS, Dims, build_decoder, build_encoder, check_length, model_dims,
     pool_by_mean,
 )
-from experiments.long_range.stages import Stage, run_stages
+from experiments.long_range.stages import Stage, run_stages, whole_command
 from experiments.long_range.tasks import (
     LISTOPS_VOCAB, copy_batch, decode_bytes, encode_bytes, encode_listops, generate_listops, generate_listops_sized,
 )
@@ -76,6 +76,24 @@ def test_the_cpu_preset_keeps_listops_inputs_of_at_least_1000_tokens_and_text_at
     # `--tasks efficiency` alone plans the same measurements: the dims it borrows from Text come along
     alone = [s for s in plan(select(cpu, ["efficiency"])) if s.kind == "efficiency"]
     assert [s.args for s in alone] == [s.args for s in plan(cpu) if s.kind == "efficiency"] and len(alone) == 48
+
+
+def test_a_lengths_slice_keeps_the_stages_at_those_lengths_and_the_report_names_the_whole_command():
+    cpu, paper = load_preset(PRESETS / "cpu.json"), load_preset(PRESETS / "copy-paper.json")
+    short = plan(select(paper, lengths=[128]))
+    assert {s.args["length"] for s in short} == {128} and len(short) == len(paper["tasks"]["copy"]["models"])
+    assert [s.args for s in short] == [s.args for s in plan(paper) if s.args["length"] == 128]
+    at_1024 = plan(select(cpu, lengths=[1024]))
+    assert {s.kind for s in at_1024} == {"efficiency", "classify"}  # ListOps and Text; the copy task has no 1,024
+    assert {s.args["task"] for s in at_1024 if s.kind == "classify"} == {"listops", "text"}
+    assert {s.args.get("n", s.args.get("length")) for s in at_1024} == {1024}
+    assert [s.args for s in plan(select(cpu, ["copy"], ["gpt2_sdpa"], [512]))] == [
+        s.args for s in plan(cpu) if s.key == "copy-n512/gpt2_sdpa"]
+    with pytest.raises(UsageError, match="--lengths 256: no stage .* the preset's lengths are 128, 512"):
+        select(paper, lengths=[256])
+    argv = ["--preset", "copy-paper", "--lengths", "128", "--models", "linear_gpt2", "--report_only", "--eval_running",
+            "--output_dir", "x"]
+    assert whole_command(argv, ("--models", "--tasks", "--lengths")) == ["--preset", "copy-paper", "--output_dir", "x"]
 
 
 def test_bytes_round_trip_including_multibyte_characters_and_truncate_to_a_byte_prefix():
