@@ -35,6 +35,9 @@ def main(argv=None):
     parser.add_argument("--output_dir", help="default: outputs/long_range/PRESET")
     parser.add_argument("--tasks", nargs="+", metavar="TASK", help="only these tasks: listops text copy efficiency")
     parser.add_argument("--models", nargs="+", metavar="NAME", help="only these models (names as in the preset)")
+    parser.add_argument("--device", default="cpu",
+                        help="where the copy stages train: cpu (default) or cuda (with --tasks copy); the record names "
+                             "the GPU")
     parser.add_argument("--lengths", nargs="+", type=int, metavar="N",
                         help="only the stages at these sequence lengths (copy settings, efficiency lengths, ListOps / "
                              "Text length)")
@@ -74,7 +77,7 @@ def main(argv=None):
         output_dir = Path(args.output_dir or f"outputs/long_range/{preset.stem}")
         run(preset, output_dir, args.tasks, args.models, args.dataset, Path(args.data_dir), args.dry_run,
             args.report_only, argv=sys.argv[1:] if argv is None else argv, log=lambda s: print(s, flush=True),
-            seed=args.seed, eval_running=args.eval_running, lengths=args.lengths)
+            seed=args.seed, eval_running=args.eval_running, lengths=args.lengths, device=args.device)
     except UsageError as error:
         sys.exit(f"error: {error}")
     if not args.dry_run:

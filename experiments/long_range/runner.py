@@ -51,10 +51,10 @@ class DataCache:
         return train, evaluation, {"eval": imdb["eval_name"], "source": imdb["digest"], "train": digest_of(train)}
 
 
-def _runner(data: DataCache, best: list[float], output_dir: Path | None = None, log=print):
+def _runner(data: DataCache, best: list[float], output_dir: Path | None = None, log=print, device: str = "cpu"):
     """run_stage(stage) -> metrics; `best` holds the best availability probe on record and grows with this run's. A
     copy stage with `checkpoint_every` among its options checkpoints into output_dir/checkpoints/ and resumes from
-    there."""
+    there. Copy stages train on `device` (the record names it); the other tasks choose their own."""
     import torch
 
     from .efficiency import contended, measure_isolated, measurement_spec, probe_of
@@ -83,14 +83,18 @@ def _runner(data: DataCache, best: list[float], output_dir: Path | None = None, 
         dims = Dims(**a["dims"])
         torch.manual_seed(a["seed"])
         if stage.kind == "copy":
-            model = build_decoder(a["model"], dims, a["length"], COPY_VOCAB_SIZE, a["dropout"], a.get("activation"))
+            model = build_decoder(a["model"], dims, a["length"], COPY_VOCAB_SIZE, a["dropout"],
+                                  a.get("activation")).to(device)
             every = stage.options.get("checkpoint_every")
             checkpointing = (Checkpointing(checkpoint_file(output_dir, stage.key), every, a,
                                            log=lambda s, key=stage.key: log(f"    {key}: {s}"))
                              if every and output_dir is not None else None)
-            return train_copy(model, a["length"], a["steps"], a["batch_size"], a["optimizer"], a["seed"],
-                              a["log_every"], variant=a.get("variant", "fixed"),
-                              precision=a.get("precision", "float32"), checkpointing=checkpointing)
+            metrics = train_copy(model, a["length"], a["steps"], a["batch_size"], a["optimizer"], a["seed"],
+                                 a["log_every"], variant=a.get("variant", "fixed"),
+                                 precision=a.get("precision", "float32"), checkpointing=checkpointing)
+            if device != "cpu":  # CPU records (all of them before --device) name no device
+                metrics["device"] = f"{device}: {torch.cuda.get_device_name(device)}"
+            return metrics
         train, evaluation, info = data.examples(a)
         stage.digests = info
         vocab, labels = (LISTOPS_VOCAB_SIZE, 10) if a["task"] == "listops" else (BYTES_VOCAB_SIZE, 2)
@@ -194,12 +198,14 @@ def _hardware(finished: dict) -> list[str]:
 
 
 def run(preset_path: Path, output_dir: Path, tasks=None, models=None, dataset="local", data_dir=None,
-        dry_run=False, report_only=False, argv=None, log=print, seed=None, eval_running=False, lengths=None) -> dict:
+        dry_run=False, report_only=False, argv=None, log=print, seed=None, eval_running=False, lengths=None,
+        device="cpu") -> dict:
     """Run (or reuse) the preset's stages (only `tasks` / `models` where given: a slice), then report every finished
     stage of the whole preset, so that a slice adds its rows to the folder's tables instead of replacing them with
-    the slice's (`lengths`: only the stages at these sequence lengths); returns the report's summary. `seed` replaces the preset's seed (model initialisation, batch
-    order, ListOps generation, the IMDB held-out split). `eval_running` (with report_only) also scores the running
-    copy stages' checkpoints (evaluate_running_copies)."""
+    the slice's (`lengths`: only the stages at these sequence lengths); returns the report's summary. `device`:
+    where the copy stages train ("cuda" needs a GPU and a preset slice of the copy task only). `seed` replaces the
+    preset's seed (model initialisation, batch order, ListOps generation, the IMDB held-out split). `eval_running`
+    (with report_only) also scores the running copy stages' checkpoints (evaluate_running_copies)."""
     from benchmarks.measuring import describe_hardware, describe_machine
 
     from .report import write_report
@@ -209,6 +215,8 @@ def run(preset_path: Path, output_dir: Path, tasks=None, models=None, dataset="l
         full["seed"] = seed
     preset = select(full, tasks, models, lengths)
     stages = plan(preset)
+    if device != "cpu" and not dry_run and not report_only:
+        check_copy_device(device, preset)
     whole = plan(full)
     if dry_run:
         for stage in stages:
@@ -238,7 +246,8 @@ def run(preset_path: Path, output_dir: Path, tasks=None, models=None, dataset="l
         from .efficiency import best_probe, contended
 
         best = [best_probe(load_records(output_dir))]
-        records = run_stages(stages, _runner(DataCache(dataset, data_dir), best, output_dir, log), output_dir, machine,
+        records = run_stages(stages, _runner(DataCache(dataset, data_dir), best, output_dir, log, device), output_dir,
+                             machine,
                              log, retake=lambda r: r["kind"] == "efficiency" and contended(r["metrics"], best[0]),
                              hardware=describe_hardware())
     keys = {stage.key for stage in whole}
@@ -263,6 +272,21 @@ def run(preset_path: Path, output_dir: Path, tasks=None, models=None, dataset="l
             "task_notes": task_notes(full), "dataset": dataset, "tasks": list(full["tasks"]),
             "in_progress": copy_in_progress(whole, finished, output_dir)}
     return write_report(output_dir, meta, finished)
+
+
+def check_copy_device(device: str, preset: dict) -> None:
+    """Refuse, before any work, a device the copy stages cannot train on, or a slice with other tasks on it."""
+    import torch
+
+    if device != "cuda":
+        raise UsageError(f"--device {device!r}: use 'cpu' (the default) or 'cuda'")
+    others = sorted(set(preset["tasks"]) - {"copy"})
+    if others:
+        raise UsageError(f"--device cuda trains the copy task only; the slice also holds {', '.join(others)}: add "
+                         "--tasks copy (the efficiency task measures on the GPU by itself where there is one)")
+    if not torch.cuda.is_available():
+        raise UsageError("--device cuda: torch sees no CUDA device here (torch.cuda.is_available() is False); run "
+                         "on a machine with a GPU and a CUDA build of torch, or leave --device out")
 
 
 def copy_in_progress(stages, finished: dict, output_dir: Path) -> dict:

@@ -80,6 +80,11 @@ def make_optimizer(model, optim: dict, steps: int):
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+def device_of(model) -> torch.device:
+    """Where the model's weights are (the CPU for a module without any)."""
+    return next(model.parameters(), torch.empty(0)).device
+
+
 def autocast_for(model, precision: str):
     """The forward's autocast context for a precision: float32 runs as is; bf16 autocasts on the model's device
     (float32 weights, optimizer state and gradients; matmuls in bfloat16)."""
@@ -174,8 +179,11 @@ def train_causal_lm(model, next_batch, steps: int, optim: dict, log_every: int, 
     `log_every` steps (Figure 2's shape) and the seconds it took.
 
     With `checkpointing`, every `every` steps the model, optimizer, schedule, the RNG states (torch's global one,
-    Python's, and `generator`, the one `next_batch` draws from) and the curve so far are saved, and a run that finds
-    its checkpoint goes on from there: the same batches, dropout masks and updates as a run never stopped."""
+    Python's, and `generator`, the one `next_batch` draws from; on a GPU, the device's generator too) and the curve
+    so far are saved, and a run that finds its checkpoint goes on from there: the same batches, dropout masks and
+    updates as a run never stopped. The batches are drawn on the CPU (the same on every device) and moved to the
+    model's device."""
+    device = device_of(model)
     optimizer, scheduler = make_optimizer(model, optim, steps)
     autocast = autocast_for(model, precision)
     model.train()
@@ -186,6 +194,8 @@ def train_causal_lm(model, next_batch, steps: int, optim: dict, log_every: int, 
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["torch_rng"])
+        if device.type == "cuda" and state.get("cuda_rng") is not None:  # dropout masks drawn on the GPU
+            torch.cuda.set_rng_state(state["cuda_rng"], device)
         random.setstate(state["python_rng"])
         if generator is not None:
             generator.set_state(state["generator"])
@@ -200,7 +210,7 @@ def train_causal_lm(model, next_batch, steps: int, optim: dict, log_every: int, 
                                   "continue it bit for bit")
     start = time.perf_counter()
     for step in range(first, steps):
-        ids, labels = next_batch()
+        ids, labels = (t.to(device) for t in next_batch())
         window.append(_step(model, optimizer, scheduler, dict(input_ids=ids, labels=labels),
                             optim.get("grad_clip", 1.0), autocast))
         if (step + 1) % log_every == 0 or step + 1 == steps:
@@ -215,6 +225,7 @@ def train_causal_lm(model, next_batch, steps: int, optim: dict, log_every: int, 
                 "model": model.state_dict(),
                 "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                 "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
+                "cuda_rng": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
                 "generator": generator.get_state() if generator is not None else None,
                 "curve": curve, "window": window, "seconds": elapsed, "resumed_at": resumed,
                 "threads": torch.get_num_threads()})
@@ -275,8 +286,10 @@ def score_causal_lm(model, batches) -> dict:
     """Loss and accuracy of a causal LM at its labelled positions over (input_ids, labels) batches (the model shifts
     the labels): what the copy task and recall score."""
     model.eval()
+    device = device_of(model)
     losses, correct, total = [], 0, 0
     for ids, labels in batches:
+        ids, labels = ids.to(device), labels.to(device)
         out = model(input_ids=ids, labels=labels)
         losses.append(out.loss.item())
         predicted = out.logits[:, :-1].argmax(-1)
@@ -302,13 +315,14 @@ def evaluate_copy(model, length: int, batch_size: int, batches: int, seed: int, 
         score = score_causal_lm(model, (copy_batch(batch_size, length, generator) for _ in range(batches)))
         return {"eval_loss": score["loss"], "eval_token_accuracy": score["accuracy"]}
     model.eval()
+    device = device_of(model)
     sums = {"all": [0.0, 0, 0], "copy": [0.0, 0, 0], "separator": [0.0, 0, 0]}  # loss, correct, tokens
     low, high = copy_paper_lengths(length)
     bins = {"length": torch.zeros(2, 4), "place": torch.zeros(2, 4)}  # correct, tokens per bin
     with torch.no_grad():
         for _ in range(batches):
             ids, labels = copy_task_batch(variant, batch_size, length, generator)
-            logits = model(input_ids=ids).logits[:, :-1].float()
+            logits = model(input_ids=ids.to(device)).logits[:, :-1].float().cpu()
             target = labels[:, 1:]
             losses = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
                                                        ignore_index=-100, reduction="none").view_as(target)

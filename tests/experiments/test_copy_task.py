@@ -319,6 +319,41 @@ def test_the_runner_resumes_a_killed_stage_mid_way_and_drops_its_checkpoint_once
     assert "| resumed at steps |" in (tmp_path / "resumed" / "results.md").read_text()
 
 
+def test_a_device_the_copy_task_cannot_use_is_refused_before_any_work(tmp_path):
+    quiet = {"log": lambda s: None, "argv": []}
+    with pytest.raises(UsageError, match="--device 'mps': use 'cpu'"):
+        run(PRESETS / "copy-paper.json", tmp_path, device="mps", **quiet)
+    with pytest.raises(UsageError, match="copy task only; the slice also holds efficiency, listops, text: add --tas"):
+        run(PRESETS / "cpu.json", tmp_path, device="cuda", **quiet)
+    if not torch.cuda.is_available():
+        with pytest.raises(UsageError, match="no CUDA device here"):
+            run(PRESETS / "copy-paper.json", tmp_path, device="cuda", **quiet)
+    assert not any(tmp_path.iterdir())  # refused before anything was written
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: scripts/gpu_check.sh runs it")
+def test_a_copy_stage_trains_on_cuda_and_resumes_exactly_there(tmp_path, monkeypatch):
+    """On a GPU: the stage trains there (the record names the device), and a kill and a resume give the curve and
+    eval of a run never stopped (the GPU's dropout generator is checkpointed with the others)."""
+    preset = json.loads((PRESETS / "copy-paper.json").read_text())
+    copy = preset["tasks"]["copy"]
+    copy.update(dims=TINY.__dict__, settings=[{"length": 32, "steps": 6, "batch_size": 2}], models=["gpt2_sdpa"],
+                checkpoint_every=2, log_every=1)
+    preset["optimizer"]["milestones"] = [3]
+    (tmp_path / "tiny.json").write_text(json.dumps(preset))
+    quiet = {"log": lambda s: None, "argv": [], "device": "cuda"}
+    run(tmp_path / "tiny.json", tmp_path / "straight", **quiet)
+    with monkeypatch.context() as patch:
+        killed_after(5, patch)
+        with pytest.raises(Killed):
+            run(tmp_path / "tiny.json", tmp_path / "resumed", **quiet)
+    run(tmp_path / "tiny.json", tmp_path / "resumed", **quiet)
+    straight, resumed = (json.loads((tmp_path / d / "records.json").read_text())["copy-n32/gpt2_sdpa"]["metrics"]
+                         for d in ("straight", "resumed"))
+    assert straight["device"].startswith("cuda: ") and resumed["resumed_at"] == [4]
+    assert resumed["loss_curve"] == straight["loss_curve"] and resumed["eval_loss"] == straight["eval_loss"]
+
+
 def test_bf16_autocasts_the_forward_and_keeps_float32_weights():
     torch.manual_seed(0)
     model = build_decoder("linear_gpt2", TINY, 32, COPY_VOCAB_SIZE)
