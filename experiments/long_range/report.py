@@ -181,8 +181,9 @@ def render_markdown(meta: dict, summary: dict) -> str:
             for model in meta["decoders"]:
                 m = copy[length].get(model)
                 if m:
+                    where = f" ({m['device']})" if m.get("device") else ""  # a GPU stage; CPU records name none
                     out.append(f"| {length} | {LABELS[model]} | {m['loss_curve'][-1][1]:.4f} | {m['eval_loss']:.4f} | "
-                               f"{100 * m['eval_token_accuracy']:.2f} | {m['steps_per_second']:.2f} |")
+                               f"{100 * m['eval_token_accuracy']:.2f} | {m['steps_per_second']:.2f}{where} |")
         paper = {length: {k: m for k, m in by_model.items() if "eval_copy_loss" in m}
                  for length, by_model in copy.items()}
         if any(paper.values()):

@@ -351,6 +351,7 @@ def test_a_copy_stage_trains_on_cuda_and_resumes_exactly_there(tmp_path, monkeyp
     straight, resumed = (json.loads((tmp_path / d / "records.json").read_text())["copy-n32/gpt2_sdpa"]["metrics"]
                          for d in ("straight", "resumed"))
     assert straight["device"].startswith("cuda: ") and resumed["resumed_at"] == [4]
+    assert f"({straight['device']}) |" in (tmp_path / "straight" / "results.md").read_text()
     assert resumed["loss_curve"] == straight["loss_curve"] and resumed["eval_loss"] == straight["eval_loss"]
 
 
