@@ -41,6 +41,8 @@ def main(argv=None):
                                                                            "finished stage")
     parser.add_argument("--widths", nargs="+", type=int, metavar="W", help="MQAR: only these model widths (of the "
                                                                             "preset's)")
+    parser.add_argument("--device", default="cpu", help="MQAR presets: where the stages train, cpu (default) or cuda; "
+                        "the record names the GPU")
     parser.add_argument("--dry_run", action="store_true", help="print every stage and its arguments, run nothing")
     parser.add_argument("--report_only", action="store_true", help="run nothing: write the report from the stages "
                                                                    "finished so far")
@@ -57,13 +59,15 @@ def main(argv=None):
             passkey_runner.estimate(preset, args.models, log=lambda s: print(s, flush=True))
             return
         output_dir = Path(args.output_dir or f"outputs/recall/{preset.stem}")
+        if args.device != "cpu" and task != "mqar":
+            raise UsageError(f"--device applies to MQAR presets only: leave it out for this {task} preset")
         if (args.pairs or args.widths) and task != "mqar":
             raise UsageError("--pairs and --widths choose MQAR settings; a passkey or capacity preset has neither "
                              "(use --models)")
         {"passkey": passkey_runner, "capacity": capacity_runner}.get(task, runner).run(
             preset, output_dir, args.models, args.dry_run, args.report_only,
             argv=sys.argv[1:] if argv is None else argv, log=lambda s: print(s, flush=True),
-            **({"pairs": args.pairs, "widths": args.widths} if task == "mqar" else {}))
+            **({"pairs": args.pairs, "widths": args.widths, "device": args.device} if task == "mqar" else {}))
     except UsageError as error:
         sys.exit(f"error: {error}")
     if not args.dry_run:

@@ -87,7 +87,7 @@ def decoding_state_bytes(model, n: int, vocab_size: int) -> int | None:
     and hidden states."""
     was_training = model.training
     model.eval()
-    ids = torch.randint(3, vocab_size, (1, n))
+    ids = torch.randint(3, vocab_size, (1, n), device=next(model.parameters()).device)
     out = model(input_ids=ids, use_cache=True)
     model.train(was_training)
     cache = getattr(out, "past_key_values", None)

@@ -101,20 +101,34 @@ def plan(preset: dict, models=None, pairs=None, widths=None) -> tuple[list[Stage
     return stages, left_out
 
 
-def stage_runner(output_dir: Path | None, log=print):
-    """run_stage(stage) -> metrics, checkpointing into output_dir/checkpoints/ where the stage's options say so."""
+def stage_runner(output_dir: Path | None, log=print, device: str = "cpu"):
+    """run_stage(stage) -> metrics, checkpointing into output_dir/checkpoints/ where the stage's options say so;
+    each stage trains on `device`."""
 
     def run_stage(stage: Stage) -> dict:
         every = stage.options.get("checkpoint_every")
         checkpointing = (Checkpointing(checkpoint_file(output_dir, stage.key), every, stage.args,
                                        log=lambda s, key=stage.key: log(f"    {key}: {s}"))
                          if every and output_dir is not None else None)
-        return run_mqar_stage(stage, checkpointing)
+        return run_mqar_stage(stage, checkpointing, device)
 
     return run_stage
 
 
-def run_mqar_stage(stage: Stage, checkpointing=None) -> dict:
+def check_device(device: str) -> None:
+    """Refuse, before any work, a device MQAR's stages cannot train on."""
+    import torch
+
+    if device != "cuda":
+        raise UsageError(f"--device {device!r}: use 'cpu' (the default) or 'cuda'")
+    if not torch.cuda.is_available():
+        raise UsageError("--device cuda: torch sees no CUDA device here (torch.cuda.is_available() is False); run "
+                         "on a machine with a GPU and a CUDA build of torch, or leave --device out")
+
+
+def run_mqar_stage(stage: Stage, checkpointing=None, device: str = "cpu") -> dict:
+    """One MQAR stage on `device` (the batches are drawn on the CPU, so every device sees the same sequences; a GPU
+    stage's record names the GPU)."""
     import torch
 
     from .training import train_mqar
@@ -126,11 +140,13 @@ def run_mqar_stage(stage: Stage, checkpointing=None) -> dict:
     ids, _ = mqar_batch(2, generator=torch.Generator().manual_seed(a["seed"]), **task)
     stage.digests = {"first_batch_sum": int(ids.sum())}
     torch.manual_seed(a["seed"])
-    model = build_recall_model(a["model"], Dims(**a["dims"]), a["length"], vocab)
+    model = build_recall_model(a["model"], Dims(**a["dims"]), a["length"], vocab).to(device)
     metrics = train_mqar(model, task, a["steps"], a["batch_size"], a["optimizer"], a["seed"], a["log_every"],
                          a["eval_batches"], checkpointing=checkpointing, precision=a.get("precision", "float32"))
     metrics["state_bytes"] = decoding_state_bytes(model, a["length"], vocab)
     metrics["parameters"] = sum(p.numel() for p in model.parameters())
+    if device != "cpu":  # CPU records (all of them before --device) name no device
+        metrics["device"] = f"{device}: {torch.cuda.get_device_name(device)}"
     return metrics
 
 
@@ -210,7 +226,8 @@ def render(rows: list[dict], meta: dict) -> str:
     out = ["# Multi-query associative recall (MQAR)", "", f"Command: `{meta['command']}`.", "",
            f"Machine: {meta['machine']}"
            + "".join(f"; {text}" for text in meta.get("hardware", [])) + f". Preset: {meta['preset']}, "
-           f"{meta['finished']} of {meta['total']} stages finished. {meta['notes']}", ""]
+           f"{meta['finished']} of {meta['total']} stages finished. {meta['notes']}"
+           + (f" Stages trained on a GPU: {'; '.join(meta['gpu_stages'])}." if meta.get("gpu_stages") else ""), ""]
     models = list(dict.fromkeys(r["model"] for r in rows))
     for n in sorted({r["length"] for r in rows}):
         pairs = sorted({r["pairs"] for r in rows if r["length"] == n})
@@ -279,10 +296,10 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def run(preset_path: Path, output_dir: Path, models=None, dry_run=False, report_only=False, argv=None,
-        log=print, pairs=None, widths=None) -> dict:
+        log=print, pairs=None, widths=None, device="cpu") -> dict:
     """Run the preset's stages (only `models` / `pairs` / `widths` where given: a slice) and report every finished
     stage of the whole preset, so a slice run adds its rows to the committed table instead of replacing it with the
-    slice's."""
+    slice's. `device`: where the stages train ("cuda" needs a GPU)."""
     from benchmarks.measuring import hardware_of_records
 
     preset = load_preset(preset_path)
@@ -294,7 +311,9 @@ def run(preset_path: Path, output_dir: Path, models=None, dry_run=False, report_
         log(f"{len(stages)} stages" + (f"; left out: {'; '.join(left_out)}" if left_out else ""))
         return {}
     output_dir = Path(output_dir)
-    records, machine = run_or_reload(stages, stage_runner(output_dir, log), output_dir, report_only, log)
+    if device != "cpu" and not report_only:
+        check_device(device)
+    records, machine = run_or_reload(stages, stage_runner(output_dir, log, device), output_dir, report_only, log)
     keys = {s.key for s in whole}
     finished = {k: r for k, r in records.items() if k in keys}
     rows = summarise(finished)
@@ -304,6 +323,7 @@ def run(preset_path: Path, output_dir: Path, models=None, dry_run=False, report_
             "total": len(whole),
             "hardware": hardware_of_records(finished.values()),
             "left_out": left_out, "date": time.strftime("%Y-%m-%d"),
+            "gpu_stages": [f"{k} ({r['metrics']['device']})" for k, r in finished.items() if r["metrics"].get("device")],
             "command": "python scripts/recall.py " + shlex.join(whole_command(sys.argv[1:] if argv is None else argv,
                                                                                 ("--models", "--pairs", "--widths"))),
             "notes": (f"{preset['num_layers']} layers, head size {preset['head_size']}, feed-forward "

@@ -207,6 +207,32 @@ def test_a_slice_run_reports_every_finished_stage_of_the_preset_under_the_whole_
     assert "2 of 10 stages finished" in (tmp_path / "results.md").read_text()
 
 
+def test_a_device_mqar_cannot_train_on_is_refused_before_any_work(tmp_path):
+    preset = REPO_ROOT / "configs" / "recall" / "smoke.json"
+    with pytest.raises(UsageError, match="--device 'mps': use 'cpu'"):
+        run(preset, tmp_path, device="mps", log=lambda s: None, argv=[])
+    if not torch.cuda.is_available():
+        with pytest.raises(UsageError, match="no CUDA device here"):
+            run(preset, tmp_path, device="cuda", log=lambda s: None, argv=[])
+    assert not (tmp_path / "records.json").exists()
+    passkey = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "recall.py"), "--preset", "passkey-smoke",
+                              "--device", "cuda", "--dry_run"], capture_output=True, text=True, timeout=300)
+    assert passkey.returncode != 0 and "--device applies to MQAR presets only" in passkey.stderr
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: scripts/gpu_check.sh runs it")
+def test_an_mqar_stage_on_cuda_scores_as_on_the_cpu(tmp_path):
+    """On a GPU: one smoke stage trains there (the report names the GPU), its state bytes are the CPU's, and its
+    score is close to the CPU run's (the same batches; kernels round differently)."""
+    preset = REPO_ROOT / "configs" / "recall" / "smoke.json"
+    quiet = {"log": lambda s: None, "argv": [], "models": ["linear_gpt2"], "pairs": [2]}
+    cpu = run(preset, tmp_path / "cpu", **quiet)["rows"][0]
+    gpu_run = run(preset, tmp_path / "cuda", device="cuda", **quiet)
+    gpu = gpu_run["rows"][0]
+    assert gpu["state_bytes"] == cpu["state_bytes"] and abs(gpu["loss"] - cpu["loss"]) < 0.05 * cpu["loss"] + 0.01
+    assert "Stages trained on a GPU: mqar-" in (tmp_path / "cuda" / "results.md").read_text()
+
+
 class Killed(BaseException):
     """Stands for the kill of a session's end: nothing after it runs."""
 
