@@ -323,7 +323,8 @@ def run(preset_path: Path, output_dir: Path, models=None, dry_run=False, report_
             "total": len(whole),
             "hardware": hardware_of_records(finished.values()),
             "left_out": left_out, "date": time.strftime("%Y-%m-%d"),
-            "gpu_stages": [f"{k} ({r['metrics']['device']})" for k, r in finished.items() if r["metrics"].get("device")],
+            "gpu_stages": [f"{k} ({r['metrics']['device']})" for k, r in finished.items()
+                           if r["metrics"].get("device")],
             "command": "python scripts/recall.py " + shlex.join(whole_command(sys.argv[1:] if argv is None else argv,
                                                                                 ("--models", "--pairs", "--widths"))),
             "notes": (f"{preset['num_layers']} layers, head size {preset['head_size']}, feed-forward "
