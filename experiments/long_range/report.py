@@ -174,7 +174,8 @@ def render_markdown(meta: dict, summary: dict) -> str:
     if copy:
         out += ["", "## Copy task (\"Transformers are RNNs\" 4.1; loss curves in copy_task.png, Figure 2's shape)", "",
                 "Steps/s here is the stage's wall clock, with no check that the cores were free (some stages shared "
-                "them with other jobs): compare speed in the efficiency table above, not here.", "",
+                "them with other jobs): compare speed " + ("in the efficiency table above" if "efficiency" in tasks
+                                                           else "with `--time_steps`") + ", not here.", "",
                 "| length | model | final train loss | eval loss | eval token accuracy (copied half) | steps/s |",
                 "|---|---|---|---|---|---|"]
         for length in sorted(copy):
@@ -190,7 +191,7 @@ def render_markdown(meta: dict, summary: dict) -> str:
             out += ["", ("The paper's task (random lengths): the loss and accuracy above score the separator and the "
                          "copy, as the training loss does (the separator only where it falls, so it costs nothing to a "
                          "model that predicts it after every symbol of the first half); the copy alone, and its "
-                         f"token accuracy by m and by place in the copy ({BREAKDOWN}):"), "",
+                         f"token accuracy {BREAKDOWN}:"), "",
                     ("| length | model | eval loss on the copy alone | token accuracy on the copy alone | copy "
                      "accuracy by m (%) | by place in the copy (%) | resumed at steps |"),
                     "|---|---|---|---|---|---|---|"]
@@ -201,6 +202,14 @@ def render_markdown(meta: dict, summary: dict) -> str:
                         out.append(f"| {length} | {LABELS[model]} | {m['eval_copy_loss']:.4f} | "
                                    f"{100 * m['eval_copy_accuracy']:.2f} | {_breakdown(m)} | "
                                    f"{', '.join(map(str, m.get('resumed_at', []))) or '-'} |")
+            histories = [(length, model, paper[length][model]["eval_history"]) for length in sorted(paper)
+                         for model in meta["decoders"] if paper[length].get(model, {}).get("eval_history")]
+            if histories:
+                out += ["", "Eval loss (and copy token accuracy, %) at the checkpoints scored while the stage ran "
+                        "(`--eval_running`), then at its end (dotted in copy_task.png):", ""]
+                out += [f"- n = {length}, {LABELS[model]}: "
+                        + "; ".join(f"step {step} {loss:.4f} ({100 * acc:.2f})" for step, loss, acc in history)
+                        for length, model, history in histories]
     out += in_progress_lines(meta.get("in_progress") or {})
     out += ["", "## Goals (from the finished stages)", ""] + (goals(summary, tasks) or [
         "- none can be judged yet: each goal needs the finished stages it compares (softmax's and ours)."])
@@ -345,6 +354,9 @@ def _copy_plot(plt, summary: dict, meta: dict, folder: Path) -> Path:
             m = copy.get(length, {}).get(model)
             if m:
                 axis.plot(*zip(*m["loss_curve"]), label=LABELS[model])
+                if m.get("eval_history"):
+                    axis.plot([h[0] for h in m["eval_history"]], [h[1] for h in m["eval_history"]], linestyle=":",
+                              marker=".", label=f"{LABELS[model]} (eval loss)")
         for m in running:
             if m["length"] == length:
                 axis.plot(*zip(*m["curve"]), linestyle="--", label=f"{LABELS[m['model']]} (running, step {m['step']})")

@@ -315,6 +315,10 @@ def test_the_runner_resumes_a_killed_stage_mid_way_and_drops_its_checkpoint_once
     straight, resumed = (json.loads((tmp_path / d / "records.json").read_text())["copy-n32/gpt2_sdpa"]["metrics"]
                          for d in ("straight", "resumed"))
     assert resumed["resumed_at"] == [2, 4] and "resumed_at" not in straight
+    # the scored checkpoints stay in the record as its eval curve, ending with the stage's own score
+    assert [h[0] for h in resumed["eval_history"]] == [2, 4, 6] and "eval_history" not in straight
+    assert resumed["eval_history"][1] == scores["history"][1]
+    assert resumed["eval_history"][2] == [6, resumed["eval_loss"], resumed["eval_copy_accuracy"]]
     assert resumed["loss_curve"] == straight["loss_curve"] and resumed["eval_loss"] == straight["eval_loss"]
     assert "| resumed at steps |" in (tmp_path / "resumed" / "results.md").read_text()
 
