@@ -97,8 +97,9 @@ def _runner(data: DataCache, best: list[float], output_dir: Path | None = None, 
             scores = checkpoint_scores_file(output_dir, stage.key) if output_dir is not None else None
             if scores is not None and scores.is_file():  # the running checkpoints scored (--eval_running), then the end
                 history = [h for h in json.loads(scores.read_text()).get("history", []) if h[0] < a["steps"]]
-                metrics["eval_history"] = history + [[a["steps"], metrics["eval_loss"],
-                                                      metrics.get("eval_copy_accuracy", metrics["eval_token_accuracy"])]]
+                end = [a["steps"], metrics["eval_loss"], metrics.get("eval_copy_accuracy",
+                                                                     metrics["eval_token_accuracy"])]
+                metrics["eval_history"] = history + [end]
             return metrics
         train, evaluation, info = data.examples(a)
         stage.digests = info
