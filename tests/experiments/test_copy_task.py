@@ -264,13 +264,18 @@ def test_a_stage_killed_after_a_checkpoint_resumes_to_the_same_curve_and_weights
         train_copy(fresh(), **common, checkpointing=Checkpointing(path, 3, {**args, "steps": 9}))
 
 
-def test_the_runner_resumes_a_killed_stage_mid_way_and_drops_its_checkpoint_once_recorded(tmp_path, monkeypatch):
+def write_tiny_copy_preset(path):
+    """copy-paper at tiny dims: GPT-2 alone, 6 steps of 2 sequences of 32, a checkpoint every 2 steps, the lr drop at
+    step 3 (so the schedule does not depend on the number of steps)."""
     preset = json.loads((PRESETS / "copy-paper.json").read_text())
-    copy = preset["tasks"]["copy"]
-    copy.update(dims=TINY.__dict__, settings=[{"length": 32, "steps": 6, "batch_size": 2}], models=["gpt2_sdpa"],
-                checkpoint_every=2, log_every=1)
+    preset["tasks"]["copy"].update(dims=TINY.__dict__, settings=[{"length": 32, "steps": 6, "batch_size": 2}],
+                                   models=["gpt2_sdpa"], checkpoint_every=2, log_every=1)
     preset["optimizer"]["milestones"] = [3]
-    (tmp_path / "tiny.json").write_text(json.dumps(preset))
+    path.write_text(json.dumps(preset))
+
+
+def test_the_runner_resumes_a_killed_stage_mid_way_and_drops_its_checkpoint_once_recorded(tmp_path, monkeypatch):
+    write_tiny_copy_preset(tmp_path / "tiny.json")
     quiet = dict(log=lambda s: None, argv=[])
     run(tmp_path / "tiny.json", tmp_path / "straight", **quiet)
     for sitting in range(2):  # killed at step 3, then at step 5 of the resumed run: checkpoints at steps 2 and 4
@@ -339,12 +344,7 @@ def test_a_device_the_copy_task_cannot_use_is_refused_before_any_work(tmp_path):
 def test_a_copy_stage_trains_on_cuda_and_resumes_exactly_there(tmp_path, monkeypatch):
     """On a GPU: the stage trains there (the record names the device), and a kill and a resume give the curve and
     eval of a run never stopped (the GPU's dropout generator is checkpointed with the others)."""
-    preset = json.loads((PRESETS / "copy-paper.json").read_text())
-    copy = preset["tasks"]["copy"]
-    copy.update(dims=TINY.__dict__, settings=[{"length": 32, "steps": 6, "batch_size": 2}], models=["gpt2_sdpa"],
-                checkpoint_every=2, log_every=1)
-    preset["optimizer"]["milestones"] = [3]
-    (tmp_path / "tiny.json").write_text(json.dumps(preset))
+    write_tiny_copy_preset(tmp_path / "tiny.json")
     quiet = {"log": lambda s: None, "argv": [], "device": "cuda"}
     run(tmp_path / "tiny.json", tmp_path / "straight", **quiet)
     with monkeypatch.context() as patch:
