@@ -77,7 +77,8 @@ EOF
 #    (-v: each result is logged as it comes, so a run stopped by the timeout still names its failures)
 timeout "${GPU_TEST_TIMEOUT_S:-180}" python3 -m pytest -v -rf -p no:cacheprovider -p no:benchmark \
   -n "${GPU_TEST_WORKERS:-12}" --timeout "${GPU_TEST_EACH_S:-120}" -k cuda tests/attention \
-  tests/models/test_short_conv.py tests/experiments/test_copy_task.py tests/experiments/test_recall.py --junitxml="$OUT_DIR/tests.xml" > "$OUT_DIR/tests.log" 2>&1
+  tests/models/test_short_conv.py tests/experiments/test_copy_task.py tests/experiments/test_recall.py \
+  --junitxml="$OUT_DIR/tests.xml" > "$OUT_DIR/tests.log" 2>&1
 tests_rc=$?
 grep -E "FAILED|ERROR|passed|failed" "$OUT_DIR/tests.log" | tail -25
 # the timeout stops pytest, not its xdist workers (execnet children): stop them before anything is timed
