@@ -207,8 +207,7 @@ def render_markdown(meta: dict, summary: dict) -> str:
             if histories:
                 out += ["", "Eval loss (and copy token accuracy, %) at the checkpoints scored while the stage ran "
                         "(`--eval_running`), then at its end (dotted in copy_task.png):", ""]
-                out += [f"- n = {length}, {LABELS[model]}: "
-                        + "; ".join(f"step {step} {loss:.4f} ({100 * acc:.2f})" for step, loss, acc in history)
+                out += [f"- n = {length}, {LABELS[model]}: {_history_text(history)}"
                         for length, model, history in histories]
     out += in_progress_lines(meta.get("in_progress") or {})
     out += ["", "## Goals (from the finished stages)", ""] + (goals(summary, tasks) or [
@@ -222,6 +221,11 @@ def render_markdown(meta: dict, summary: dict) -> str:
 BREAKDOWN = ("by the sequence's number of symbols m, and by place in the copy: quarter 1 holds the first symbols "
              "copied, quarter 4 the last, written when the state has taken in the most tokens (every copied symbol "
              "was read m + 1 tokens before)")
+
+
+def _history_text(history: list) -> str:
+    """Scored checkpoints ([step, eval loss, copy accuracy]) as one line of text."""
+    return "; ".join(f"step {step} {loss:.4f} ({100 * acc:.2f})" for step, loss, acc in history)
 
 
 def _breakdown(scores: dict) -> str:
@@ -270,8 +274,7 @@ def in_progress_lines(running: dict) -> list[str]:
     if histories:
         out += ["", "Eval loss (and copy token accuracy, %) at every checkpoint scored so far (dotted in "
                 "copy_task.png):", ""]
-        out += [f"- n = {m['length']}, {LABELS[m['model']]}: "
-                + "; ".join(f"step {step} {loss:.4f} ({100 * acc:.2f})" for step, loss, acc in m["eval_history"])
+        out += [f"- n = {m['length']}, {LABELS[m['model']]}: {_history_text(m['eval_history'])}"
                 for _, m in histories]
     for length in sorted({m["length"] for m in running.values()}):
         curves = {m["model"]: dict(m["curve"]) for m in running.values() if m["length"] == length and m["curve"]}
@@ -354,15 +357,11 @@ def _copy_plot(plt, summary: dict, meta: dict, folder: Path) -> Path:
             m = copy.get(length, {}).get(model)
             if m:
                 axis.plot(*zip(*m["loss_curve"]), label=LABELS[model])
-                if m.get("eval_history"):
-                    axis.plot([h[0] for h in m["eval_history"]], [h[1] for h in m["eval_history"]], linestyle=":",
-                              marker=".", label=f"{LABELS[model]} (eval loss)")
+                _plot_eval_history(axis, m.get("eval_history"), f"{LABELS[model]} (eval loss)")
         for m in running:
             if m["length"] == length:
                 axis.plot(*zip(*m["curve"]), linestyle="--", label=f"{LABELS[m['model']]} (running, step {m['step']})")
-                if m.get("eval_history"):
-                    axis.plot([h[0] for h in m["eval_history"]], [h[1] for h in m["eval_history"]], linestyle=":",
-                              marker=".", label=f"{LABELS[m['model']]} (running, eval loss)")
+                _plot_eval_history(axis, m.get("eval_history"), f"{LABELS[m['model']]} (running, eval loss)")
         axis.set_yscale("log")
         axis.set_xlabel("gradient step")
         axis.set_ylabel("cross entropy (copied half)")
@@ -374,6 +373,12 @@ def _copy_plot(plt, summary: dict, meta: dict, folder: Path) -> Path:
     figure.savefig(folder / "copy_task.png", dpi=110)
     plt.close(figure)
     return folder / "copy_task.png"
+
+
+def _plot_eval_history(axis, history, label: str) -> None:
+    """The eval losses of the scored checkpoints, dotted, where there are any."""
+    if history:
+        axis.plot([h[0] for h in history], [h[1] for h in history], linestyle=":", marker=".", label=label)
 
 
 def write_report(output_dir: Path, meta: dict, records: dict) -> dict:

@@ -58,7 +58,7 @@ def _runner(data: DataCache, best: list[float], output_dir: Path | None = None, 
     import torch
 
     from .efficiency import contended, measure_isolated, measurement_spec, probe_of
-    from .training import Checkpointing, train_classifier, train_copy
+    from .training import Checkpointing, device_name, train_classifier, train_copy
 
     def run_stage(stage: Stage) -> dict:
         a = stage.args
@@ -93,13 +93,10 @@ def _runner(data: DataCache, best: list[float], output_dir: Path | None = None, 
                                  a["log_every"], variant=a.get("variant", "fixed"),
                                  precision=a.get("precision", "float32"), checkpointing=checkpointing)
             if device != "cpu":  # CPU records (all of them before --device) name no device
-                metrics["device"] = f"{device}: {torch.cuda.get_device_name(device)}"
+                metrics["device"] = device_name(device)
             scores = checkpoint_scores_file(output_dir, stage.key) if output_dir is not None else None
             if scores is not None and scores.is_file():  # the running checkpoints scored (--eval_running), then the end
-                history = [h for h in json.loads(scores.read_text()).get("history", []) if h[0] < a["steps"]]
-                end = [a["steps"], metrics["eval_loss"], metrics.get("eval_copy_accuracy",
-                                                                     metrics["eval_token_accuracy"])]
-                metrics["eval_history"] = history + [end]
+                metrics["eval_history"] = scored_history(scores, a["steps"], metrics)
             return metrics
         train, evaluation, info = data.examples(a)
         stage.digests = info
@@ -281,18 +278,28 @@ def run(preset_path: Path, output_dir: Path, tasks=None, models=None, dataset="l
 
 
 def check_copy_device(device: str, preset: dict) -> None:
-    """Refuse, before any work, a device the copy stages cannot train on, or a slice with other tasks on it."""
-    import torch
+    """Refuse, before any work, a slice with other tasks than the copy task on a device, or a device the copy
+    stages cannot train on (training.check_device)."""
+    from .training import check_device
 
-    if device != "cuda":
-        raise UsageError(f"--device {device!r}: use 'cpu' (the default) or 'cuda'")
     others = sorted(set(preset["tasks"]) - {"copy"})
     if others:
-        raise UsageError(f"--device cuda trains the copy task only; the slice also holds {', '.join(others)}: add "
-                         "--tasks copy (the efficiency task measures on the GPU by itself where there is one)")
-    if not torch.cuda.is_available():
-        raise UsageError("--device cuda: torch sees no CUDA device here (torch.cuda.is_available() is False); run "
-                         "on a machine with a GPU and a CUDA build of torch, or leave --device out")
+        raise UsageError(f"--device {device} trains the copy task only; the slice also holds {', '.join(others)}: "
+                         "add --tasks copy (the efficiency task measures on the GPU by itself where there is one)")
+    check_device(device)
+
+
+def _running_copy_stages(stages, finished: dict):
+    """The copy stages not yet finished that checkpoint (and so may be running)."""
+    return [s for s in stages if s.kind == "copy" and s.key not in finished and s.options.get("checkpoint_every")]
+
+
+def scored_history(scores: Path, step: int, metrics: dict) -> list[list]:
+    """The eval history kept in a checkpoint's scores file before `step`, then [step, eval loss, copy accuracy] of
+    `metrics` (the token accuracy for the fixed task, which has no copy-alone score)."""
+    history = json.loads(scores.read_text()).get("history", []) if scores.is_file() else []
+    return [h for h in history if h[0] < step] + [
+        [step, metrics["eval_loss"], metrics.get("eval_copy_accuracy", metrics["eval_token_accuracy"])]]
 
 
 def copy_in_progress(stages, finished: dict, output_dir: Path) -> dict:
@@ -303,9 +310,7 @@ def copy_in_progress(stages, finished: dict, output_dir: Path) -> dict:
     from .training import checkpoint_progress
 
     out = {}
-    for stage in stages:
-        if stage.kind != "copy" or stage.key in finished or not stage.options.get("checkpoint_every"):
-            continue
+    for stage in _running_copy_stages(stages, finished):
         progress = checkpoint_progress(checkpoint_file(output_dir, stage.key), stage.args)
         if progress is not None:
             out[stage.key] = {"length": stage.args["length"], "model": stage.args["model"],
@@ -325,13 +330,9 @@ def evaluate_running_copies(stages, finished: dict, output_dir: Path, log=print)
     (stages.checkpoint_scores_file, with its step, and the history of every checkpoint scored so far: step, eval
     loss, copy accuracy) for the report. A few seconds a stage; the run itself is not touched (the checkpoint is
     read, never written)."""
-    import torch
-
     from .training import Checkpointing, evaluate_copy, load_checkpoint
 
-    for stage in stages:
-        if stage.kind != "copy" or stage.key in finished or not stage.options.get("checkpoint_every"):
-            continue
+    for stage in _running_copy_stages(stages, finished):
         a, path = stage.args, checkpoint_file(output_dir, stage.key)
         try:
             state = load_checkpoint(Checkpointing(path, 1, a))
@@ -342,11 +343,8 @@ def evaluate_running_copies(stages, finished: dict, output_dir: Path, log=print)
         model = build_decoder(a["model"], Dims(**a["dims"]), a["length"], COPY_VOCAB_SIZE, a["dropout"],
                               a.get("activation"))
         model.load_state_dict(state["model"])
-        with torch.no_grad():
-            metrics = evaluate_copy(model, a["length"], a["batch_size"], 4, a["seed"] + 1, a.get("variant", "fixed"))
+        metrics = evaluate_copy(model, a["length"], a["batch_size"], 4, a["seed"] + 1, a.get("variant", "fixed"))
         scores = checkpoint_scores_file(output_dir, stage.key)
-        history = json.loads(scores.read_text()).get("history", []) if scores.is_file() else []
-        history = [h for h in history if h[0] < state["step"]] + [
-            [state["step"], metrics["eval_loss"], metrics.get("eval_copy_accuracy", metrics["eval_token_accuracy"])]]
+        history = scored_history(scores, state["step"], metrics)
         write_atomic(scores, json.dumps({"step": state["step"], "metrics": metrics, "history": history}, indent=1))
         log(f"{stage.key}: scored the checkpoint at step {state['step']}: eval loss {metrics['eval_loss']:.4f}")

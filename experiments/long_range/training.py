@@ -85,6 +85,20 @@ def device_of(model) -> torch.device:
     return next(model.parameters(), torch.empty(0)).device
 
 
+def check_device(device: str) -> None:
+    """Refuse, before any work, a device a stage cannot train on: 'cpu', or 'cuda' where torch sees a GPU."""
+    if device not in ("cpu", "cuda"):
+        raise UsageError(f"--device {device!r}: use 'cpu' (the default) or 'cuda'")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: torch sees no CUDA device here (torch.cuda.is_available() is False); run "
+                         "on a machine with a GPU and a CUDA build of torch, or leave --device out")
+
+
+def device_name(device: str) -> str:
+    """How a stage record names the GPU it trained on (CPU records name no device)."""
+    return f"{device}: {torch.cuda.get_device_name(device)}"
+
+
 def autocast_for(model, precision: str):
     """The forward's autocast context for a precision: float32 runs as is; bf16 autocasts on the model's device
     (float32 weights, optimizer state and gradients; matmuls in bfloat16)."""
@@ -328,12 +342,11 @@ def evaluate_copy(model, length: int, batch_size: int, batches: int, seed: int, 
                                                        ignore_index=-100, reduction="none").view_as(target)
             right = logits.argmax(-1) == target
             scored = target != -100
-            for part, keep in (("all", scored), ("copy", scored & (target != COPY_SEPARATOR)),
-                               ("separator", scored & (target == COPY_SEPARATOR))):
+            copied = scored & (target != COPY_SEPARATOR)
+            for part, keep in (("all", scored), ("copy", copied), ("separator", scored & (target == COPY_SEPARATOR))):
                 sums[part][0] += losses[keep].sum().item()
                 sums[part][1] += right[keep].sum().item()
                 sums[part][2] += keep.sum().item()
-            copied = scored & (target != COPY_SEPARATOR)
             m = (ids == COPY_SEPARATOR).long().argmax(1, keepdim=True)  # the separator's position: m symbols before
             place = torch.arange(1, length) - m - 1  # 0 .. m - 1 along the copy (target j predicts token j + 1)
             for name, which in (("length", ((m - low) * 4 // (high - low + 1)).expand_as(target)),

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from experiments.long_range.models import Dims
-from experiments.long_range.training import PRECISIONS, Checkpointing
+from experiments.long_range.training import PRECISIONS, Checkpointing, check_device, device_name
 from experiments.long_range.stages import (Stage, checkpoint_file, run_or_reload, stage_machines, whole_command,
                                            write_atomic)
 from hf_linear_attn.training.errors import UsageError
@@ -115,17 +115,6 @@ def stage_runner(output_dir: Path | None, log=print, device: str = "cpu"):
     return run_stage
 
 
-def check_device(device: str) -> None:
-    """Refuse, before any work, a device MQAR's stages cannot train on."""
-    import torch
-
-    if device != "cuda":
-        raise UsageError(f"--device {device!r}: use 'cpu' (the default) or 'cuda'")
-    if not torch.cuda.is_available():
-        raise UsageError("--device cuda: torch sees no CUDA device here (torch.cuda.is_available() is False); run "
-                         "on a machine with a GPU and a CUDA build of torch, or leave --device out")
-
-
 def run_mqar_stage(stage: Stage, checkpointing=None, device: str = "cpu") -> dict:
     """One MQAR stage on `device` (the batches are drawn on the CPU, so every device sees the same sequences; a GPU
     stage's record names the GPU)."""
@@ -146,7 +135,7 @@ def run_mqar_stage(stage: Stage, checkpointing=None, device: str = "cpu") -> dic
     metrics["state_bytes"] = decoding_state_bytes(model, a["length"], vocab)
     metrics["parameters"] = sum(p.numel() for p in model.parameters())
     if device != "cpu":  # CPU records (all of them before --device) name no device
-        metrics["device"] = f"{device}: {torch.cuda.get_device_name(device)}"
+        metrics["device"] = device_name(device)
     return metrics
 
 
