@@ -36,8 +36,8 @@ def main(argv=None):
     parser.add_argument("--tasks", nargs="+", metavar="TASK", help="only these tasks: listops text copy efficiency")
     parser.add_argument("--models", nargs="+", metavar="NAME", help="only these models (names as in the preset)")
     parser.add_argument("--device", default="cpu",
-                        help="where the copy stages train: cpu (default) or cuda (with --tasks copy); the record names "
-                             "the GPU")
+                        help="where the copy stages train (and --eval_running scores their checkpoints): cpu "
+                             "(default) or cuda (with --tasks copy); the record names the GPU")
     parser.add_argument("--lengths", nargs="+", type=int, metavar="N",
                         help="only the stages at these sequence lengths (copy settings, efficiency lengths, ListOps / "
                              "Text length)")

@@ -218,7 +218,7 @@ def run(preset_path: Path, output_dir: Path, tasks=None, models=None, dataset="l
         full["seed"] = seed
     preset = select(full, tasks, models, lengths)
     stages = plan(preset)
-    if device != "cpu" and not dry_run and not report_only:
+    if device != "cpu" and not dry_run and (eval_running or not report_only):
         check_copy_device(device, preset)
     whole = plan(full)
     if dry_run:
@@ -256,7 +256,7 @@ def run(preset_path: Path, output_dir: Path, tasks=None, models=None, dataset="l
     keys = {stage.key for stage in whole}
     finished = {k: r for k, r in records.items() if k in keys}
     if eval_running:
-        evaluate_running_copies(whole, finished, output_dir, log)
+        evaluate_running_copies(whole, finished, output_dir, log, device)
     # the report's rows: every model with a finished stage, and the models this run ran (pending ones too)
     ran = set() if report_only else {stage.key for stage in stages}
     reported = [stage for stage in whole if stage.key in ran or stage.key in finished]
@@ -324,7 +324,7 @@ def copy_in_progress(stages, finished: dict, output_dir: Path) -> dict:
     return out
 
 
-def evaluate_running_copies(stages, finished: dict, output_dir: Path, log=print) -> None:
+def evaluate_running_copies(stages, finished: dict, output_dir: Path, log=print, device: str = "cpu") -> None:
     """Score each running copy stage's checkpoint as the stage will be scored when it finishes (float32, the same
     4 held-out batches: training.evaluate_copy with the stage's seed + 1), and keep the scores beside the checkpoint
     (stages.checkpoint_scores_file, with its step, and the history of every checkpoint scored so far: step, eval
@@ -341,7 +341,7 @@ def evaluate_running_copies(stages, finished: dict, output_dir: Path, log=print)
         if state is None:
             continue
         model = build_decoder(a["model"], Dims(**a["dims"]), a["length"], COPY_VOCAB_SIZE, a["dropout"],
-                              a.get("activation"))
+                              a.get("activation")).to(device)
         model.load_state_dict(state["model"])
         metrics = evaluate_copy(model, a["length"], a["batch_size"], 4, a["seed"] + 1, a.get("variant", "fixed"))
         scores = checkpoint_scores_file(output_dir, stage.key)
