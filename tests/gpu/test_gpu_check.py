@@ -115,3 +115,34 @@ def test_the_fla_twice_candidate_computes_causal_linear_attention():
     assert ((out.double() - want).norm() / want.norm()).item() < 2 * 2.0**-8  # two bf16 roundings
     out.float().sum().backward()
     assert all(t.grad is not None and t.grad.abs().sum() > 0 for t in leaves)
+
+
+@pytest.mark.slow
+def test_gpu_copy_trains_stages_to_a_deadline_and_brings_back_their_scores(tmp_path):
+    """scripts/gpu_copy.sh's own paths on the CPU (COPY_DEVICE=cpu): two copy stages at once, one short enough to
+    finish, one cut off at the deadline; what comes back holds the finished stage's record and the cut stage's
+    scored checkpoint, never a checkpoint itself (too large to come back from a lease)."""
+    import os
+    import tarfile
+
+    preset = json.loads((REPO_ROOT / "configs" / "long_range" / "copy-paper.json").read_text())
+    copy = preset["tasks"]["copy"]
+    copy.update(dims={"hidden_size": 16, "num_layers": 1, "num_heads": 2, "intermediate_size": 32},
+                 precision="float32", checkpoint_every=5,
+                 settings=[{"length": 32, "steps": 10, "batch_size": 4},
+                           {"length": 64, "steps": 10 ** 6, "batch_size": 4}])
+    (tmp_path / "tiny.json").write_text(json.dumps(preset))
+    out = tmp_path / "out"
+    env = {**os.environ, "COPY_DEVICE": "cpu", "COPY_PRESET": str(tmp_path / "tiny.json"), "PYTHON": sys.executable,
+           "COPY_STAGES": "gpt2_sdpa:32 linear_gpt2:64", "COPY_DEADLINE_S": "20", "COPY_SCORE_EVERY_S": "1000",
+           "COPY_WORK_DIR": str(tmp_path / "work")}
+    result = run(str(out), env=env, script=REPO_ROOT / "scripts" / "gpu_copy.sh")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "1 stage(s) finished" in result.stdout
+    with tarfile.open(out / "copy.tgz") as packed:
+        names = packed.getnames()
+        assert "./gpt2_sdpa-32/stages/copy-n32__gpt2_sdpa.json" in names
+        assert not any(name.endswith(".pt") for name in names)
+        scores = json.load(packed.extractfile("./linear_gpt2-64/checkpoints/copy-n64__linear_gpt2.eval.json"))
+    assert scores["step"] >= 5 and scores["history"][-1][0] == scores["step"]
+    assert (out / "linear_gpt2-64.log").is_file() and "checkpoint saved" in (out / "linear_gpt2-64.log").read_text()
