@@ -21,6 +21,11 @@ Memories (`MEMORIES`):
   without one, and normalise the layer's output instead).
 - "identity": no feature map and no normaliser, y = q S with S = sum_j k_j v_j^T: the classical linear associative
   memory, with signed keys.
+- "hedgehog": Hedgehog's learned features (Zhang et al. 2024; linear_gpt2_hedgehog's map), phi(x) = [softmax(x W_h),
+  softmax(-x W_h)] with W_h (head_size x head_size) per head, normalised as "elu": 2 x head_size features, so twice
+  elu + 1's state.
+- "hedgehog_narrow": the same with W_h of head_size / 2 columns: head_size features, elu + 1's state to the byte
+  (linear_gpt2_hedgehog_narrow's map).
 - "softmax": softmax attention over the stored keys, i.e. its cache of every key and value. Its memory grows with
   the pairs; it is the reference with no capacity limit.
 """
@@ -31,11 +36,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hf_linear_attn.feature_maps import EluFeatureMap
+from hf_linear_attn.feature_maps import EluFeatureMap, HedgehogFeatureMap
 from hf_linear_attn.linear_attention import bidirectional_linear_attention
 from hf_linear_attn.training.errors import UsageError
 
-MEMORIES = ("elu", "elu_unnormalized", "identity", "softmax")
+MEMORIES = ("elu", "elu_unnormalized", "identity", "hedgehog", "hedgehog_narrow", "softmax")
+NORMALISED = ("elu", "hedgehog", "hedgehog_narrow")  # read as linear_gpt2 reads: phi(q) S / (phi(q) . z + eps)
 EPS = 1e-6  # linear_gpt2's default linear_attention_eps
 
 
@@ -57,8 +63,14 @@ def state_bytes(memory: str, pairs: int, heads: int, head_size: int) -> int:
     every key and value for softmax."""
     if memory == "softmax":
         return 4 * 2 * pairs * heads * head_size
-    per_head = head_size * head_size + (head_size if memory == "elu" else 0)
+    features = feature_count(memory, head_size)
+    per_head = features * head_size + (features if memory in NORMALISED else 0)
     return 4 * heads * per_head
+
+
+def feature_count(memory: str, head_size: int) -> int:
+    """The features per head a linear memory's keys become (the rows of its state S)."""
+    return {"hedgehog": 2 * head_size, "hedgehog_narrow": 2 * (head_size // 2)}.get(memory, head_size)
 
 
 def pair_batch(batch_size: int, pairs: int, num_keys: int, num_values: int, generator: torch.Generator):
@@ -82,7 +94,10 @@ class StateMemory(nn.Module):
         self.k_proj = nn.Linear(width, width, bias=False)
         self.v_proj = nn.Linear(width, width, bias=False)
         self.readout = nn.Linear(width, num_values)
-        self.feature_map = EluFeatureMap()
+        if memory in ("hedgehog", "hedgehog_narrow"):
+            self.feature_map = HedgehogFeatureMap(heads, head_size, feature_count(memory, head_size) // 2)
+        else:
+            self.feature_map = EluFeatureMap()
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:  # (B, D, width) -> (B, H, D, d)
         return x.unflatten(-1, (self.heads, self.head_size)).transpose(1, 2)

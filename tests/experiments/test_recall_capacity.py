@@ -31,9 +31,17 @@ def explicit_read(model: StateMemory, keys: torch.Tensor, values: torch.Tensor) 
                 elif model.memory == "identity":
                     w = torch.stack([qi @ k[b, h, j] for j in range(k.shape[2])])
                 else:
-                    elu1 = lambda x: torch.where(x > 0, x + 1, torch.exp(x))  # elu + 1, written out
-                    w = torch.stack([elu1(qi) @ elu1(k[b, h, j]) for j in range(k.shape[2])])
-                    if model.memory == "elu":
+                    if model.memory.startswith("hedgehog"):  # [softmax(x W_h), softmax(-x W_h)], written out
+                        weight = m.feature_map.weight[h]
+
+                        def phi(x):
+                            e, f = torch.exp(x @ weight), torch.exp(-(x @ weight))
+                            return torch.cat([e / e.sum(), f / f.sum()])
+                    else:
+                        def phi(x):  # elu + 1, written out
+                            return torch.where(x > 0, x + 1, torch.exp(x))
+                    w = torch.stack([phi(qi) @ phi(k[b, h, j]) for j in range(k.shape[2])])
+                    if model.memory in ("elu", "hedgehog", "hedgehog_narrow"):
                         w = w / (w.sum() + 1e-6)
                 out[b, h, i] = sum(w[j] * v[b, h, j] for j in range(k.shape[2]))
     return out
@@ -67,6 +75,10 @@ def test_a_state_stores_as_many_orthogonal_keys_as_it_has_features_exactly():
     assert state_bytes("identity", num_keys, heads, d) == 4 * heads * d * d
     assert state_bytes("elu", num_keys, heads, d) == 4 * heads * (d * d + d)
     assert state_bytes("softmax", 10, heads, d) == 4 * 2 * 10 * heads * d
+    assert state_bytes("hedgehog", num_keys, heads, d) == 4 * heads * (2 * d * d + 2 * d)
+    assert state_bytes("hedgehog_narrow", num_keys, heads, d) == state_bytes("elu", num_keys, heads, d)
+    assert StateMemory("hedgehog_narrow", 12, 7, heads, d).read(*pair_batch(2, 5, 12, 7, torch.Generator())).shape[-1] \
+        == d
 
 
 def test_training_recalls_few_pairs_and_reports_its_curve():
