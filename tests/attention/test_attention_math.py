@@ -162,8 +162,9 @@ def test_favor_pair_equals_its_exact_estimator_whatever_the_norms(scale):
 
 @pytest.mark.parametrize("precision", ["float32", "bfloat16"])
 def test_accumulation_is_float32_under_bf16(precision):
-    """Both compute paths sum the 4,096 keys in float32 under bf16 autocast. ("auto" takes the bf16 path on CUDA:
-    there this test once compared it with the float32 path's reference and failed, with 65% of outputs agreeing.)"""
+    """Both compute paths sum the 4,096 keys in float32 under bf16 autocast. ("auto" takes the bf16 path on CUDA,
+    where this test, then comparing every path with the float32 path's reference, failed: the bf16 path rounds the
+    features and S to bf16, and on the CPU, forced onto it, only 65% of its outputs equal that reference.)"""
     q, k, v = qkv(b=1, h=2, n=4096, d=16, dtype=torch.bfloat16)
     phi = build_feature_map("elu", 2, 16)
     phi_q, phi_k = phi(q, True), phi(k, False)
