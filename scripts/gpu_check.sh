@@ -39,14 +39,8 @@ if ! python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else
        "--device cpu --output_dir DIR'." >&2
   exit 2
 fi
-if ! ls "$WHEELS"/*.whl >/dev/null 2>&1; then
-  echo "error: no wheels in $WHEELS/: run 'bash scripts/gpu_check.sh --download' on a machine with a package" \
-       "registry first and carry $WHEELS/ with the command." >&2
-  exit 2
-fi
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-  "$WHEELS"/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+source scripts/gpu_lib.sh
+install_wheels "$WHEELS" || exit $?
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 nvidia-smi > "$OUT_DIR/nvidia-smi.txt" 2>&1
 # Triton's cache (compiled kernels, and fla's autotuning results: fla autotunes with cache_results): a lease's first
@@ -73,16 +67,12 @@ print("fla kernel dispatched by 'auto':", fla_chunk_kernel("cuda") is not None)
 EOF
 
 # 1. the tests whose math depends on the device, on CUDA (their [cuda] instances; the [cpu] ones run in CI), over
-#    GPU_TEST_WORKERS processes (pytest-xdist is in the GPU image; 0 runs them in this process)
-#    (-v: each result is logged as it comes, so a run stopped by the timeout still names its failures)
-timeout "${GPU_TEST_TIMEOUT_S:-180}" python3 -m pytest -v -rf -p no:cacheprovider -p no:benchmark \
-  -n "${GPU_TEST_WORKERS:-12}" --timeout "${GPU_TEST_EACH_S:-120}" -k cuda tests/attention \
-  tests/models/test_short_conv.py tests/experiments/test_copy_task.py tests/experiments/test_recall.py \
-  --junitxml="$OUT_DIR/tests.xml" > "$OUT_DIR/tests.log" 2>&1
+#    GPU_TEST_WORKERS processes (pytest-xdist is in the GPU image; 0 runs them in this process); their xdist
+#    workers are stopped before anything is timed (gpu_lib.sh)
+run_cuda_tests "${GPU_TEST_TIMEOUT_S:-180}" "${GPU_TEST_WORKERS:-12}" "${GPU_TEST_EACH_S:-120}" "$OUT_DIR/tests.log" \
+  --junitxml="$OUT_DIR/tests.xml"
 tests_rc=$?
 grep -E "FAILED|ERROR|passed|failed" "$OUT_DIR/tests.log" | tail -25
-# the timeout stops pytest, not its xdist workers (execnet children): stop them before anything is timed
-pkill -9 -f "sys.stdin.readline" 2>/dev/null
 
 # 2. the benchmark rows, side by side in one run
 timeout "${GPU_BENCH_TIMEOUT_S:-420}" python3 scripts/gpu_benchmark.py --output_dir "$OUT_DIR/bench" \

@@ -27,14 +27,9 @@ SCORE_EVERY=${COPY_SCORE_EVERY_S:-150}
 PRESET=${COPY_PRESET:-copy-paper}
 DEVICE=${COPY_DEVICE:-cuda}
 mkdir -p "$OUT_DIR"
+source scripts/gpu_lib.sh
 if [ "$DEVICE" = cuda ]; then
-  if ! ls .whl/*.whl >/dev/null 2>&1; then
-    echo "error: no wheels in .whl/: run 'bash scripts/gpu_check.sh --download' here first and carry .whl/" >&2
-    exit 2
-  fi
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+  install_wheels .whl || exit $?
   nvidia-smi > "$OUT_DIR/nvidia-smi.txt" 2>&1
 fi
 PY=${PYTHON:-python3}
@@ -59,11 +54,8 @@ for stage in $STAGES; do
 done
 
 if [ "${COPY_TESTS:-1}" = 1 ] && [ "$DEVICE" = cuda ]; then
-  timeout 240 "$PY" -m pytest -v -rf -p no:cacheprovider -p no:benchmark -n 4 --timeout 200 -k cuda tests/attention \
-    tests/models/test_short_conv.py tests/experiments/test_copy_task.py tests/experiments/test_recall.py \
-    > "$OUT_DIR/tests.log" 2>&1
+  run_cuda_tests 240 4 200 "$OUT_DIR/tests.log"
   echo "CUDA tests exit $?: $(grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed)" "$OUT_DIR/tests.log" | tail -8)"
-  pkill -9 -f "sys.stdin.readline" 2>/dev/null  # xdist workers a timeout left behind
 fi
 
 score() {  # the running stages' checkpoints, scored as their finished stages will be (float32, on DEVICE)

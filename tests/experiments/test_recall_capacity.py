@@ -9,7 +9,8 @@ import pytest
 import torch
 from helpers import REPO_ROOT
 
-from experiments.recall.capacity import MEMORIES, StateMemory, evaluate, pair_batch, state_bytes, train_capacity
+from experiments.recall.capacity import (MEMORIES, NORMALISED, StateMemory, evaluate, pair_batch, state_bytes,
+                                         train_capacity)
 from experiments.recall.capacity_runner import load_preset
 from hf_linear_attn.training.errors import UsageError
 
@@ -41,7 +42,7 @@ def explicit_read(model: StateMemory, keys: torch.Tensor, values: torch.Tensor) 
                         def phi(x):  # elu + 1, written out
                             return torch.where(x > 0, x + 1, torch.exp(x))
                     w = torch.stack([phi(qi) @ phi(k[b, h, j]) for j in range(k.shape[2])])
-                    if model.memory in ("elu", "hedgehog", "hedgehog_narrow"):
+                    if model.memory in NORMALISED:
                         w = w / (w.sum() + 1e-6)
                 out[b, h, i] = sum(w[j] * v[b, h, j] for j in range(k.shape[2]))
     return out
