@@ -45,6 +45,15 @@ LINEAR_VARIANTS = {
         "attention_window_factor_init": math.log(dims.hidden_size // dims.num_heads)},
     "gpt2_conv": lambda dims, n: {"layer_types": ["full_attention"] * dims.num_layers, "use_short_conv": True,
                                   "short_conv_on_full_attention": True},
+    # hybrids with the convolution on every layer (the softmax layer's too, as gpt2_conv): one softmax layer among
+    # linear ones, first or last. With the convolution supplying the previous-token shift, either layer can be the
+    # lookup, so the two orders ask whether recall needs the softmax layer where the lookup happens.
+    "linear_gpt2_hybrid_conv": lambda dims, n: {
+        "layer_types": ["full_attention"] + ["linear_attention"] * (dims.num_layers - 1), "use_short_conv": True,
+        "short_conv_on_full_attention": True},
+    "linear_gpt2_hybrid_last_conv": lambda dims, n: {
+        "layer_types": ["linear_attention"] * (dims.num_layers - 1) + ["full_attention"], "use_short_conv": True,
+        "short_conv_on_full_attention": True},
 }
 MODELS = (*DECODERS, *(name for name in LINEAR_VARIANTS if name not in DECODERS))  # names shared by both
 LABELS = {"gpt2_sdpa": "GPT-2 (softmax)", "reformer_lsh": "Reformer (LSH)", "linear_gpt2": "linear_gpt2 (elu+1)",
@@ -58,7 +67,9 @@ LABELS = {"gpt2_sdpa": "GPT-2 (softmax)", "reformer_lsh": "Reformer (LSH)", "lin
           "linear_gpt2_hedgehog_conv": "linear_gpt2 (hedgehog), short conv",
           "linear_gpt2_hedgehog_narrow_conv": "linear_gpt2 (hedgehog, 2 x head/2 features: elu's width), short conv",
           "linear_gpt2_window_conv": "linear_gpt2, sliding window 64 + linear, short conv (Based's recipe)",
-          "gpt2_conv": "GPT-2 (softmax), short conv"}
+          "gpt2_conv": "GPT-2 (softmax), short conv",
+          "linear_gpt2_hybrid_conv": "hybrid: softmax layer 1 + linear, short conv",
+          "linear_gpt2_hybrid_last_conv": "hybrid: linear + softmax last layer, short conv"}
 
 
 def check_models(names) -> None:
@@ -70,6 +81,9 @@ def check_models(names) -> None:
 def build_recall_model(name: str, dims: Dims, n: int, vocab_size: int):
     """A randomly initialised causal LM for recall at length n (no dropout: a synthetic task)."""
     check_models([name])
+    if "hybrid" in name and dims.num_layers < 2:
+        raise UsageError(f"{name} mixes a softmax layer with linear ones, so it needs num_layers >= 2 (the preset has "
+                         f"{dims.num_layers}): raise num_layers or choose another model")
     if name in LINEAR_VARIANTS:
         import hf_linear_attn as ours
 

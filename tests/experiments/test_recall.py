@@ -12,6 +12,7 @@ from helpers import REPO_ROOT
 
 from experiments.long_range.models import Dims
 from experiments.recall.models import build_recall_model, decoding_state_bytes
+from hf_linear_attn.training.errors import UsageError
 from benchmarks.measuring import describe_machine
 from experiments.long_range.stages import checkpoint_file, stage_file
 from experiments.recall import training as recall_training
@@ -109,7 +110,7 @@ def test_decoding_state_bytes_constant_for_recurrent_models_and_growing_for_soft
     sizes = {}
     for name in ("gpt2_sdpa", "linear_gpt2", "linear_gpt2_hedgehog", "linear_gpt2_conv", "gpt2_conv",
                  "linear_gpt2_window", "linear_gpt2_window_conv", "linear_gpt2_hedgehog_conv",
-                 "linear_gpt2_hedgehog_narrow_conv"):
+                 "linear_gpt2_hedgehog_narrow_conv", "linear_gpt2_hybrid_conv", "linear_gpt2_hybrid_last_conv"):
         torch.manual_seed(0)
         model = build_recall_model(name, dims, 128, vocab)
         sizes[name] = [decoding_state_bytes(model, n, vocab) for n in (32, 64, 128)]
@@ -144,6 +145,14 @@ def test_decoding_state_bytes_constant_for_recurrent_models_and_growing_for_soft
     narrow = build_recall_model("linear_gpt2_hedgehog_narrow_conv", dims, 64, vocab).config
     assert (narrow.feature_map, narrow.learned_feature_dim, narrow.use_short_conv) == ("hedgehog", 8, True)
     assert sizes["linear_gpt2_hedgehog_narrow_conv"] == sizes["linear_gpt2_conv"]
+    # the hybrids: one layer of GPT-2 + conv's cache (growing with n) and one of linear + conv's state, in either order
+    for name, first in (("linear_gpt2_hybrid_conv", "full_attention"), ("linear_gpt2_hybrid_last_conv", "linear_attention")):
+        assert sizes[name] == [(a + b) // 2 for a, b in zip(sizes["gpt2_conv"], sizes["linear_gpt2_conv"])]
+        hybrid = build_recall_model(name, dims, 64, vocab).config
+        assert hybrid.layer_types[0] == first and sorted(hybrid.layer_types) == ["full_attention", "linear_attention"]
+        assert hybrid.use_short_conv and hybrid.short_conv_on_full_attention
+        with pytest.raises(UsageError, match="needs num_layers >= 2"):  # one layer would be GPT-2 + conv, mislabelled
+            build_recall_model(name, Dims(32, 1, 2, 64), 64, vocab)
 
 
 @pytest.mark.slow
