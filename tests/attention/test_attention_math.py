@@ -206,6 +206,7 @@ def _redraw_worker(rank, port, path):
     torch.distributed.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_favor_redraw_is_identical_on_every_distributed_process(tmp_path):
     if torch.get_default_device().type != "cpu":
         pytest.skip("the gloo processes and their draws live on the CPU: the [cpu] instance is this test")

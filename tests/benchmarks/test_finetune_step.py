@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from transformers import BertConfig, BertForSequenceClassification
 
 from hf_linear_attn.linear_attention import native_bf16
@@ -13,6 +14,7 @@ from hf_linear_attn.linear_attention import native_bf16
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_small_run_times_every_configuration_and_refuses_a_length_beyond_the_positions(tmp_path):
     model = tmp_path / "bert"
     BertForSequenceClassification(BertConfig(vocab_size=2000, hidden_size=32, num_hidden_layers=2,

@@ -152,6 +152,7 @@ def test_bert_numbering_trains_position_zero_and_ignores_padding_side(tmp_path):
     torch.testing.assert_close(out_left, out_right, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_every_converted_head_loads_in_a_fresh_process(tmp_path):
     expected = {}
     for target in ("linformer", "linear_roberta"):

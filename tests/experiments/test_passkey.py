@@ -215,6 +215,7 @@ def test_the_script_runs_the_smoke_preset_resumes_and_rerenders(tmp_path):
     assert rerendered.returncode == 0 and (tmp_path / "results.md").read_text() == report
 
 
+@pytest.mark.slow
 @needs_wikitext
 def test_a_models_slice_reports_every_finished_model_of_the_preset_under_the_whole_command(tmp_path):
     """A run with --models adds its models' rows to the folder's report; it does not replace them with its own

@@ -110,6 +110,7 @@ def test_bad_settings_are_refused_with_the_fix(tmp_path):
         load_preset(tmp_path / "p.json")
 
 
+@pytest.mark.slow
 def test_the_script_runs_a_preset_reuses_its_stages_and_reads_the_decoder_beside_it(tmp_path):
     mqar = tmp_path / "mqar"
     mqar.mkdir()

@@ -398,6 +398,7 @@ def _tsv_labels(path, column, rows):
 
 @pytest.mark.skipif(data_missing(DATA / "glue", DATA / "wikitext-2"),
                     reason="needs ../shared/data (GLUE and WikiText-2 files)")
+@pytest.mark.slow
 def test_reproduction_runs_reuses_and_reports_what_the_stages_wrote(tmp_path, capsys):
     preset, out = _smoke_preset(tmp_path), tmp_path / "run"
     first = _run(preset, out)

@@ -5,6 +5,7 @@ cannot be imported, giving the same logits."""
 import json
 import re
 
+import pytest
 from helpers import REPO_ROOT, run_fresh_python
 
 # The snippet leaves the prompt to the reader; the test supplies one and adds its checks after the snippet's lines.
@@ -39,6 +40,7 @@ def readme_snippet() -> str:
     return re.search(r"```python\n(.*?)```", text[text.index("## Use"):], re.DOTALL).group(1)
 
 
+@pytest.mark.slow
 def test_the_readme_usage_snippet_runs_and_its_checkpoint_opens_without_the_package(tmp_path):
     snippet = readme_snippet()
     assert "from_config" in snippet and "generate" in snippet and "save_pretrained" in snippet

@@ -215,6 +215,7 @@ def test_decoder_pretrains_and_finetunes_on_a_sentence_pair_task(corpus, tmp_pat
     assert "dev_subset.tsv" in card and "type: f1" in card
 
 
+@pytest.mark.slow
 @needs_data
 def test_a_finetuning_seed_names_one_run_across_processes(corpus, tmp_path):
     """Two fresh processes with one seed end with identical weights (the new classification head included: torch
@@ -606,6 +607,7 @@ def test_the_documented_accelerate_launch_command_runs_two_processes_on_cpu(corp
     assert {"random_states_0.pkl", "random_states_1.pkl"} <= saved  # both ranks took part
 
 
+@pytest.mark.slow
 @needs_data
 def test_pretraining_keeps_its_loss_history_and_a_resume_may_extend_max_steps(corpus, tmp_path):
     """trainer_state.json holds log_history without --report_to; checkpoint weights are safetensors; --resume with
