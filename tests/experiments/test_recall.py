@@ -12,7 +12,6 @@ from helpers import REPO_ROOT
 
 from experiments.long_range.models import Dims
 from experiments.recall.models import build_recall_model, decoding_state_bytes
-from hf_linear_attn.training.errors import UsageError
 from benchmarks.measuring import describe_machine
 from experiments.long_range.stages import checkpoint_file, stage_file
 from experiments.recall import training as recall_training
@@ -123,7 +122,8 @@ def test_decoding_state_bytes_constant_for_recurrent_models_and_growing_for_soft
     assert len(set(sizes["linear_gpt2_conv"])) == 1
     assert sizes["linear_gpt2_conv"][0] == sizes["linear_gpt2"][0] + 2 * 3 * 3 * 32 * 4
     # GPT-2 + short conv: GPT-2's keys and values, a real-token mask byte per token and layer, and the same buffers
-    assert sizes["gpt2_conv"] == [size + 2 * n + 2 * 3 * 3 * 32 * 4 for size, n in zip(sizes["gpt2_sdpa"], (32, 64, 128))]
+    assert sizes["gpt2_conv"] == [size + 2 * n + 2 * 3 * 3 * 32 * 4
+                                  for size, n in zip(sizes["gpt2_sdpa"], (32, 64, 128))]
     gpt2_conv = build_recall_model("gpt2_conv", dims, 64, vocab)
     assert gpt2_conv.config.layer_types == ["full_attention"] * 2 and gpt2_conv.config.short_conv_on_full_attention
     assert gpt2_conv.num_parameters() == build_recall_model("linear_gpt2_conv", dims, 64, vocab).num_parameters()
@@ -146,7 +146,8 @@ def test_decoding_state_bytes_constant_for_recurrent_models_and_growing_for_soft
     assert (narrow.feature_map, narrow.learned_feature_dim, narrow.use_short_conv) == ("hedgehog", 8, True)
     assert sizes["linear_gpt2_hedgehog_narrow_conv"] == sizes["linear_gpt2_conv"]
     # the hybrids: one layer of GPT-2 + conv's cache (growing with n) and one of linear + conv's state, in either order
-    for name, first in (("linear_gpt2_hybrid_conv", "full_attention"), ("linear_gpt2_hybrid_last_conv", "linear_attention")):
+    for name, first in (("linear_gpt2_hybrid_conv", "full_attention"),
+                        ("linear_gpt2_hybrid_last_conv", "linear_attention")):
         assert sizes[name] == [(a + b) // 2 for a, b in zip(sizes["gpt2_conv"], sizes["linear_gpt2_conv"])]
         hybrid = build_recall_model(name, dims, 64, vocab).config
         assert hybrid.layer_types[0] == first and sorted(hybrid.layer_types) == ["full_attention", "linear_attention"]
