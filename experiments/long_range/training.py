@@ -188,9 +188,10 @@ def checkpoint_progress(path: Path, identity: dict) -> dict | None:
 
 def train_causal_lm(model, next_batch, steps: int, optim: dict, log_every: int, stop_on_nonfinite: bool = False,
                     precision: str = "float32", checkpointing: Checkpointing | None = None,
-                    generator: torch.Generator | None = None) -> dict:
+                    generator: torch.Generator | None = None, progress=None) -> dict:
     """Train a causal LM on `steps` fresh (input_ids, labels) batches from `next_batch()`; the loss curve every
-    `log_every` steps (Figure 2's shape) and the seconds it took.
+    `log_every` steps (Figure 2's shape) and the seconds it took. `progress`, where given, is called with a line
+    (step, loss, speed) at each point of the curve: what a background run's log shows while it trains.
 
     With `checkpointing`, every `every` steps the model, optimizer, schedule, the RNG states (torch's global one,
     Python's, and `generator`, the one `next_batch` draws from; on a GPU, the device's generator too) and the curve
@@ -230,6 +231,9 @@ def train_causal_lm(model, next_batch, steps: int, optim: dict, log_every: int, 
         if (step + 1) % log_every == 0 or step + 1 == steps:
             curve.append([step + 1, sum(window) / len(window)])
             window = []
+            if progress is not None:
+                speed = (step + 1 - first) / (time.perf_counter() - start)
+                progress(f"step {step + 1} of {steps}, loss {curve[-1][1]:.4g}, {speed:.3g} steps/s")
             if stop_on_nonfinite and not math.isfinite(curve[-1][1]):
                 break
         if checkpointing and (step + 1) % checkpointing.every == 0 and step + 1 < steps:

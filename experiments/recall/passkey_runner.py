@@ -242,7 +242,8 @@ def run_passkey(stage: Stage, output_dir: Path) -> dict:
         return passkey_batch(f["batch_size"], n, train_filler, tokenizer, generator, tuple(a["train_depths"]),
                              a["digits"])
 
-    trained = finetune_passkey(model, next_batch, f["steps"], f["optimizer"], f["log_every"])
+    trained = finetune_passkey(model, next_batch, f["steps"], f["optimizer"], f["log_every"],
+                               progress=lambda line: print(f"    {stage.key}: fine-tune {line}", flush=True))
     cells, started = [], time.perf_counter()
     for li, n in enumerate(a["lengths"]):
         for di, depth in enumerate(a["depths"]):

@@ -80,8 +80,9 @@ def evaluate_passkey(model, batches) -> dict:
             "answer_loss": sum(losses) / len(losses), "examples": rows}
 
 
-def finetune_passkey(model, next_batch, steps: int, optim: dict, log_every: int) -> dict:
+def finetune_passkey(model, next_batch, steps: int, optim: dict, log_every: int, progress=None) -> dict:
     """Fine-tune on `steps` passkey batches from `next_batch()` -> (input_ids, labels, examples), with the loss on the
-    answer's tokens only; the suite's loop (AdamW, warm-up then linear decay, clipping)."""
+    answer's tokens only; the suite's loop (AdamW, warm-up then linear decay, clipping); `progress` gets a line every
+    `log_every` steps."""
     return train_causal_lm(AnswerTokensLoss(model), lambda: next_batch()[:2], steps, optim, log_every,
-                           stop_on_nonfinite=True)
+                           stop_on_nonfinite=True, progress=progress)

@@ -198,6 +198,11 @@ def test_the_script_runs_the_smoke_preset_resumes_and_rerenders(tmp_path):
     assert first.returncode == 0, first.stderr[-3000:]
     preset = json.loads((PRESETS / "passkey-smoke.json").read_text())
     results = json.loads((tmp_path / "results.json").read_text())
+    # a fine-tune shows its progress in the log while it runs: a line per point of the loss curve
+    steps, every = preset["finetune"]["steps"], preset["finetune"]["log_every"]
+    for model in preset["models"]:
+        for step in range(every, steps + 1, every):
+            assert f"passkey/{model}: fine-tune step {step} of {steps}, loss " in first.stdout, first.stdout[-3000:]
     assert results["meta"]["finished"] == results["meta"]["total"] == 1 + 2 * len(preset["models"])
     assert set(results["models"]) == set(preset["models"])
     for name, entry in results["models"].items():
