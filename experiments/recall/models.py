@@ -68,8 +68,8 @@ LABELS = {"gpt2_sdpa": "GPT-2 (softmax)", "reformer_lsh": "Reformer (LSH)", "lin
           "linear_gpt2_hedgehog_narrow_conv": "linear_gpt2 (hedgehog, 2 x head/2 features: elu's width), short conv",
           "linear_gpt2_window_conv": "linear_gpt2, sliding window 64 + linear, short conv (Based's recipe)",
           "gpt2_conv": "GPT-2 (softmax), short conv",
-          "linear_gpt2_hybrid_conv": "hybrid: softmax layer 1 + linear, short conv",
-          "linear_gpt2_hybrid_last_conv": "hybrid: linear + softmax last layer, short conv"}
+          "linear_gpt2_hybrid_conv": "linear_gpt2, softmax layer 1 + linear, short conv",
+          "linear_gpt2_hybrid_last_conv": "linear_gpt2, linear + softmax layer 2, short conv"}
 
 
 def check_models(names) -> None:
