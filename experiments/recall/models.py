@@ -46,8 +46,9 @@ LINEAR_VARIANTS = {
     "gpt2_conv": lambda dims, n: {"layer_types": ["full_attention"] * dims.num_layers, "use_short_conv": True,
                                   "short_conv_on_full_attention": True},
     # hybrids with the convolution on every layer (the softmax layer's too, as gpt2_conv): one softmax layer among
-    # linear ones, first or last. With the convolution supplying the previous-token shift, either layer can be the
-    # lookup, so the two orders ask whether recall needs the softmax layer where the lookup happens.
+    # linear ones, first or last. With the convolution supplying the previous-token shift, either layer could be the
+    # lookup, so the two orders ask whether the place of the softmax layer matters (on passkey it does: only the
+    # softmax-first order learnt it, docs/recall.md).
     "linear_gpt2_hybrid_conv": lambda dims, n: {
         "layer_types": ["full_attention"] + ["linear_attention"] * (dims.num_layers - 1), "use_short_conv": True,
         "short_conv_on_full_attention": True},
