@@ -58,10 +58,12 @@ def evaluate_passkey(model, batches) -> dict:
     """Exact match of the key and per-digit accuracy over (input_ids, labels, examples) batches, teacher-forced: the
     key is matched exactly when the argmax at every answer position is the key's next token, which is what greedy
     generation produces token by token; a digit counts as right when the token that carries it is predicted right
-    (a byte-level BPE gives a key's tokens one or more digits each). Also the mean loss on the answer tokens."""
+    (a byte-level BPE gives a key's tokens one or more digits each). Also the mean loss on the answer tokens, and
+    each example's key ("keys": the key, the digits each of its tokens carries, the digits right, exact or not): which
+    keys a model misses, and whether they share a tokenization, is then read from the record, not inferred."""
     scorer = AnswerTokensLoss(model)
     model.eval()
-    exact, digits_right, digits, losses, rows = 0, 0, 0, [], 0
+    exact, digits_right, digits, losses, rows, keys = 0, 0, 0, [], 0, []
     for ids, labels, examples in batches:
         logits, target, picked = scorer.logits_and_targets(ids, labels)
         losses.append(torch.nn.functional.cross_entropy(logits.float(), target).item())
@@ -71,13 +73,16 @@ def evaluate_passkey(model, batches) -> dict:
         for example, count in zip(examples, counts):
             row = right[cursor : cursor + count]
             cursor += count
+            right_here = sum(d for d, ok in zip(example.answer_digits, row) if ok)
             exact += all(row)
-            digits_right += sum(d for d, ok in zip(example.answer_digits, row) if ok)
+            digits_right += right_here
             digits += sum(example.answer_digits)
             rows += 1
+            keys.append({"key": example.key, "token_digits": list(example.answer_digits), "digits_right": right_here,
+                         "exact": all(row)})
     model.train()
     return {"exact_match": exact / rows, "digit_accuracy": digits_right / digits,
-            "answer_loss": sum(losses) / len(losses), "examples": rows}
+            "answer_loss": sum(losses) / len(losses), "examples": rows, "keys": keys}
 
 
 def finetune_passkey(model, next_batch, steps: int, optim: dict, log_every: int, progress=None) -> dict:

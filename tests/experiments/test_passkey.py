@@ -164,6 +164,54 @@ def test_the_answer_only_loss_equals_the_models_own_loss_and_scores_count_digits
 
 
 @needs_wikitext
+def test_the_score_records_each_key_and_which_tokens_a_model_got_wrong(tokenizer, filler):
+    """evaluate_passkey's per-key record against a model whose answers are known: it predicts every next token right
+    (the one-hot of the true next token) except the tokens the test spoils; and the report's split by tokenization
+    against a count made here."""
+    from experiments.recall.passkey_runner import misses_by_token
+    from experiments.recall.training import evaluate_passkey
+
+    ids, labels, examples = passkey_batch(6, 128, filler, tokenizer, torch.Generator().manual_seed(3), 0.5)
+    spoil = {1: [0], 4: [len(examples[4].answer_digits) - 1], 5: list(range(len(examples[5].answer_digits)))}
+
+    class Oracle(torch.nn.Module):  # the hidden state at t is the one-hot of token t + 1; lm_head passes it through
+        def __init__(self):
+            super().__init__()
+            self.lm_head = torch.nn.Identity()
+
+        def base_model(self, input_ids):
+            following = torch.roll(input_ids, -1, dims=1).clone()
+            first = next(r for r in range(len(ids)) if torch.equal(ids[r], input_ids[0]))  # the batch's first row
+            for row, tokens in spoil.items():
+                if first <= row < first + len(input_ids):
+                    for t in tokens:  # position answer - 1 + t predicts the answer's token t
+                        at = examples[row].answer_start - 1 + t
+                        following[row - first, at] = (following[row - first, at] + 1) % len(tokenizer)
+            return type("Out", (), {"last_hidden_state": torch.nn.functional.one_hot(following, len(tokenizer))
+                                    .float()})
+
+    score = evaluate_passkey(Oracle(), [(ids[:4], labels[:4], examples[:4]), (ids[4:], labels[4:], examples[4:])])
+    assert [k["key"] for k in score["keys"]] == [e.key for e in examples]
+    for row, (record, example) in enumerate(zip(score["keys"], examples)):
+        assert record["token_digits"] == example.answer_digits and sum(record["token_digits"]) == len(example.key)
+        lost = sum(example.answer_digits[t] for t in spoil.get(row, []))
+        assert record["exact"] == (row not in spoil) and record["digits_right"] == len(example.key) - lost
+    assert score["exact_match"] == pytest.approx(3 / 6)
+    assert score["digit_accuracy"] == pytest.approx(sum(k["digits_right"] for k in score["keys"]) / 30)
+
+    def key(text, digits, exact):
+        return {"key": text, "token_digits": digits, "digits_right": 5 if exact else 0, "exact": exact}
+
+    cells = [{"examples": 3, "keys": [key("19558", [4, 1], False), key("48213", [2, 1, 1, 1], True),
+                                      key("40057", [3, 1, 1], True)]},
+             {"examples": 2, "keys": [key("12345", [2, 1, 1, 1], False), key("67890", [1, 1, 1, 1, 1], True)]}]
+    lines = misses_by_token({"gpt2_conv": {"cells": cells}, "linear_gpt2": {"cells": [{"examples": 20}]}})
+    assert "| GPT-2 (softmax), short conv | 1 of 2 (50%) | 2 of 3 (67%) | 19558, 12345 |" in lines
+    assert not any("linear_gpt2 (elu+1)" in line for line in lines)  # no keys recorded: no row
+    assert misses_by_token({"linear_gpt2": {"cells": [{"examples": 20}]}}) == []
+
+
+@needs_wikitext
 def test_presets_are_checked_and_planned(tmp_path):
     preset = load_preset(PRESETS / "passkey-cpu.json")
     assert min(preset["lengths"]) >= 512 and 1024 in preset["lengths"]
@@ -208,11 +256,15 @@ def test_the_script_runs_the_smoke_preset_resumes_and_rerenders(tmp_path):
     for name, entry in results["models"].items():
         assert {(c["length"], c["depth"]) for c in entry["cells"]} == {
             (n, d) for n in preset["lengths"] for d in preset["depths"]}, name
-        assert all(c["examples"] == preset["eval_examples"] for c in entry["cells"])
+        assert all(c["examples"] == preset["eval_examples"] == len(c["keys"]) for c in entry["cells"])
+        # the model scored is kept, so a later question about its scores needs no second fine-tune
+        assert (tmp_path / "finetune" / name / "config.json").is_file()
         assert all(entry["state_bytes"][str(n)] > 0 for n in preset["lengths"])
         assert entry["pretrain"]["perplexity"] > 1 and entry["start"] == "pretrained"
     report = (tmp_path / "results.md").read_text()
-    assert report.count("| GPT-2 (softmax) |") == 1 + len(preset["lengths"])  # the grid rows and the training row
+    # the grid rows, the training row and the row of misses by the key's tokens
+    assert report.count("| GPT-2 (softmax) |") == 2 + len(preset["lengths"])
+    assert "## Misses by the key's tokens" in report
     assert (tmp_path / "passkey.png").stat().st_size > 1000
     again = subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT, timeout=900, env=ENV)
     assert again.returncode == 0 and again.stdout.count("finished earlier, reused") == results["meta"]["total"]
