@@ -255,7 +255,7 @@ def run_passkey(stage: Stage, output_dir: Path) -> dict:
             sizes = [min(a["eval_batch_size"], a["eval_examples"] - s)
                      for s in range(0, a["eval_examples"], a["eval_batch_size"])]
             score = evaluate_passkey(model, (passkey_batch(size, n, eval_filler, tokenizer, cell, depth, a["digits"])
-                                             for size in sizes))
+                                             for size in sizes), tokenizer)
             cells.append({"length": n, "depth": depth, **score})
     return {"cells": cells, "exact_match": sum(c["exact_match"] for c in cells) / len(cells),
             "digit_accuracy": sum(c["digit_accuracy"] for c in cells) / len(cells),
@@ -361,7 +361,9 @@ def misses_by_token(models: dict) -> list[str]:
             hit = sum(k["exact"] for k in group)
             return f"{hit} of {len(group)} ({hit / len(group):.0%})" if group else "-"
 
-        missed = [k["key"] for k in keys if not k["exact"]]
+        # a missed key, and where recorded the model's teacher-forced argmax token at each answer position
+        missed = [k["key"] + (f" ({'|'.join(t.strip() for t in k['answered'])})" if k.get("answered") else "")
+                  for k in keys if not k["exact"]]
         shown = ", ".join(missed[:8]) + (f" and {len(missed) - 8} more" if len(missed) > 8 else "")
         rows.append(f"| {LABELS.get(name, name)} | {share(long)} | {share(short)} | {shown or 'none'} |")
     if not rows:
@@ -371,6 +373,8 @@ def misses_by_token(models: dict) -> list[str]:
             f"{LONG_TOKEN_DIGITS} or more digits (mostly years, such as ' 1955'), or with "
             "tokens of one and two digits only. A model that misses only the first kind copies the tokens its "
             "fine-tune taught it and finds the key at every depth.", "",
+            "Keys missed: the key, then in brackets the model's argmax at each of its token positions (teacher-forced, "
+            "the true tokens before it).", "",
             f"| model | keys with a token of {LONG_TOKEN_DIGITS}+ digits: exact | other keys: exact | keys missed |",
             "|---|---|---|---|", *rows]
 

@@ -54,24 +54,28 @@ class AnswerTokensLoss(torch.nn.Module):
 
 
 @torch.no_grad()
-def evaluate_passkey(model, batches) -> dict:
+def evaluate_passkey(model, batches, tokenizer=None) -> dict:
     """Exact match of the key and per-digit accuracy over (input_ids, labels, examples) batches, teacher-forced: the
     key is matched exactly when the argmax at every answer position is the key's next token, which is what greedy
     generation produces token by token; a digit counts as right when the token that carries it is predicted right
     (a byte-level BPE gives a key's tokens one or more digits each). Also the mean loss on the answer tokens, and
     each example's key ("keys": the key, the digits each of its tokens carries, the digits right, exact or not): which
-    keys a model misses, and whether they share a tokenization, is then read from the record, not inferred."""
+    keys a model misses, and whether they share a tokenization, is then read from the record, not inferred; with a
+    `tokenizer`, a missed key's record also holds the model's argmax token at each answer position, teacher-forced,
+    as text ("answered"): what it gave instead."""
     scorer = AnswerTokensLoss(model)
     model.eval()
     exact, digits_right, digits, losses, rows, keys = 0, 0, 0, [], 0, []
     for ids, labels, examples in batches:
         logits, target, picked = scorer.logits_and_targets(ids, labels)
         losses.append(torch.nn.functional.cross_entropy(logits.float(), target).item())
-        right = (logits.argmax(-1) == target).tolist()
+        answered = logits.argmax(-1)
+        right = (answered == target).tolist()
+        answered = answered.tolist()
         counts = picked.sum(-1).tolist()
         cursor = 0
         for example, count in zip(examples, counts):
-            row = right[cursor : cursor + count]
+            row, given = right[cursor : cursor + count], answered[cursor : cursor + count]
             cursor += count
             right_here = sum(d for d, ok in zip(example.answer_digits, row) if ok)
             exact += all(row)
@@ -80,6 +84,8 @@ def evaluate_passkey(model, batches) -> dict:
             rows += 1
             keys.append({"key": example.key, "token_digits": list(example.answer_digits), "digits_right": right_here,
                          "exact": all(row)})
+            if tokenizer is not None and not all(row):
+                keys[-1]["answered"] = [tokenizer.decode([t]) for t in given]
     model.train()
     return {"exact_match": exact / rows, "digit_accuracy": digits_right / digits,
             "answer_loss": sum(losses) / len(losses), "examples": rows, "keys": keys}

@@ -190,23 +190,28 @@ def test_the_score_records_each_key_and_which_tokens_a_model_got_wrong(tokenizer
             return type("Out", (), {"last_hidden_state": torch.nn.functional.one_hot(following, len(tokenizer))
                                     .float()})
 
-    score = evaluate_passkey(Oracle(), [(ids[:4], labels[:4], examples[:4]), (ids[4:], labels[4:], examples[4:])])
+    score = evaluate_passkey(Oracle(), [(ids[:4], labels[:4], examples[:4]), (ids[4:], labels[4:], examples[4:])],
+                             tokenizer)
     assert [k["key"] for k in score["keys"]] == [e.key for e in examples]
     for row, (record, example) in enumerate(zip(score["keys"], examples)):
         assert record["token_digits"] == example.answer_digits and sum(record["token_digits"]) == len(example.key)
         lost = sum(example.answer_digits[t] for t in spoil.get(row, []))
         assert record["exact"] == (row not in spoil) and record["digits_right"] == len(example.key) - lost
+        answer = example.input_ids[example.answer_start:]
+        given = [(token + 1) % len(tokenizer) if t in spoil.get(row, []) else token for t, token in enumerate(answer)]
+        assert record.get("answered") == ([tokenizer.decode([t]) for t in given] if row in spoil else None)
     assert score["exact_match"] == pytest.approx(3 / 6)
     assert score["digit_accuracy"] == pytest.approx(sum(k["digits_right"] for k in score["keys"]) / 30)
 
     def key(text, digits, exact):
         return {"key": text, "token_digits": digits, "digits_right": 5 if exact else 0, "exact": exact}
 
-    cells = [{"examples": 3, "keys": [key("19558", [4, 1], False), key("48213", [2, 1, 1, 1], True),
+    cells = [{"examples": 3, "keys": [{**key("19558", [4, 1], False), "answered": [" 19", "8"]},
+                                      key("48213", [2, 1, 1, 1], True),
                                       key("40057", [3, 1, 1], True)]},
              {"examples": 2, "keys": [key("12345", [2, 1, 1, 1], False), key("67890", [1, 1, 1, 1, 1], True)]}]
     lines = misses_by_token({"gpt2_conv": {"cells": cells}, "linear_gpt2": {"cells": [{"examples": 20}]}})
-    assert "| GPT-2 (softmax), short conv | 1 of 2 (50%) | 2 of 3 (67%) | 19558, 12345 |" in lines
+    assert "| GPT-2 (softmax), short conv | 1 of 2 (50%) | 2 of 3 (67%) | 19558 (19|8), 12345 |" in lines
     assert not any("linear_gpt2 (elu+1)" in line for line in lines)  # no keys recorded: no row
     assert misses_by_token({"linear_gpt2": {"cells": [{"examples": 20}]}}) == []
 
