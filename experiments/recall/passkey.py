@@ -21,7 +21,16 @@ Token ids, not text, are put together: the filler is the pretraining token strea
 the end-of-text token, as `pack_corpus` packs them), cut at a token boundary. A byte-level BPE (GPT-2's pre-tokenizer)
 tokenizes a number separately from the words and punctuation around it, so the key's tokens are the same in the
 sentence and after the question; `passkey_parts` refuses a tokenizer for which that does not hold.
+
+How the key is written in tokens (`key_tokens`): "bpe" (the default) as the tokenizer writes the number, in tokens of
+one to four digits; a BPE trained on WikiText-2 holds years and other common numbers (" 1955", " 190") as single
+tokens, so a few keys in a hundred carry one, each too rare among random keys for a short fine-tune to teach it as an
+answer. "digits" writes the key one digit per token (" 4" "8" "2" "1" "3"), as LLaMA's tokenizer, the one Landmark
+Attention tested, writes every number: ten answer tokens, each seen thousands of times, so a miss is a key not found.
+The text is the same either way; only its token ids differ.
 """
+
+KEY_TOKENS = ("bpe", "digits")
 
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,12 +62,31 @@ class PasskeyParts:
     answer_digits: list[int]  # digits each answer token carries (its text, leading space removed)
 
 
-def passkey_parts(tokenizer, key: str) -> PasskeyParts:
+def check_key_tokens(key_tokens: str) -> None:
+    if key_tokens not in KEY_TOKENS:
+        raise UsageError(f"key_tokens must be 'bpe' (the key as the tokenizer writes it) or 'digits' (one digit per "
+                         f"token), got {key_tokens!r}: fix the preset")
+
+
+def key_ids(tokenizer, key: str, key_tokens: str = "bpe") -> list[int]:
+    """The token ids of " <key>": as the tokenizer writes it ("bpe"), or one digit at a time ("digits": the first
+    digit with its leading space, as GPT-2's pre-tokenizer keeps " 4" together, then each other digit alone)."""
+    check_key_tokens(key_tokens)
+    if key_tokens == "bpe":
+        return encode(tokenizer, ANSWER.format(key=key))
+    return [t for i, digit in enumerate(key) for t in encode(tokenizer, (" " if i == 0 else "") + digit)]
+
+
+def passkey_parts(tokenizer, key: str, key_tokens: str = "bpe") -> PasskeyParts:
     """The sentence, question and answer of `key`, refusing a tokenizer that splits the digits unexpectedly: the answer
     must decode to the key, token by token (so that each digit belongs to one answer token), and be a run of the
-    sentence's own tokens (else the model would have to answer with tokens it never saw in the context)."""
-    sentence, question = encode(tokenizer, KEY_SENTENCE.format(key=key)), encode(tokenizer, QUESTION)
-    answer = encode(tokenizer, ANSWER.format(key=key))
+    sentence's own tokens (else the model would have to answer with tokens it never saw in the context). With
+    key_tokens "digits" the sentence holds the key's digit tokens between the tokens of the text around it (a byte-level
+    BPE's pre-tokenizer cuts the text at the number, so those are the tokens the whole sentence has there)."""
+    before, after = KEY_SENTENCE.split("{key}")
+    question, answer = encode(tokenizer, QUESTION), key_ids(tokenizer, key, key_tokens)
+    sentence = (encode(tokenizer, KEY_SENTENCE.format(key=key)) if key_tokens == "bpe"
+                else encode(tokenizer, before.rstrip(" ")) + answer + encode(tokenizer, after))
     fix = ("use a byte-level BPE whose pre-tokenizer splits numbers from words and punctuation, as "
            "train_bpe_tokenizer's (GPT-2's) does")
     pieces = [tokenizer.decode([t]) for t in answer]
@@ -70,6 +98,11 @@ def passkey_parts(tokenizer, key: str) -> PasskeyParts:
         raise UsageError(f"the tokenizer writes the key {key} differently inside the key sentence "
                          f"({tokenizer.convert_ids_to_tokens(sentence)}) than as the answer "
                          f"({tokenizer.convert_ids_to_tokens(answer)}): the answer is no copy of the context; {fix}")
+    if key_tokens == "digits" and pieces != [" " + key[0], *key[1:]]:
+        raise UsageError(f"key_tokens 'digits' needs a token for each digit and for each digit after a space; this "
+                         f"tokenizer writes {ANSWER.format(key=key)!r} one digit at a time as "
+                         f"{tokenizer.convert_ids_to_tokens(answer)}: use key_tokens 'bpe', or a tokenizer trained on "
+                         "text with numbers")
     # the pieces are the key's digits and one leading space (a lone space token, as SentencePiece's, carries none)
     return PasskeyParts(key, sentence, question, answer, [len(piece.strip()) for piece in pieces])
 
@@ -86,21 +119,23 @@ def check_depth(depth: float) -> None:
                          "(the key near the start) to 0.9 (near the question)")
 
 
-def min_passkey_length(tokenizer, digits: int) -> int:
+def min_passkey_length(tokenizer, digits: int, key_tokens: str = "bpe") -> int:
     """The shortest example that holds any key of `digits` digits: the key sentence and question, two copies of the key
     at one token per digit (the most a byte-level BPE can take), and MIN_FILLER filler tokens."""
-    parts = passkey_parts(tokenizer, "1" * digits)
+    parts = passkey_parts(tokenizer, "1" * digits, key_tokens)
     return len(parts.sentence) - len(parts.answer) + len(parts.question) + 2 * digits + MIN_FILLER
 
 
-def check_passkey_settings(tokenizer, lengths, depths, digits: int, sample_keys: int = 500, seed: int = 0) -> None:
+def check_passkey_settings(tokenizer, lengths, depths, digits: int, sample_keys: int = 500, seed: int = 0,
+                           key_tokens: str = "bpe") -> None:
     """Refuse, before any model is built, what the generator cannot honour: a depth outside (0, 1), a length too
     short for the key sentence, question and answer, and a tokenizer that splits the digits unexpectedly (checked
     on `sample_keys` seeded random keys; every drawn key is checked again when it is used)."""
     check_digits(digits)
+    check_key_tokens(key_tokens)
     for depth in depths:
         check_depth(depth)
-    shortest = min_passkey_length(tokenizer, digits)
+    shortest = min_passkey_length(tokenizer, digits, key_tokens)
     for n in lengths:
         if n < shortest:
             raise UsageError(f"length {n} is too short for a pass key of {digits} digits: the key sentence, the "
@@ -108,7 +143,7 @@ def check_passkey_settings(tokenizer, lengths, depths, digits: int, sample_keys:
                              f">= {shortest}")
     generator = torch.Generator().manual_seed(seed)
     for key in torch.randint(10 ** (digits - 1), 10**digits, (sample_keys,), generator=generator).tolist():
-        passkey_parts(tokenizer, str(key))
+        passkey_parts(tokenizer, str(key), key_tokens)
 
 
 def load_filler(path, tokenizer, max_tokens: int | None = None) -> torch.Tensor:
@@ -160,20 +195,20 @@ class PasskeyExample:
 
 
 def passkey_example(filler: torch.Tensor, tokenizer, length: int, depth: float, generator: torch.Generator,
-                    digits: int = 5, tries: int = 50) -> PasskeyExample:
+                    digits: int = 5, tries: int = 50, key_tokens: str = "bpe") -> PasskeyExample:
     """One example of exactly `length` tokens (see the module docstring): a random key, a random window of the filler
     that does not hold the key's digits, the key sentence at round(depth x filler tokens) of it."""
     check_digits(digits)
     check_depth(depth)
     for _ in range(tries):
         key = str(torch.randint(10 ** (digits - 1), 10**digits, (1,), generator=generator).item())
-        parts = passkey_parts(tokenizer, key)
+        parts = passkey_parts(tokenizer, key, key_tokens)
         context = length - len(parts.question) - len(parts.answer)  # filler + key sentence
         needed = context - len(parts.sentence)
         if needed < MIN_FILLER:
             raise UsageError(f"length {length} is too short: the key sentence, question and answer of key {key} take "
                              f"{length - needed} tokens, leaving {needed} for filler (at least {MIN_FILLER}); use "
-                             f"lengths >= {min_passkey_length(tokenizer, digits)}")
+                             f"lengths >= {min_passkey_length(tokenizer, digits, key_tokens)}")
         if len(filler) < needed:
             raise UsageError(f"the filler text holds {len(filler)} tokens, an example of {length} tokens needs "
                              f"{needed}: give a longer text (the preset's train_file / validation_file) or raise "
@@ -192,7 +227,8 @@ def passkey_example(filler: torch.Tensor, tokenizer, length: int, depth: float, 
 
 
 def passkey_batch(batch_size: int, length: int, filler: torch.Tensor, tokenizer, generator: torch.Generator,
-                  depth, digits: int = 5) -> tuple[torch.Tensor, torch.Tensor, list[PasskeyExample]]:
+                  depth, digits: int = 5, key_tokens: str = "bpe") -> tuple[torch.Tensor, torch.Tensor,
+                                                                            list[PasskeyExample]]:
     """(input_ids, labels), both (batch, length) long, and the examples. `depth`: one depth for every row, or a pair
     (low, high) from which each row draws its own, uniformly."""
     examples = []
@@ -202,19 +238,21 @@ def passkey_batch(batch_size: int, length: int, filler: torch.Tensor, tokenizer,
             row_depth = low + (high - low) * torch.rand((), generator=generator).item()
         else:
             row_depth = depth
-        examples.append(passkey_example(filler, tokenizer, length, row_depth, generator, digits))
+        examples.append(passkey_example(filler, tokenizer, length, row_depth, generator, digits,
+                                        key_tokens=key_tokens))
     ids = torch.tensor([e.input_ids for e in examples], dtype=torch.long)
     labels = torch.tensor([e.labels for e in examples], dtype=torch.long)
     return ids, labels, examples
 
 
 def check_passkey_example(ids: list[int], labels: list[int], tokenizer, length: int, depth: float, key: str,
-                          digits: int) -> None:
+                          digits: int, key_tokens: str = "bpe") -> None:
     """An independent check of one example, in plain Python from the token ids and the task's texts: exactly `length`
     tokens; labels only on the last tokens, equal to the tokens they label, decoding to the key; the key of `digits`
     digits; the question right before the answer; the key sentence exactly once, starting where the depth says (within
-    half a token); the key's digits exactly once in all the text before the answer. Raises AssertionError naming the
-    first rule that fails."""
+    half a token); the key's digits exactly once in all the text before the answer. With key_tokens "digits", every
+    answer token decodes to one digit (the first with its space) and the sentence is its text's tokens with the key
+    written so. Raises AssertionError naming the first rule that fails."""
     assert len(ids) == length and len(labels) == length, f"{len(ids)} ids and {len(labels)} labels, expected {length}"
     assert len(key) == digits and key.isdigit() and key[0] != "0", f"key {key!r} is not a {digits}-digit number"
     labelled = [t for t, label in enumerate(labels) if label != -100]
@@ -227,7 +265,13 @@ def check_passkey_example(ids: list[int], labels: list[int], tokenizer, length: 
     question = tokenizer(" What is the pass key? The pass key is", add_special_tokens=False)["input_ids"]
     question_start = answer_start - len(question)
     assert ids[question_start:answer_start] == question, "the question does not come right before the answer"
-    sentence = tokenizer(f" The pass key is {key}. Remember it.", add_special_tokens=False)["input_ids"]
+    if key_tokens == "digits":
+        assert [tokenizer.decode([t]) for t in ids[answer_start:]] == [" " + key[0], *key[1:]], (
+            f"the answer's tokens {[tokenizer.decode([t]) for t in ids[answer_start:]]} are not one digit each")
+        sentence = (tokenizer(" The pass key is", add_special_tokens=False)["input_ids"] + ids[answer_start:]
+                    + tokenizer(". Remember it.", add_special_tokens=False)["input_ids"])
+    else:
+        sentence = tokenizer(f" The pass key is {key}. Remember it.", add_special_tokens=False)["input_ids"]
     found = [i for i in range(question_start - len(sentence) + 1) if ids[i : i + len(sentence)] == sentence]
     assert len(found) == 1, f"the key sentence appears {len(found)} times before the question"
     filler = question_start - len(sentence)

@@ -32,13 +32,14 @@ from experiments.long_range.stages import (
 from hf_linear_attn.training.errors import UsageError
 
 from .models import LABELS, build_recall_model, check_models
-from .passkey import DATA_HELP, check_depth, check_digits
+from .passkey import DATA_HELP, check_depth, check_digits, check_key_tokens
 from .runner import dims_for, read_preset
 
 REPO = Path(__file__).resolve().parents[2]
 PRESET_KEYS = {"description", "task", "seed", "train_file", "validation_file", "tokenizer_vocab_size",
                "filler_max_tokens", "digits", "lengths", "depths", "train_depths", "width", "num_layers", "head_size",
-               "ffn_multiple", "pretrain", "finetune", "eval_examples", "eval_batch_size", "models"}
+               "ffn_multiple", "pretrain", "finetune", "eval_examples", "eval_batch_size", "models", "key_tokens"}
+OPTIONAL_KEYS = {"description", "key_tokens"}  # key_tokens: "bpe" (the default) or "digits" (see passkey.py)
 FINETUNE_KEYS = {"steps", "batch_size", "optimizer", "log_every"}
 # scripts/pretrain.py's arguments that the runner sets itself (the rest may be given in the preset's "pretrain")
 RUNNER_SETS = {"output_dir", "model_config", "model_name_or_path", "tokenizer_name_or_path", "train_file",
@@ -59,7 +60,8 @@ def load_preset(path: Path) -> dict:
     """Read and check a passkey preset: every key known and present, every model known and fit for the task, every
     depth, digit count and model shape possible, the data files there. What needs the tokenizer (a length too short,
     digits split unexpectedly) is checked as soon as it is trained, before any model is."""
-    preset = read_preset(path, PRESET_KEYS)
+    preset = read_preset(path, PRESET_KEYS, OPTIONAL_KEYS)
+    check_key_tokens(preset.get("key_tokens", "bpe"))
     if preset["task"] != "passkey":
         raise UsageError(f"{Path(path).name}: task {preset['task']!r} is not 'passkey': fix the preset")
     check_models(preset["models"])
@@ -119,7 +121,9 @@ def plan(preset: dict, models=None) -> list[Stage]:
         stages.append(Stage(f"passkey/{model}", "passkey", {
             **pretrain, "start": "pretrained" if pretrained(preset) else "random init",
             **{key: preset[key] for key in ("lengths", "depths", "train_depths", "digits", "finetune", "eval_examples",
-                                            "eval_batch_size", "filler_max_tokens")}}))
+                                            "eval_batch_size", "filler_max_tokens")},
+            # only where it is not the default, so that the stages recorded before the option are still this one
+            **({"key_tokens": preset["key_tokens"]} if preset.get("key_tokens", "bpe") != "bpe" else {})}))
     return stages
 
 
@@ -215,7 +219,9 @@ def run_passkey(stage: Stage, output_dir: Path) -> dict:
     if not (tokenizer_dir / "tokenizer.json").is_file():
         raise StageFailed(f"no tokenizer in {tokenizer_dir}: the tokenizer stage has not finished")
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    check_passkey_settings(tokenizer, a["lengths"], [*a["depths"], *a["train_depths"]], a["digits"], seed=a["seed"])
+    key_tokens = a.get("key_tokens", "bpe")
+    check_passkey_settings(tokenizer, a["lengths"], [*a["depths"], *a["train_depths"]], a["digits"], seed=a["seed"],
+                           key_tokens=key_tokens)
     train_filler = load_filler(data_path(a["train_file"]), tokenizer, a["filler_max_tokens"])
     eval_filler = load_filler(data_path(a["validation_file"]), tokenizer, a["filler_max_tokens"])
     torch.manual_seed(a["seed"])
@@ -231,7 +237,7 @@ def run_passkey(stage: Stage, output_dir: Path) -> dict:
         stage.digests = {}
     stage.digests["tokenizer.json"] = file_digest(tokenizer_dir / "tokenizer.json")
     first, _, _ = passkey_batch(2, a["lengths"][0], train_filler, tokenizer, torch.Generator().manual_seed(a["seed"]),
-                                tuple(a["train_depths"]), a["digits"])
+                                tuple(a["train_depths"]), a["digits"], key_tokens)
     stage.digests["first_batch_sum"] = int(first.sum())
 
     generator, step = torch.Generator().manual_seed(a["seed"]), [0]
@@ -240,7 +246,7 @@ def run_passkey(stage: Stage, output_dir: Path) -> dict:
         n = a["lengths"][step[0] % len(a["lengths"])]
         step[0] += 1
         return passkey_batch(f["batch_size"], n, train_filler, tokenizer, generator, tuple(a["train_depths"]),
-                             a["digits"])
+                             a["digits"], key_tokens)
 
     trained = finetune_passkey(model, next_batch, f["steps"], f["optimizer"], f["log_every"],
                                progress=lambda line: print(f"    {stage.key}: fine-tune {line}", flush=True))
@@ -254,8 +260,8 @@ def run_passkey(stage: Stage, output_dir: Path) -> dict:
             cell = torch.Generator().manual_seed(a["seed"] + 10_000 + 1_000 * li + di)
             sizes = [min(a["eval_batch_size"], a["eval_examples"] - s)
                      for s in range(0, a["eval_examples"], a["eval_batch_size"])]
-            score = evaluate_passkey(model, (passkey_batch(size, n, eval_filler, tokenizer, cell, depth, a["digits"])
-                                             for size in sizes), tokenizer)
+            score = evaluate_passkey(model, (passkey_batch(size, n, eval_filler, tokenizer, cell, depth, a["digits"],
+                                                           key_tokens) for size in sizes), tokenizer)
             cells.append({"length": n, "depth": depth, **score})
     return {"cells": cells, "exact_match": sum(c["exact_match"] for c in cells) / len(cells),
             "digit_accuracy": sum(c["digit_accuracy"] for c in cells) / len(cells),
@@ -424,7 +430,9 @@ def describe(preset: dict) -> str:
             f"{preset['ffn_multiple']}x width; byte-level BPE of {preset['tokenizer_vocab_size']:,} tokens trained on "
             f"WikiText-2 train. Each model {start}; then fine-tuned on passkey examples for {f['steps']:,} steps x "
             f"batch {f['batch_size']} (lengths in turn, depths uniform in {preset['train_depths'][0]:.0%}-"
-            f"{preset['train_depths'][1]:.0%}, filler from WikiText-2 train, loss on the key's tokens only), AdamW lr "
+            f"{preset['train_depths'][1]:.0%}, filler from WikiText-2 train, loss on the key's tokens only"
+            + ("; the key written one digit per token" if preset.get("key_tokens", "bpe") == "digits" else "")
+            + "), AdamW lr "
             f"{o['lr']}, warm-up {o.get('warmup_fraction', 0.1):.0%} then linear decay, seed {preset['seed']}. Scored "
             f"on {preset['eval_examples']} examples per cell with {preset['digits']}-digit keys and filler from "
             f"WikiText-2 validation ({preset['validation_file']}), text no model trained on.")

@@ -56,6 +56,27 @@ def test_generated_examples_pass_the_independent_evaluator_and_are_seeded(tokeni
 
 
 @needs_wikitext
+def test_keys_written_one_digit_per_token_pass_the_evaluator_and_read_as_the_same_text(tokenizer, filler):
+    for seed, depth, length in ((0, 0.1, 256), (1, 0.9, 1024), (2, (0.05, 0.95), 512)):
+        ids, labels, examples = passkey_batch(4, length, filler, tokenizer, torch.Generator().manual_seed(seed),
+                                              depth, key_tokens="digits")
+        bpe_ids, _, bpe = passkey_batch(4, length, filler, tokenizer, torch.Generator().manual_seed(seed), depth)
+        assert examples[0].key == bpe[0].key  # the key is drawn first, whichever way it is written
+        for row, example in enumerate(examples):
+            check_passkey_example(ids[row].tolist(), labels[row].tolist(), tokenizer, length, example.depth,
+                                  example.key, 5, key_tokens="digits")
+            assert example.answer_digits == [1] * 5
+            text = tokenizer.decode(ids[row].tolist())
+            assert text.count(f" The pass key is {example.key}. Remember it.") == 1
+            assert text.endswith(f"What is the pass key? The pass key is {example.key}")
+    # the evaluator tells the two writings apart: a key the tokenizer writes in fewer tokens is no digit-per-token key
+    e = next(e for e in bpe if len(e.answer_digits) < 5)
+    with pytest.raises(AssertionError, match="not one digit each"):
+        check_passkey_example(e.input_ids, e.labels, tokenizer, len(e.input_ids), e.depth, e.key, 5,
+                              key_tokens="digits")
+
+
+@needs_wikitext
 def test_the_key_sits_where_the_depth_says_and_keys_differ(tokenizer, filler):
     g = torch.Generator().manual_seed(3)
     shallow = passkey_example(filler, tokenizer, 1024, 0.1, g)
@@ -144,6 +165,15 @@ def test_a_tokenizer_that_splits_the_digits_unexpectedly_is_refused():
     # a digit the vocabulary lacks: the answer does not decode to the key
     with pytest.raises(UsageError, match="does not give the key back"):
         passkey_parts(PieceTokenizer([d for d in digits if d != "9"]), "19999")
+    # one digit per token: the first with its space, inside the sentence as after the question
+    per_digit = PieceTokenizer([*digits, *(" " + d for d in digits), " 12", "345"])
+    parts = passkey_parts(per_digit, "12345", "digits")
+    assert parts.answer_digits == [1] * 5 and per_digit.convert_ids_to_tokens(parts.answer) == [" 1", *"2345"]
+    assert per_digit.decode(parts.sentence) == " The pass key is 12345. Remember it."
+    with pytest.raises(UsageError, match="key_tokens 'digits' needs a token for each digit"):
+        passkey_parts(PieceTokenizer(digits), "12345", "digits")  # no " 1": a lone space, then the digits
+    with pytest.raises(UsageError, match="key_tokens must be 'bpe'.*or 'digits'"):
+        passkey_parts(per_digit, "12345", "words")
 
 
 @needs_wikitext
@@ -232,11 +262,15 @@ def test_presets_are_checked_and_planned(tmp_path):
                             ({"width": 40}, "not a multiple of head_size"),
                             ({"pretrain": {"max_steps": 1, "output_dir": "x"}}, "sets the model"),
                             ({"validation_file": "../shared/data/nowhere.tokens"}, "README"),
-                            ({"digits": 40}, "1 to 18 digits")):
+                            ({"digits": 40}, "1 to 18 digits"),
+                            ({"key_tokens": "letters"}, "key_tokens must be")):
         path = tmp_path / "p.json"
         path.write_text(json.dumps({**smoke, **change}))
         with pytest.raises(UsageError, match=message):
             load_preset(path)
+    # the default writing adds nothing to a stage, so the stages recorded before the option are still the same
+    assert "key_tokens" not in stages[2].args
+    assert plan({**smoke, "key_tokens": "digits"})[2].args["key_tokens"] == "digits"
     random_init = plan({**smoke, "pretrain": {"max_steps": 0}})
     assert [s.kind for s in random_init] == ["tokenizer"] + ["passkey"] * len(smoke["models"])
     assert random_init[1].args["start"] == "random init"
