@@ -192,6 +192,9 @@ class PasskeyExample:
     question_start: int
     answer_start: int
     answer_digits: list[int] = field(default_factory=list)
+    # the digits of each token the tokenizer's own writing (key_tokens "bpe") gives the key, whichever is scored:
+    # with "digits" it says which keys the BPE would have written with a rare number token
+    bpe_digits: list[int] = field(default_factory=list)
 
 
 def passkey_example(filler: torch.Tensor, tokenizer, length: int, depth: float, generator: torch.Generator,
@@ -221,7 +224,9 @@ def passkey_example(filler: torch.Tensor, tokenizer, length: int, depth: float, 
         ids = window[:start] + parts.sentence + window[start:] + parts.question + parts.answer
         answer_start = length - len(parts.answer)
         labels = [-100] * answer_start + parts.answer
-        return PasskeyExample(ids, labels, key, depth, start, context, answer_start, parts.answer_digits)
+        bpe = parts if key_tokens == "bpe" else passkey_parts(tokenizer, key)
+        return PasskeyExample(ids, labels, key, depth, start, context, answer_start, parts.answer_digits,
+                              bpe.answer_digits)
     raise UsageError(f"{tries} random {digits}-digit keys in a row each appeared in their filler window: use more "
                      "digits, so that a key is rare in the text")
 

@@ -360,8 +360,9 @@ def misses_by_token(models: dict) -> list[str]:
         keys = [k for c in entry["cells"] for k in c.get("keys", [])]
         if not keys or len(keys) != sum(c["examples"] for c in entry["cells"]):
             continue
-        long = [k for k in keys if max(k["token_digits"]) >= LONG_TOKEN_DIGITS]
-        short = [k for k in keys if max(k["token_digits"]) < LONG_TOKEN_DIGITS]
+        # split by the tokenizer's own writing of the key, also where it was scored one digit per token
+        long = [k for k in keys if max(k.get("bpe_token_digits", k["token_digits"])) >= LONG_TOKEN_DIGITS]
+        short = [k for k in keys if max(k.get("bpe_token_digits", k["token_digits"])) < LONG_TOKEN_DIGITS]
 
         def share(group):
             hit = sum(k["exact"] for k in group)
@@ -377,8 +378,9 @@ def misses_by_token(models: dict) -> list[str]:
     return ["", "## Misses by the key's tokens", "",
             f"Exact match over every cell, split by how the tokenizer writes the key: with a token of "
             f"{LONG_TOKEN_DIGITS} or more digits (mostly years, such as ' 1955'), or with "
-            "tokens of one and two digits only. A model that misses only the first kind copies the tokens its "
-            "fine-tune taught it and finds the key at every depth.", "",
+            "tokens of one and two digits only (where a preset writes the key one digit per token, the split is by "
+            "the writing the tokenizer would have given it). A model that misses only the first kind copies the "
+            "tokens its fine-tune taught it and finds the key at every depth.", "",
             "Keys missed: the key, then in brackets the model's argmax at each of its token positions (teacher-forced, "
             "the true tokens before it).", "",
             f"| model | keys with a token of {LONG_TOKEN_DIGITS}+ digits: exact | other keys: exact | keys missed |",

@@ -59,7 +59,8 @@ def evaluate_passkey(model, batches, tokenizer=None) -> dict:
     key is matched exactly when the argmax at every answer position is the key's next token, which is what greedy
     generation produces token by token; a digit counts as right when the token that carries it is predicted right
     (a byte-level BPE gives a key's tokens one or more digits each). Also the mean loss on the answer tokens, and
-    each example's key ("keys": the key, the digits each of its tokens carries, the digits right, exact or not): which
+    each example's key ("keys": the key, the digits each of its tokens carries, the digits right, exact or not, and
+    where the key was scored one digit per token the digits of the tokenizer's own writing of it): which
     keys a model misses, and whether they share a tokenization, is then read from the record, not inferred; with a
     `tokenizer`, a missed key's record also holds the model's argmax token at each answer position, teacher-forced,
     as text ("answered"): what it gave instead."""
@@ -84,6 +85,8 @@ def evaluate_passkey(model, batches, tokenizer=None) -> dict:
             rows += 1
             keys.append({"key": example.key, "token_digits": list(example.answer_digits), "digits_right": right_here,
                          "exact": all(row)})
+            if example.bpe_digits and example.bpe_digits != example.answer_digits:  # scored in another writing
+                keys[-1]["bpe_token_digits"] = list(example.bpe_digits)
             if tokenizer is not None and not all(row):
                 keys[-1]["answered"] = [tokenizer.decode([t]) for t in given]
     model.train()

@@ -66,6 +66,7 @@ def test_keys_written_one_digit_per_token_pass_the_evaluator_and_read_as_the_sam
             check_passkey_example(ids[row].tolist(), labels[row].tolist(), tokenizer, length, example.depth,
                                   example.key, 5, key_tokens="digits")
             assert example.answer_digits == [1] * 5
+            assert example.bpe_digits == passkey_parts(tokenizer, example.key).answer_digits  # the other writing
             text = tokenizer.decode(ids[row].tolist())
             assert text.count(f" The pass key is {example.key}. Remember it.") == 1
             assert text.endswith(f"What is the pass key? The pass key is {example.key}")
@@ -225,6 +226,7 @@ def test_the_score_records_each_key_and_which_tokens_a_model_got_wrong(tokenizer
     assert [k["key"] for k in score["keys"]] == [e.key for e in examples]
     for row, (record, example) in enumerate(zip(score["keys"], examples)):
         assert record["token_digits"] == example.answer_digits and sum(record["token_digits"]) == len(example.key)
+        assert "bpe_token_digits" not in record  # scored in the tokenizer's own writing: nothing else to record
         lost = sum(example.answer_digits[t] for t in spoil.get(row, []))
         assert record["exact"] == (row not in spoil) and record["digits_right"] == len(example.key) - lost
         answer = example.input_ids[example.answer_start:]
@@ -240,8 +242,10 @@ def test_the_score_records_each_key_and_which_tokens_a_model_got_wrong(tokenizer
                                       key("48213", [2, 1, 1, 1], True),
                                       key("40057", [3, 1, 1], True)]},
              {"examples": 2, "keys": [key("12345", [2, 1, 1, 1], False), key("67890", [1, 1, 1, 1, 1], True)]}]
+    # a key scored one digit per token is split by the tokenizer's own writing of it
+    cells[1]["keys"][1] = {**key("67890", [1, 1, 1, 1, 1], True), "bpe_token_digits": [3, 2]}
     lines = misses_by_token({"gpt2_conv": {"cells": cells}, "linear_gpt2": {"cells": [{"examples": 20}]}})
-    assert "| GPT-2 (softmax), short conv | 1 of 2 (50%) | 2 of 3 (67%) | 19558 (19|8), 12345 |" in lines
+    assert "| GPT-2 (softmax), short conv | 2 of 3 (67%) | 1 of 2 (50%) | 19558 (19|8), 12345 |" in lines
     assert not any("linear_gpt2 (elu+1)" in line for line in lines)  # no keys recorded: no row
     assert misses_by_token({"linear_gpt2": {"cells": [{"examples": 20}]}}) == []
 
