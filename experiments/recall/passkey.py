@@ -30,8 +30,6 @@ Attention tested, writes every number: ten answer tokens, each seen thousands of
 The text is the same either way; only its token ids differ.
 """
 
-KEY_TOKENS = ("bpe", "digits")
-
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,6 +37,7 @@ import torch
 
 from hf_linear_attn.training.errors import UsageError
 
+KEY_TOKENS = ("bpe", "digits")
 KEY_SENTENCE = " The pass key is {key}. Remember it."
 QUESTION = " What is the pass key? The pass key is"
 ANSWER = " {key}"

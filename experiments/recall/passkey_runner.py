@@ -346,9 +346,9 @@ def render(models: dict, meta: dict) -> str:
 
 
 # A byte-level BPE trained on WikiText-2 holds number tokens of three and four digits (mostly years: " 1955", " 190"),
-# so about one random 5-digit key in 20 is written with one of them; the rest use tokens of one or two digits, which
-# every fine-tune sees thousands of times. A model whose misses are those keys has learnt to copy the tokens it was
-# trained on, not to find the key: the split below tells the two apart.
+# so a few random 5-digit keys in a hundred are written with one of them (54 of passkey-keys' 1,000 scored keys); the
+# rest use tokens of one or two digits, which every fine-tune sees thousands of times. A model whose misses are those
+# keys has learnt to copy the tokens it was trained on, not to find the key: the split below tells the two apart.
 LONG_TOKEN_DIGITS = 3
 
 
