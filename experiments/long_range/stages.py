@@ -114,7 +114,10 @@ def run_stages(stages: list[Stage], run, output_dir: Path, machine: str, log=pri
                   "machine": machine, **({"hardware": hardware} if hardware else {}),
                   "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
         write_atomic(stage_file(output_dir, stage.key), json.dumps(record, indent=1))
-        records[stage.key] = record
+        # read again from disk, stage files and all: another process running other stages of this folder may have
+        # finished some since this one started, and records.json and the report must keep them (this one's stage
+        # file is on disk already); a run of two slices into one folder had dropped the other's row from its report
+        records = {**load_records(output_dir), stage.key: record}
         write_atomic(output_dir / "records.json", json.dumps(records, indent=1))
         checkpoint_file(output_dir, stage.key).unlink(missing_ok=True)
         checkpoint_scores_file(output_dir, stage.key).unlink(missing_ok=True)

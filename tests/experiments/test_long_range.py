@@ -245,6 +245,20 @@ def test_stages_are_recorded_reused_and_refused_with_other_arguments(tmp_path):
         run_stages([Stage("a/x", "copy", {"steps": 5})], fake, tmp_path, "test machine", log=lambda s: None)
 
 
+def test_stages_another_process_finishes_meanwhile_stay_in_the_records_and_the_report(tmp_path):
+    """Two runs of different stages into one folder: each one's records (records.json and what it returns for its
+    report) hold the stages the other finished while it ran, not only those on disk when it started."""
+    other = Stage("b/other", "copy", {"steps": 2})
+
+    def slow(stage):  # while this stage runs, another process finishes its own stage in the same folder
+        run_stages([other], lambda s: {"value": 2}, tmp_path, "other machine", log=lambda s: None)
+        return {"value": 1}
+
+    records = run_stages([Stage("a/mine", "copy", {"steps": 1})], slow, tmp_path, "test machine", log=lambda s: None)
+    assert records.keys() == {"a/mine", "b/other"} and records["b/other"]["machine"] == "other machine"
+    assert json.loads((tmp_path / "records.json").read_text()).keys() == {"a/mine", "b/other"}
+
+
 def test_a_stage_records_the_hardware_it_ran_on_and_the_report_says_it_only_where_recorded(tmp_path):
     from benchmarks.measuring import hardware_text
     from experiments.long_range.report import render_markdown
