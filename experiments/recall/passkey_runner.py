@@ -361,8 +361,9 @@ def misses_by_token(models: dict) -> list[str]:
         if not keys or len(keys) != sum(c["examples"] for c in entry["cells"]):
             continue
         # split by the tokenizer's own writing of the key, also where it was scored one digit per token
-        long = [k for k in keys if max(k.get("bpe_token_digits", k["token_digits"])) >= LONG_TOKEN_DIGITS]
-        short = [k for k in keys if max(k.get("bpe_token_digits", k["token_digits"])) < LONG_TOKEN_DIGITS]
+        is_long = [max(k.get("bpe_token_digits", k["token_digits"])) >= LONG_TOKEN_DIGITS for k in keys]
+        long = [k for k, flag in zip(keys, is_long) if flag]
+        short = [k for k, flag in zip(keys, is_long) if not flag]
 
         def share(group):
             hit = sum(k["exact"] for k in group)

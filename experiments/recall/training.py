@@ -66,7 +66,7 @@ def evaluate_passkey(model, batches, tokenizer=None) -> dict:
     as text ("answered"): what it gave instead."""
     scorer = AnswerTokensLoss(model)
     model.eval()
-    exact, digits_right, digits, losses, rows, keys = 0, 0, 0, [], 0, []
+    losses, keys = [], []
     for ids, labels, examples in batches:
         logits, target, picked = scorer.logits_and_targets(ids, labels)
         losses.append(torch.nn.functional.cross_entropy(logits.float(), target).item())
@@ -78,20 +78,18 @@ def evaluate_passkey(model, batches, tokenizer=None) -> dict:
         for example, count in zip(examples, counts):
             row, given = right[cursor : cursor + count], answered[cursor : cursor + count]
             cursor += count
-            right_here = sum(d for d, ok in zip(example.answer_digits, row) if ok)
-            exact += all(row)
-            digits_right += right_here
-            digits += sum(example.answer_digits)
-            rows += 1
-            keys.append({"key": example.key, "token_digits": list(example.answer_digits), "digits_right": right_here,
-                         "exact": all(row)})
+            record = {"key": example.key, "token_digits": list(example.answer_digits),
+                      "digits_right": sum(d for d, ok in zip(example.answer_digits, row) if ok), "exact": all(row)}
             if example.bpe_digits and example.bpe_digits != example.answer_digits:  # scored in another writing
-                keys[-1]["bpe_token_digits"] = list(example.bpe_digits)
-            if tokenizer is not None and not all(row):
-                keys[-1]["answered"] = [tokenizer.decode([t]) for t in given]
+                record["bpe_token_digits"] = list(example.bpe_digits)
+            if tokenizer is not None and not record["exact"]:
+                record["answered"] = [tokenizer.decode([t]) for t in given]
+            keys.append(record)
     model.train()
-    return {"exact_match": exact / rows, "digit_accuracy": digits_right / digits,
-            "answer_loss": sum(losses) / len(losses), "examples": rows, "keys": keys}
+    # the rates are the per-key record summed
+    return {"exact_match": sum(k["exact"] for k in keys) / len(keys),
+            "digit_accuracy": sum(k["digits_right"] for k in keys) / sum(sum(k["token_digits"]) for k in keys),
+            "answer_loss": sum(losses) / len(losses), "examples": len(keys), "keys": keys}
 
 
 def finetune_passkey(model, next_batch, steps: int, optim: dict, log_every: int, progress=None) -> dict:
