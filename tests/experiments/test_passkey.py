@@ -60,7 +60,7 @@ def test_keys_written_one_digit_per_token_pass_the_evaluator_and_read_as_the_sam
     for seed, depth, length in ((0, 0.1, 256), (1, 0.9, 1024), (2, (0.05, 0.95), 512)):
         ids, labels, examples = passkey_batch(4, length, filler, tokenizer, torch.Generator().manual_seed(seed),
                                               depth, key_tokens="digits")
-        bpe_ids, _, bpe = passkey_batch(4, length, filler, tokenizer, torch.Generator().manual_seed(seed), depth)
+        _, _, bpe = passkey_batch(4, length, filler, tokenizer, torch.Generator().manual_seed(seed), depth)
         assert examples[0].key == bpe[0].key  # the key is drawn first, whichever way it is written
         for row, example in enumerate(examples):
             check_passkey_example(ids[row].tolist(), labels[row].tolist(), tokenizer, length, example.depth,
@@ -241,9 +241,9 @@ def test_the_score_records_each_key_and_which_tokens_a_model_got_wrong(tokenizer
     cells = [{"examples": 3, "keys": [{**key("19558", [4, 1], False), "answered": [" 19", "8"]},
                                       key("48213", [2, 1, 1, 1], True),
                                       key("40057", [3, 1, 1], True)]},
-             {"examples": 2, "keys": [key("12345", [2, 1, 1, 1], False), key("67890", [1, 1, 1, 1, 1], True)]}]
-    # a key scored one digit per token is split by the tokenizer's own writing of it
-    cells[1]["keys"][1] = {**key("67890", [1, 1, 1, 1, 1], True), "bpe_token_digits": [3, 2]}
+             # the last key scored one digit per token: it is split by the tokenizer's own writing of it
+             {"examples": 2, "keys": [key("12345", [2, 1, 1, 1], False),
+                                      {**key("67890", [1, 1, 1, 1, 1], True), "bpe_token_digits": [3, 2]}]}]
     lines = misses_by_token({"gpt2_conv": {"cells": cells}, "linear_gpt2": {"cells": [{"examples": 20}]}})
     assert "| GPT-2 (softmax), short conv | 2 of 3 (67%) | 1 of 2 (50%) | 19558 (19|8), 12345 |" in lines
     assert not any("linear_gpt2 (elu+1)" in line for line in lines)  # no keys recorded: no row
