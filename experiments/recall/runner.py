@@ -26,6 +26,7 @@ from .tasks import check_mqar, mqar_batch, mqar_vocab_size
 PRESET_KEYS = {"description", "seed", "optimizer", "num_keys", "num_values", "lengths", "pairs", "widths", "num_layers",
                "head_size", "ffn_multiple", "steps", "batch_size", "log_every", "eval_batches", "models"}
 OPTIONAL_KEYS = {"description", "checkpoint_every", "precision"}
+LOOKUP_BATCHES = 2  # batches of fresh sequences the trained model's lookup is read on (64 pairs: 4,096 queries at 32)
 
 
 def read_preset(path: Path, keys: set, optional: set = frozenset({"description"})) -> dict:
@@ -110,17 +111,19 @@ def stage_runner(output_dir: Path | None, log=print, device: str = "cpu"):
         checkpointing = (Checkpointing(checkpoint_file(output_dir, stage.key), every, stage.args,
                                        log=lambda s, key=stage.key: log(f"    {key}: {s}"))
                          if every and output_dir is not None else None)
-        return run_mqar_stage(stage, checkpointing, device)
+        return run_mqar_stage(stage, checkpointing, device,
+                              save_to=None if output_dir is None else Path(output_dir) / "models" / stage.key)
 
     return run_stage
 
 
-def run_mqar_stage(stage: Stage, checkpointing=None, device: str = "cpu") -> dict:
+def run_mqar_stage(stage: Stage, checkpointing=None, device: str = "cpu", save_to: Path | None = None) -> dict:
     """One MQAR stage on `device` (the batches are drawn on the CPU, so every device sees the same sequences; a GPU
-    stage's record names the GPU)."""
+    stage's record names the GPU), with where the trained model looks up (`lookup_attention`); the model is saved to
+    `save_to` where given (not committed: a later probe reads it without training again)."""
     import torch
 
-    from .training import train_mqar
+    from .training import lookup_attention, train_mqar
 
     a = stage.args
     task = {"length": a["length"], "pairs": a["pairs"], "num_keys": a["num_keys"], "num_values": a["num_values"]}
@@ -134,6 +137,9 @@ def run_mqar_stage(stage: Stage, checkpointing=None, device: str = "cpu") -> dic
                          a["eval_batches"], checkpointing=checkpointing, precision=a.get("precision", "float32"))
     metrics["state_bytes"] = decoding_state_bytes(model, a["length"], vocab)
     metrics["parameters"] = sum(p.numel() for p in model.parameters())
+    metrics["lookup"] = lookup_attention(model, task, a["batch_size"], LOOKUP_BATCHES, a["seed"] + 20_000)
+    if save_to is not None:
+        model.save_pretrained(save_to)
     if device != "cpu":  # CPU records (all of them before --device) name no device
         metrics["device"] = device_name(device)
     return metrics
@@ -148,7 +154,8 @@ def summarise(records: dict) -> list[dict]:
         rows.append({"model": a["model"], "length": a["length"], "pairs": a["pairs"], "width": a["width"],
                      "accuracy": m["eval_accuracy"], "state_bytes": m.get("state_bytes"), "loss": m["eval_loss"],
                      "steps_per_second": m["steps_per_second"],
-                     **({"resumed_at": m["resumed_at"]} if m.get("resumed_at") else {})})
+                     **({"resumed_at": m["resumed_at"]} if m.get("resumed_at") else {}),
+                     **({"lookup": m["lookup"]} if m.get("lookup") else {})})
     return sorted(rows, key=lambda r: (r["length"], r["width"], r["model"], r["pairs"]))
 
 
@@ -211,6 +218,32 @@ def render_thresholds(rows: list[dict], models: list[str], threshold: float = 0.
     return out
 
 
+def render_lookup(rows: list[dict]) -> list[str]:
+    """Where each trained model looks up (stages recorded with `lookup_attention`'s reading): per layer, the head with
+    the most attention weight on the queried pair."""
+    probed = [r for r in rows if r.get("lookup")]
+    if not probed:
+        return []
+    depth = max(len(r["lookup"]["layers"]) for r in probed)
+    out = ["## Where the lookup is: attention on the queried pair", "",
+           "At each query (the queried key's position, where the value is predicted), each layer's attention weight "
+           "on the queried pair: its value's position and the two after it, the positions whose short-convolution "
+           "window still holds the key and the value. Mean over the queries of fresh sequences; per layer the head "
+           "that puts the most there. Even weights over the positions a query sees would put the last column's share "
+           "there. A head that recalls by attention puts most of its weight on the pair.", "",
+           "| model | n | pairs | width | accuracy | " + " | ".join(f"layer {i + 1}" for i in range(depth))
+           + " | even weights |", "|---" * (depth + 6) + "|"]
+    for r in probed:
+        cells = []
+        for heads in r["lookup"]["layers"]:
+            best = max(range(len(heads)), key=heads.__getitem__)
+            cells.append(f"{heads[best]:.1%} (head {best + 1} of {len(heads)})")
+        cells += ["-"] * (depth - len(cells))
+        out.append(f"| {LABELS.get(r['model'], r['model'])} | {r['length']:,} | {r['pairs']} | {r['width']} | "
+                   f"{r['accuracy']:.1%} | " + " | ".join(cells) + f" | {r['lookup']['uniform']:.1%} |")
+    return out + [""]
+
+
 def render(rows: list[dict], meta: dict) -> str:
     out = ["# Multi-query associative recall (MQAR)", "", f"Command: `{meta['command']}`.", "",
            f"Machine: {meta['machine']}"
@@ -236,6 +269,7 @@ def render(rows: list[dict], meta: dict) -> str:
                            + f" | {held if held is not None else 'none'} |")
         out.append("")
     out += render_thresholds(rows, models)
+    out += render_lookup(rows)
     resumed = [f"{LABELS.get(r['model'], r['model'])} at n = {r['length']:,}, {r['pairs']} pairs, width {r['width']}: "
                f"step {', '.join(map(str, r['resumed_at']))}" for r in rows if r.get("resumed_at")]
     if resumed:

@@ -16,6 +16,50 @@ def evaluate_mqar(model, task: dict, batch_size: int, batches: int, seed: int) -
     return {"eval_loss": score["loss"], "eval_accuracy": score["accuracy"], "eval_queries": score["scored"]}
 
 
+# The positions of a queried pair that an attention lookup can land on: the value's (2i + 1; where an induction head
+# looks, the token after the key's first occurrence) and the two after it, the last positions whose short-convolution
+# window (width 4: a position and the 3 before it) still holds the key and its value both.
+LOOKUP_SPAN = 3
+
+
+@torch.no_grad()
+def lookup_attention(model, task: dict, batch_size: int, batches: int, seed: int) -> dict | None:
+    """Where a trained model looks up: at each query of fresh MQAR batches (the queried key's position, where the
+    value is predicted), each layer's and head's attention weight on the queried pair (its value's position and the
+    LOOKUP_SPAN - 1 after it), averaged over the queries. A head that recalls by attention puts most of its weight
+    there; "uniform" is what a head spreading its weight evenly over the positions it sees would put there. None for a
+    model whose weights are not an n x n matrix in position order (Linformer's k columns, Reformer's buckets) or
+    that returns none (SDPA's GPT-2)."""
+    if getattr(model.config, "model_type", None) == "reformer":  # LSH weights come sorted by bucket, not position
+        return None
+    generator = torch.Generator().manual_seed(seed)
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    sums, uniform, queries = None, 0.0, 0
+    for _ in range(batches):
+        ids, labels = mqar_batch(batch_size, generator=generator, **task)
+        attentions = model(input_ids=ids.to(device), output_attentions=True).attentions
+        n = ids.shape[1]
+        if not attentions or any(a is None or tuple(a.shape[-2:]) != (n, n) for a in attentions):
+            model.train(was_training)
+            return None
+        rows, answers = (labels != -100).nonzero(as_tuple=True)
+        at = answers - 1  # the queried key's position: the value is predicted there
+        pair = (ids[:, 0 : 2 * task["pairs"] : 2][rows] == ids[rows, at][:, None]).int().argmax(-1)  # its pair
+        span = 2 * pair[:, None] + 1 + torch.arange(LOOKUP_SPAN)  # (queries, LOOKUP_SPAN); beyond `at`: weight 0
+        seen = span <= at[:, None]
+        span = span.clamp(max=n - 1)
+        # each layer's weights at the query rows: (queries, heads, n), then those on the pair's span
+        mass = torch.stack([(a.float().cpu()[rows, :, at].gather(-1, span[:, None, :].expand(-1, a.shape[1], -1))
+                             * seen[:, None, :]).sum(-1) for a in attentions])  # (layers, queries, heads)
+        sums = mass.sum(1) if sums is None else sums + mass.sum(1)
+        uniform += (seen.sum(-1) / (at + 1)).sum().item()
+        queries += len(at)
+    model.train(was_training)
+    return {"layers": (sums / queries).tolist(), "uniform": uniform / queries, "queries": queries}
+
+
 def train_mqar(model, task: dict, steps: int, batch_size: int, optim: dict, seed: int, log_every: int,
                eval_batches: int, checkpointing=None, precision: str = "float32") -> dict:
     """Train on fresh MQAR batches for `steps`; the loss curve every `log_every` steps; then the held-out score.

@@ -156,6 +156,77 @@ def test_decoding_state_bytes_constant_for_recurrent_models_and_growing_for_soft
             build_recall_model(name, Dims(32, 1, 2, 64), 64, vocab)
 
 
+class _KnownLookup(torch.nn.Module):
+    """A stand-in decoder whose attention weights are written by hand, row by row in plain Python from the context's
+    pairs: layer 1, head 1 puts all its weight on the queried pair's value; head 2 spreads it evenly; layer 2, head 1
+    on position 0 (a key, never in a pair's span), head 2 half and half on the two positions after the value."""
+
+    config = type("Config", (), {"model_type": "known-lookup"})()
+
+    def __init__(self, pairs):
+        super().__init__()
+        self.pairs = pairs
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, input_ids, output_attentions):
+        b, n = input_ids.shape
+        first, second = torch.zeros(b, 2, n, n), torch.zeros(b, 2, n, n)
+        for row, seq in enumerate(input_ids.tolist()):
+            where = {seq[2 * i]: 2 * i for i in range(self.pairs)}  # key -> its position in the context
+            for t in range(n):
+                first[row, 1, t, : t + 1] = 1 / (t + 1)
+                second[row, 0, t, 0] = 1
+                if t >= 2 * self.pairs and seq[t] in where:  # a query (or a random key token: weights all the same)
+                    value = where[seq[t]] + 1
+                    first[row, 0, t, value] = 1
+                    for after in (value + 1, value + 2):
+                        if after <= t:
+                            second[row, 1, t, after] += 0.5
+                else:
+                    first[row, 0, t, 0] = 1
+        return type("Out", (), {"attentions": (first, second)})()
+
+
+def test_the_lookup_reading_finds_the_head_that_attends_to_the_queried_pair():
+    from experiments.recall.training import lookup_attention
+
+    task = {"length": 48, "pairs": 6, "num_keys": 16, "num_values": 16}
+    reading = lookup_attention(_KnownLookup(6), task, batch_size=3, batches=2, seed=7)
+    # the same batches, and what even weights put on the pair, counted independently of the reading's indexing
+    generator, even, queries, halves = torch.Generator().manual_seed(7), [], 0, []
+    for _ in range(2):
+        ids, labels = mqar_batch(3, generator=generator, **task)
+        for seq, lab in zip(ids.tolist(), labels.tolist()):
+            where = {seq[2 * i]: 2 * i for i in range(6)}
+            for answer in (p for p, label in enumerate(lab) if label != -100):
+                t, value = answer - 1, where[seq[answer - 1]] + 1
+                even.append(sum(1 for x in (value, value + 1, value + 2) if x <= t) / (t + 1))
+                halves.append(0.5 * sum(1 for x in (value + 1, value + 2) if x <= t))
+                queries += 1
+    assert reading["queries"] == queries == 2 * 3 * 6
+    assert reading["layers"][0] == pytest.approx([1.0, sum(even) / queries])
+    assert reading["uniform"] == pytest.approx(sum(even) / queries)
+    assert reading["layers"][1] == pytest.approx([0.0, sum(halves) / queries])
+    assert sum(halves) / queries < 1  # some query sits right after the last pair: the span reaches past it
+
+
+def test_the_lookup_reading_of_real_decoders():
+    """On the models' own attention: an untrained softmax decoder spreads its weight nearly evenly, so each head's
+    reading is near the even-weights share; a model whose weights are not an n x n matrix in position order (the
+    causal Linformer's, Reformer's) or that returns none (SDPA's GPT-2) gets no reading."""
+    from experiments.recall.training import lookup_attention
+
+    task = {"length": 64, "pairs": 8, "num_keys": 32, "num_values": 32}
+    vocab = mqar_vocab_size(32, 32)
+    torch.manual_seed(0)
+    reading = lookup_attention(build_recall_model("gpt2_conv", Dims(64, 2, 2, 128), 64, vocab), task, 4, 1, seed=3)
+    assert len(reading["layers"]) == 2 and all(len(heads) == 2 for heads in reading["layers"])
+    for heads in reading["layers"]:
+        assert heads == pytest.approx([reading["uniform"]] * 2, rel=0.3)
+    for name in ("gpt2_sdpa", "linformer_gpt2", "reformer_lsh"):
+        assert lookup_attention(build_recall_model(name, Dims(32, 1, 2, 64), 64, vocab), task, 2, 1, seed=3) is None
+
+
 @pytest.mark.slow
 def test_softmax_learns_recall_with_few_pairs_and_the_score_counts_only_queries():
     """The pipeline can learn (an honest check that a zero from another model is a finding): GPT-2, 2 layers, at
@@ -186,6 +257,11 @@ def test_the_script_runs_the_smoke_preset_resumes_and_rerenders(tmp_path):
                                                      "linformer_gpt2", "reformer_lsh"}
     assert all(r["state_bytes"] > 0 for r in results["rows"])
     assert (tmp_path / "mqar.png").stat().st_size > 1000
+    # where the lookup is: read for the linear decoders, whose weights are an n x n matrix; each trained model saved
+    probed = {r["model"] for r in results["rows"] if r.get("lookup")}
+    assert probed == {"linear_gpt2", "linear_gpt2_hedgehog"}
+    assert "## Where the lookup is" in (tmp_path / "results.md").read_text()
+    assert (tmp_path / "models" / "mqar-n32-p4-w32" / "reformer_lsh" / "config.json").is_file()
     again = subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT, timeout=600)
     assert again.returncode == 0 and again.stdout.count("finished earlier, reused") == 10
     report = (tmp_path / "results.md").read_text()
