@@ -70,6 +70,7 @@ from .modeling_linformer_gpt2 import (
 from .recurrent_cache import (
     BlockLinformerCacheLayer,
     DecayedStateLayer,
+    DeltaRuleStateLayer,
     KeyValueStateLayer,
     LinearAttentionStateLayer,
     RecurrentStateCache,
@@ -80,6 +81,7 @@ from .decayed_linear_attention import (
     naive_decayed_linear_attention,
     recurrent_decayed_linear_attention_step,
 )
+from .delta_rule import causal_delta_rule, delta_rule_qk, delta_rule_weights, naive_delta_rule
 from .short_convolution import ShortConvolution, causal_short_convolution, short_convolution_step
 from .sliding_window_attention import (
     banded_sliding_window_attention,
@@ -125,6 +127,7 @@ __all__ = [
     "DecoderPrefill",
     "DecoderStateStep",
     "DecayedStateLayer",
+    "DeltaRuleStateLayer",
     "LinearAttentionStateLayer",
     "LinearGPT2Config",
     "LinearRobertaConfig",
@@ -135,6 +138,10 @@ __all__ = [
     "KeyValueSlots",
     "KeyValueStateLayer",
     "banded_sliding_window_attention",
+    "causal_delta_rule",
+    "delta_rule_qk",
+    "delta_rule_weights",
+    "naive_delta_rule",
     "causal_sliding_window_attention",
     "sliding_window_attention_step",
     "sliding_window_attention_weights",

@@ -8,6 +8,7 @@ from .feature_maps import check_feature_map_options
 from .sliding_window_attention import check_window_factor_init, check_window_options
 
 STATE_DECAYS = ("fixed", "gated")
+STATE_UPDATES = ("add", "delta")
 
 
 def retnet_decay_rates(num_heads: int) -> list[float]:
@@ -64,6 +65,31 @@ def check_decay_options(config) -> None:
         raise ValueError(f"gate_low_rank_dim must be positive, got {config.gate_low_rank_dim}.")
     if not config.gate_logit_normalizer > 0:
         raise ValueError(f"gate_logit_normalizer must be positive, got {config.gate_logit_normalizer}.")
+
+
+def check_state_update(config) -> None:
+    """Raise a ValueError naming the fix for a bad state update: its kind, and what the delta rule does not combine
+    with (it maps q and k itself, keeps no normaliser, and is built without a window or a decay)."""
+    update = config.state_update
+    if update not in STATE_UPDATES:
+        raise ValueError(f"state_update must be 'add' (linear attention's sum) or 'delta' (DeltaNet's delta rule), got "
+                         f"{update!r}.")
+    if update == "add":
+        return
+    if config.feature_map != "elu":
+        raise ValueError(
+            f"state_update='delta' maps q and k itself (SiLU, then unit length, as DeltaNet does), so "
+            f"feature_map={config.feature_map!r} would go unused: leave feature_map at its default, or use "
+            "state_update='add' for that feature map."
+        )
+    other = [name for name, value in (("attention_window", config.attention_window),
+                                      ("state_decay", config.state_decay)) if value]
+    if other:
+        raise ValueError(
+            f"state_update='delta' with {' and '.join(other)}: a delta-rule state beside a window or with a decay "
+            "(Gated DeltaNet) is not built; drop one of them, or combine a delta-rule layer with full_attention "
+            "layers through layer_types."
+        )
 
 
 def check_short_conv_options(config) -> None:
@@ -152,6 +178,13 @@ class LinearGPT2Config(GPT2StyleConfig):
             linear-attention layers only (a hybrid's `full_attention` layers get none, unless
             `short_conv_on_full_attention`); combines with every feature map, the window and both decays. Generation
             keeps the last `conv_size - 1` inputs per layer beside the state. False: no convolution, exactly as before.
+        state_update (`str`, defaults to `"add"`): how a token changes the state. `"add"`: linear attention's sum
+            above. `"delta"`: DeltaNet's delta rule (Schlag et al. 2021; Yang et al. 2024), which replaces what the
+            state holds for a key instead of adding to it, `S_t = S_{t-1} + beta_t k_t (v_t - S_{t-1}^T k_t)^T`,
+            `y_t = S_t^T q_t`, with q and k through SiLU and then unit length, a step size
+            `beta_t = sigmoid(x_t W_beta)` per head (`attn.b_proj`, fla's name) and no normaliser (`feature_map`
+            and `linear_attention_eps` are not used). The state is S (d_k x d_v per head), z is not kept. Not with
+            `attention_window` or `state_decay`.
         conv_size (`int`, defaults to 4): the convolution's width K (fla's `conv_size`), at least 2.
         short_conv_on_full_attention (`bool`, defaults to `False`): the same convolution on q, k, v of the
             `full_attention` layers too (their own weights, before the softmax attention), so that `layer_types` all
@@ -177,6 +210,7 @@ class LinearGPT2Config(GPT2StyleConfig):
     use_short_conv: bool = False
     conv_size: int = 4
     short_conv_on_full_attention: bool = False
+    state_update: str = "add"
 
     default_auto_map = build_auto_map("linear_gpt2", "LinearGPT2", DECODER_HEADS)
 
@@ -191,3 +225,4 @@ class LinearGPT2Config(GPT2StyleConfig):
         check_layer_types(self.layer_types, self.n_layer)
         check_decay_options(self)
         check_short_conv_options(self)
+        check_state_update(self)

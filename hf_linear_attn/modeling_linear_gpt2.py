@@ -15,6 +15,7 @@ from .decayed_linear_attention import (
     decayed_linear_attention_weights,
     recurrent_decayed_linear_attention_step,
 )
+from .delta_rule import causal_delta_rule, delta_rule_qk, delta_rule_weights, naive_delta_rule
 from .feature_maps import build_feature_map
 from .linear_attention import (
     causal_linear_attention,
@@ -32,6 +33,7 @@ from .modeling_gpt2_style import (
 from .recurrent_cache import (
     SHORT_CONV_STATE_LAYERS,
     DecayedStateLayer,
+    DeltaRuleStateLayer,
     KeyValueStateLayer,
     LinearAttentionStateLayer,
     SlidingWindowStateLayer,
@@ -81,6 +83,7 @@ class LinearGPT2Attention(GPT2StyleAttention):
     """
 
     cache_layer_class = LinearAttentionStateLayer
+    delta_rule = False  # state_update="delta": DeltaNet's rule instead of the feature map's sum
 
     def __init__(self, config: LinearGPT2Config, layer_idx: int):
         super().__init__(config, layer_idx)
@@ -99,6 +102,17 @@ class LinearGPT2Attention(GPT2StyleAttention):
             # short_conv_on_full_attention: GPT-2 + short conv, the softmax baseline with the same token mixing as
             # the linear layers (the cache then keeps the convolution's buffer beside the keys and values)
             if config.use_short_conv and config.short_conv_on_full_attention:
+                self._add_short_conv(config)
+            return
+        if config.state_update == "delta":
+            # DeltaNet: q and k through SiLU and unit length (delta_rule_qk), no feature map and no normaliser; a
+            # step size beta per head and token from the layer input (fla's b_proj, no bias)
+            self.delta_rule = True
+            self.feature_map = None
+            self.favor_stabiliser = False
+            self.b_proj = torch.nn.Linear(self.embed_dim, self.num_heads, bias=False)
+            self.cache_layer_class = DeltaRuleStateLayer
+            if config.use_short_conv:
                 self._add_short_conv(config)
             return
         self.feature_map = build_feature_map(
@@ -156,7 +170,10 @@ class LinearGPT2Attention(GPT2StyleAttention):
         return mixed, buffer, inputs
 
     def per_token_inputs(self, hidden_states):
-        """log a_t of the decayed state: (1, H, 1, 1) fixed rates, or the gate (B, H, n, m) from ``hidden_states``."""
+        """log a_t of the decayed state: (1, H, 1, 1) fixed rates, or the gate (B, H, n, m) from ``hidden_states``;
+        the delta rule's step size beta (B, H, n) in (0, 1)."""
+        if self.delta_rule:
+            return {"beta": torch.sigmoid(self.b_proj(hidden_states).float()).transpose(1, 2)}
         if self.state_decay is None:
             return {}
         if self.state_decay == "fixed":
@@ -178,6 +195,9 @@ class LinearGPT2Attention(GPT2StyleAttention):
                                   torch.zeros(batch_size, dtype=torch.long, device=weight.device))
             return (*slots, self._empty_conv_buffer(batch_size)) if self.has_short_conv else slots
         device = self.c_attn.weight.device
+        if self.delta_rule:  # S (B, H, d_k, d_v), no normaliser
+            state = (torch.zeros(batch_size, self.num_heads, self.head_dim, self.head_dim, device=device),)
+            return (*state, self._empty_conv_buffer(batch_size)) if self.has_short_conv else state
         features = self.feature_map(torch.zeros(1, self.num_heads, 1, self.head_dim, device=device), is_query=False)
         if self.window:
             state = empty_sliding_window_state(
@@ -314,6 +334,20 @@ class LinearGPT2Attention(GPT2StyleAttention):
             weights = decayed_linear_attention_weights(phi_q, phi_k, log_decay, key_mask, eps=self.eps)
         return output, weights, state, tail
 
+    def _attend_delta(self, q, k, v, beta, key_mask, state, need_tail, output_attentions):
+        """attend() with the delta rule: the chunked form for prompts, the recurrence for single tokens after a state.
+        State (S,); rollback tail: the unit keys, the values and beta (0 at pads)."""
+        q, k = delta_rule_qk(q, k)
+        if key_mask is not None:  # a pad writes nothing and erases nothing
+            beta = torch.where(key_mask[:, None, :].bool(), beta, 0.0)
+        start = None if state is None else state[0]
+        if state is not None and q.shape[2] == 1:
+            output, s = naive_delta_rule(q, k, v, beta, state=start)
+        else:
+            output, s = causal_delta_rule(q, k, v, beta, state=start, chunk_size=self.chunk_size)
+        weights = delta_rule_weights(q, k, beta) if output_attentions else None
+        return output, weights, (s,), (k, v.float(), beta) if need_tail else None
+
     def _attend_favor(self, q, k, v, key_mask, state, use_cache, need_tail, output_attentions, log_decay):
         """attend() for causal FAVOR+: state (S, z, running maximum (B, H, m)); the maximum's growth is a decay of
         (S, z), added to the layer's own decay where it has one. Rollback tail: the decayed kernel's (phi(k), v,
@@ -328,7 +362,7 @@ class LinearGPT2Attention(GPT2StyleAttention):
         return output, weights, state if use_cache else None, None if tail is None else (*tail, running)
 
     def attend(self, q, k, v, key_mask, state, use_cache, need_tail, output_attentions, shared_projection,
-               log_decay=None):
+               log_decay=None, beta=None):
         if isinstance(state, KeyValueSlots):  # DecoderStateStep's fixed-shape state of a full-attention layer
             output, state = self._attend_slots(q, k, v, key_mask, KeyValueSlots(*(t.to(q.device) for t in state)))
             return output, None, state if use_cache else None, None
@@ -339,6 +373,11 @@ class LinearGPT2Attention(GPT2StyleAttention):
             # No rollback tail of its own: crop truncates the keys and values. An empty one (not None) when asked,
             # so that a short convolution's inputs can follow it.
             return output, weights, state if use_cache else None, () if need_tail else None
+        if self.delta_rule:
+            output, weights, state, tail = self._attend_delta(
+                q, k, v, beta, key_mask, state, need_tail, output_attentions
+            )
+            return output, weights, state if use_cache else None, tail
         if self.favor_stabiliser:
             return self._attend_favor(q, k, v, key_mask, state, use_cache, need_tail, output_attentions, log_decay)
         phi_q, phi_k = self.feature_map.pair(q, k, key_mask)

@@ -4,6 +4,7 @@
   in float32: its size does not depend on the number of tokens seen ("Transformers are RNNs").
 * :class:`DecayedStateLayer` holds the same (S, z) for linear attention whose state decays (RetNet, GLA), and
   :class:`StabilisedFavorStateLayer` that and the running maximum of causal FAVOR+'s key logits.
+* :class:`DeltaRuleStateLayer` holds the state S (B, H, d_k, d_v) of linear attention with the delta rule (DeltaNet).
 * :class:`SlidingWindowStateLayer` holds that state plus the last W keys / values of window + linear attention.
 * With a short convolution on q, k, v (``use_short_conv``) each of the three linear layers above also holds the
   convolution's buffer, the last K-1 pre-convolution inputs (:class:`ShortConvStateMixin`).
@@ -26,6 +27,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .block_linformer import BlockLinformerState, block_linformer_step, empty_block_linformer_state
 from .decayed_linear_attention import advance_decayed_state
+from .delta_rule import causal_delta_rule
 from .short_convolution import advance_buffer
 from .sliding_window_attention import advance_sliding_window_state, empty_sliding_window_state
 
@@ -227,6 +229,25 @@ class StabilisedFavorStateLayer(DecayedStateLayer):
         return (*advance_decayed_state(*decayed, None if state is None else state[:2]), running[:, :, -1])
 
 
+class DeltaRuleStateLayer(RecurrentStateLayer):
+    """State (S (B, H, d_k, d_v),) of linear attention with the delta rule (``state_update="delta"``), float32,
+    constant in size; no normaliser.
+
+    Rollback tail: the unit keys k (B, H, t, d_k), values v (B, H, t, d_v) and step sizes beta (B, H, t; 0 at pads)
+    of the recorded tokens; the state after a prefix of them is the committed state run through the rule again (the
+    rule erases before it writes, so a token's change cannot be subtracted back out: it is replayed, not undone).
+    """
+
+    # generate() does not compile its step, even when asked: the compiled step is untested for this layer
+    is_compileable = False
+    tail_token_dims = (2, 2, 2)
+
+    def _replay(self, state, tail):
+        keys, values, beta = tail
+        _, s = causal_delta_rule(keys, keys, values, beta, state=None if state is None else state[0])
+        return (s,)
+
+
 class SlidingWindowStateLayer(RecurrentStateLayer):
     """State of window + linear attention: (S, z) of the keys that left the window (float32) and the window itself,
     keys, phi(keys), values (B, H, W, .) and a valid mask (B, W), oldest first: a fixed size, W slots per layer.
@@ -350,6 +371,10 @@ class ShortConvStabilisedFavorStateLayer(ShortConvStateMixin, StabilisedFavorSta
     """:class:`StabilisedFavorStateLayer`'s (S, z, running maximum) and a short convolution's buffer."""
 
 
+class ShortConvDeltaRuleStateLayer(ShortConvStateMixin, DeltaRuleStateLayer):
+    """:class:`DeltaRuleStateLayer`'s S and a short convolution's buffer."""
+
+
 class ShortConvSlidingWindowStateLayer(ShortConvStateMixin, SlidingWindowStateLayer):
     """:class:`SlidingWindowStateLayer`'s state and a short convolution's buffer."""
 
@@ -400,6 +425,7 @@ SHORT_CONV_STATE_LAYERS = {
     LinearAttentionStateLayer: ShortConvLinearAttentionStateLayer,
     DecayedStateLayer: ShortConvDecayedStateLayer,
     StabilisedFavorStateLayer: ShortConvStabilisedFavorStateLayer,
+    DeltaRuleStateLayer: ShortConvDeltaRuleStateLayer,
     SlidingWindowStateLayer: ShortConvSlidingWindowStateLayer,
     KeyValueStateLayer: ShortConvKeyValueStateLayer,
 }

@@ -78,6 +78,10 @@ DECODER_VARIANTS = {
         **{**TINY_DECODER, "state_decay": "gated", "feature_map": "hedgehog", "gate_low_rank_dim": 8,
            "linear_attention_chunk_size": 4, **kw}
     ),
+    # the delta rule (DeltaNet): chunks of 4, so that its triangular solves and carried state cross chunk boundaries
+    "linear-delta": lambda **kw: LinearGPT2Config(
+        **{**TINY_DECODER, "state_update": "delta", "linear_attention_chunk_size": 4, **kw}
+    ),
     "linformer-none": lambda **kw: LinformerGPT2Config(
         **{**TINY_DECODER, "linformer_k": 4, "linformer_block_size": 8, "linformer_sharing": "none", **kw}
     ),
@@ -109,6 +113,9 @@ CONV_VARIANTS = {
     "linear-gated-conv": lambda **kw: LinearGPT2Config(
         **{**TINY_DECODER, "use_short_conv": True, "state_decay": "gated", "gate_low_rank_dim": 8,
            "linear_attention_chunk_size": 4, **kw}
+    ),
+    "linear-delta-conv": lambda **kw: LinearGPT2Config(
+        **{**TINY_DECODER, "use_short_conv": True, "state_update": "delta", "linear_attention_chunk_size": 4, **kw}
     ),
     "linear-hybrid-conv": lambda **kw: LinearGPT2Config(
         **{**TINY_DECODER, "use_short_conv": True, "layer_types": ["full_attention", "linear_attention"],

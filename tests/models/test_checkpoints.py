@@ -123,7 +123,7 @@ def test_decoders_load_in_a_fresh_process_and_generate_the_same_tokens(tmp_path)
     ids, mask = left_padded_batch(prompts)
     inputs = {"input_ids": ids, "attention_mask": mask}
     variants = ("linear-favor", "linear-hedgehog", "linear-window", "linear-hybrid", "linear-gated",
-                "linear-window-conv", "gpt2-conv", "linformer-layerwise", "linformer-none")
+                "linear-window-conv", "linear-delta-conv", "gpt2-conv", "linformer-layerwise", "linformer-none")
     for variant in variants:
         for auto in (AutoModelForCausalLM, AutoModel, AutoModelForSequenceClassification):
             if auto is AutoModelForCausalLM:
@@ -140,7 +140,7 @@ def test_decoders_load_in_a_fresh_process_and_generate_the_same_tokens(tmp_path)
             cases.append(save_case(model, auto, path, inputs, expected))
             saved = set(os.listdir(path))
             assert {"modeling_gpt2_style.py", "recurrent_cache.py", "block_linformer.py", "sliding_window_attention.py",
-                    "short_convolution.py"} <= saved, saved
+                    "short_convolution.py", "delta_rule.py"} <= saved, saved
             config = json.loads((path / "config.json").read_text())
             assert set(config["auto_map"]) == {
                 "AutoConfig", "AutoModel", "AutoModelForCausalLM", "AutoModelForSequenceClassification"

@@ -11,8 +11,9 @@ from hf_linear_attn import LinformerGPT2Config, LinformerGPT2ForCausalLM
 # with a short convolution (helpers.CONV_VARIANTS) on each kind of linear cache layer and on softmax attention
 # (gpt2-conv): the replay rebuilds its buffer
 DECODERS = [
-    "linear-elu", "linear-favor", "linear-window", "linear-hybrid", "linear-decay", "linear-gated", "linear-conv",
-    "linear-window-conv", "linear-decay-conv", "gpt2-conv", "linformer-headwise", "linformer-key-value",
+    "linear-elu", "linear-favor", "linear-window", "linear-hybrid", "linear-decay", "linear-gated", "linear-delta",
+    "linear-conv", "linear-window-conv", "linear-decay-conv", "linear-delta-conv", "gpt2-conv", "linformer-headwise",
+    "linformer-key-value",
 ]
 
 

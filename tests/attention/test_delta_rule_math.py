@@ -1,0 +1,101 @@
+"""The delta rule (DeltaNet) against an independent float64 reference written from the update as the papers state it,
+S_t = (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T, y_t = S_t^T q_t, with explicit d x d matrices: the chunked
+form at every chunk length, with a starting state and pads, its gradients, the n x n weights, and the property the
+rule exists for (a key written twice reads back its last value, where the additive sum mixes both)."""
+
+import pytest
+import torch
+
+from hf_linear_attn import causal_delta_rule, delta_rule_qk, delta_rule_weights, naive_delta_rule
+
+
+def reference(q, k, v, beta, state=None, key_mask=None):
+    """Float64, one position and one head at a time, the update as a d_k x d_k matrix times the state."""
+    batch, heads, n, d_k = q.shape
+    y = torch.zeros(batch, heads, n, v.shape[-1], dtype=torch.float64)
+    final = torch.zeros(batch, heads, d_k, v.shape[-1], dtype=torch.float64)
+    for b in range(batch):
+        for h in range(heads):
+            s = torch.zeros(d_k, v.shape[-1], dtype=torch.float64) if state is None else state[b, h].double()
+            for t in range(n):
+                step = 0.0 if key_mask is not None and not key_mask[b, t] else float(beta[b, h, t])
+                kt = k[b, h, t].double()[:, None]
+                s = (torch.eye(d_k, dtype=torch.float64) - step * kt @ kt.T) @ s + step * kt @ v[b, h, t].double()[None]
+                y[b, h, t] = s.T @ q[b, h, t].double()
+            final[b, h] = s
+    return y, final
+
+
+def inputs(batch=2, heads=3, n=19, d_k=8, d_v=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k = delta_rule_qk(torch.randn(batch, heads, n, d_k, generator=g), torch.randn(batch, heads, n, d_k, generator=g))
+    return q, k, torch.randn(batch, heads, n, d_v, generator=g), torch.rand(batch, heads, n, generator=g)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 4, 19, 64])
+def test_the_chunked_form_equals_the_update_step_by_step_from_a_state_and_with_pads(chunk):
+    q, k, v, beta = inputs()
+    state = torch.randn(2, 3, 8, 5, generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 19, dtype=torch.bool)
+    mask[1, :6] = False  # left padding: the rule must leave the state as it was at those positions
+    want_y, want_s = reference(q, k, v, beta, state, mask)
+    y, s = causal_delta_rule(q, k, v, beta, mask, state, chunk_size=chunk)
+    torch.testing.assert_close(y.double(), want_y, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(s.double(), want_s, atol=2e-5, rtol=1e-5)
+    y, s = naive_delta_rule(q, k, v, beta, mask, state)
+    torch.testing.assert_close(y.double(), want_y, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(s.double(), want_s, atol=2e-5, rtol=1e-5)
+
+
+def test_a_prompt_in_pieces_equals_the_prompt_at_once():
+    q, k, v, beta = inputs(n=30)
+    whole, final = causal_delta_rule(q, k, v, beta, chunk_size=8)
+    first, state = causal_delta_rule(q[:, :, :11], k[:, :, :11], v[:, :, :11], beta[:, :, :11], chunk_size=8)
+    rest, state = causal_delta_rule(q[:, :, 11:], k[:, :, 11:], v[:, :, 11:], beta[:, :, 11:], state=state,
+                                    chunk_size=8)
+    torch.testing.assert_close(torch.cat([first, rest], 2), whole, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(state, final, atol=1e-5, rtol=1e-5)
+
+
+def test_gradients_of_the_chunked_form_equal_those_of_the_recurrence():
+    leaves = [t.clone().requires_grad_() for t in inputs(n=13)]
+    y, s = causal_delta_rule(*leaves, chunk_size=4)
+    (y.square().sum() + s.sum()).backward()
+    chunked = [t.grad.clone() for t in leaves]
+    for t in leaves:
+        t.grad = None
+    y, s = naive_delta_rule(*leaves)
+    (y.square().sum() + s.sum()).backward()
+    for got, want in zip(chunked, (t.grad for t in leaves)):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_the_weights_applied_to_the_values_give_the_outputs():
+    q, k, v, beta = inputs()
+    weights = delta_rule_weights(q, k, beta)
+    assert weights.shape == (2, 3, 19, 19) and weights.triu(1).abs().max() == 0  # causal
+    torch.testing.assert_close((weights.double() @ v.double()), reference(q, k, v, beta)[0], atol=2e-5, rtol=1e-5)
+
+
+def test_a_key_written_twice_reads_back_its_last_value_where_the_sum_mixes_both():
+    """The rule's reason to exist: at beta = 1 a unit key's second value replaces its first. The additive state
+    S + k v^T reads back v1 + v2 for the same key."""
+    d = 6
+    keys = torch.eye(d)[[0, 1, 0]]  # key 0, key 1, key 0 again
+    values = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
+    q = k = keys[None, None]
+    y, s = causal_delta_rule(q, k, values[None, None], torch.ones(1, 1, 3))
+    torch.testing.assert_close(y[0, 0, 2], values[2])  # key 0 reads its second value only
+    torch.testing.assert_close(s[0, 0, 1], values[1])  # key 1's value is untouched by key 0's rewrite
+    additive = (keys.T @ values)  # the sum of k v^T: key 0 holds v0 + v2
+    torch.testing.assert_close(additive[0], values[0] + values[2])
+
+
+def test_float32_chunks_stay_on_the_float64_reference_over_a_long_sequence():
+    """Unit keys keep I - beta k k^T a contraction, so the float32 chunked form's rounding does not grow along the
+    sequence: 2,000 positions in chunks of 64 end on the float64 reference."""
+    q, k, v, beta = inputs(batch=1, heads=1, n=2_000, d_k=4, d_v=4)
+    y, s = causal_delta_rule(q, k, v, beta, chunk_size=64)
+    want_y, want_s = reference(q, k, v, beta)
+    torch.testing.assert_close(s.double(), want_s, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(y.double(), want_y, atol=1e-4, rtol=1e-4)

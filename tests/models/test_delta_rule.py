@@ -1,0 +1,78 @@
+"""The delta rule (DeltaNet, ``state_update="delta"``) in the decoder: each layer computes the rule on its own q, k, v
+and step sizes (checked against the update written out in float64), it adds only the step-size projection to the
+weights, generation carries one d x d state per head, and bad configs are refused with the fix. The decoder test
+matrix (helpers.DECODER_VARIANTS / CONV_VARIANTS: linear-delta, linear-delta-conv) covers the cache, padding,
+rollback, beam search and checkpoints."""
+
+import pytest
+import torch
+from helpers import DECODER_VARIANTS, causal_lm, random_ids
+
+from hf_linear_attn import DeltaRuleStateLayer, LinearGPT2Config
+
+
+def test_each_layer_applies_the_rule_to_its_own_q_k_v_and_step_sizes():
+    model = causal_lm("linear-delta")
+    attn = model.transformer.h[1].attn
+    x = torch.randn(2, 11, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got = attn(x)[0]
+        q, k, v = (attn._split_heads(t).double() for t in attn.c_attn(x).split(32, dim=-1))
+        beta = torch.sigmoid(attn.b_proj(x).double()).transpose(1, 2)  # (B, H, n)
+    q, k = (torch.nn.functional.normalize(torch.nn.functional.silu(t), dim=-1) for t in (q, k))
+    y = torch.zeros_like(v)
+    for b in range(2):
+        for h in range(4):
+            s = torch.zeros(8, 8, dtype=torch.float64)
+            for t in range(11):
+                kt, step = k[b, h, t][:, None], beta[b, h, t]
+                s = (torch.eye(8, dtype=torch.float64) - step * kt @ kt.T) @ s + step * kt @ v[b, h, t][None]
+                y[b, h, t] = s.T @ q[b, h, t]
+    want = attn.c_proj(y.transpose(1, 2).reshape(2, 11, 32).float())
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_the_rule_adds_only_a_step_size_projection_and_keeps_one_state_per_head():
+    additive, delta = causal_lm("linear-elu"), causal_lm("linear-delta")
+    extra = set(delta.state_dict()) - set(additive.state_dict())
+    assert extra == {f"transformer.h.{i}.attn.b_proj.weight" for i in range(2)}
+    assert set(additive.state_dict()) <= set(delta.state_dict())
+    assert delta.transformer.h[0].attn.b_proj.weight.shape == (4, 32)  # one step size per head
+    sizes = []
+    for n in (5, 60):
+        cache = delta(random_ids(2, n), use_cache=True).past_key_values
+        layer = cache.layers[0]
+        assert type(layer) is DeltaRuleStateLayer and [tuple(t.shape) for t in layer.state] == [(2, 4, 8, 8)]
+        sizes.append(cache.state_bytes())
+    assert sizes[0] == sizes[1] == 2 * 2 * 4 * 8 * 8 * 4  # layers x batch x heads x d x d x float32: not n
+
+
+def test_the_rule_changes_what_the_model_computes():
+    additive, delta = causal_lm("linear-elu"), causal_lm("linear-delta")
+    delta.load_state_dict(additive.state_dict(), strict=False)  # the same weights but b_proj
+    ids = random_ids(1, 20)
+    assert (delta(ids).logits - additive(ids).logits).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"state_update": "replace"}, "state_update must be 'add'"),
+    ({"state_update": "delta", "feature_map": "hedgehog"}, "maps q and k itself"),
+    ({"state_update": "delta", "attention_window": 4}, "with attention_window"),
+    ({"state_update": "delta", "state_decay": "fixed"}, "with state_decay"),
+])
+def test_bad_delta_configs_are_refused_with_the_fix(options, message):
+    with pytest.raises(ValueError, match=message):
+        DECODER_VARIANTS["linear-elu"](**options)
+
+
+def test_a_hybrid_of_softmax_and_delta_layers_keeps_a_cache_of_each_kind():
+    config = LinearGPT2Config(**{**DECODER_VARIANTS["linear-delta"]().to_dict(),
+                                 "layer_types": ["full_attention", "linear_attention"]})
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(config).eval()
+    ids = random_ids(1, 12)
+    cache = model(ids[:, :7], use_cache=True).past_key_values
+    assert [type(layer).__name__ for layer in cache.layers] == ["KeyValueStateLayer", "DeltaRuleStateLayer"]
+    steps = [model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits for t in range(7, 12)]
+    torch.testing.assert_close(torch.cat(steps, 1), model(ids).logits[:, 7:], atol=1e-5, rtol=1e-5)
