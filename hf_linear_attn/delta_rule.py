@@ -24,6 +24,7 @@ Forms (float32 throughout, autocast off, output in V's dtype):
   (I + tril(diag(beta) K K^T, -1)) U = diag(beta) (V - K S), so U = T V - (T K) S with T the solved
   diag(beta); then Y = Q S + tril(Q K^T) U and the next chunk starts from S + K^T U. The triangular solves are done
   for every chunk at once; only the C-row state products run chunk after chunk.
+  Under ``torch.export`` the whole sequence is one chunk (quadratic in n, no chunk count read from n).
 * :func:`delta_rule_weights`: the n x n matrix the rule applies to the values from an empty state,
   tril(Q K^T) T (``output_attentions``).
 """
@@ -35,8 +36,8 @@ from .linear_attention import _no_autocast
 
 def delta_rule_qk(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """DeltaNet's query and key map (fla's defaults ``qk_activation="silu"``, ``qk_norm="l2"``): SiLU, then unit
-    length per head, in float32. Unit keys keep I - beta k k^T a contraction (eigenvalues 1 - beta and 1), so the
-    state cannot grow without bound."""
+    length per head, in float32. With a unit key the rule moves the state's reading at it, k^T S, a fraction beta of
+    the way to v and no further, and leaves the directions orthogonal to k as they were."""
     q, k = (torch.nn.functional.normalize(torch.nn.functional.silu(t.float()), dim=-1, eps=1e-6) for t in (q, k))
     return q, k
 
@@ -106,8 +107,10 @@ def causal_delta_rule(
     with _no_autocast(q):
         q, k, v, beta = _float32(q, k, v, beta, key_mask)
         s = _empty_state(k, v) if state is None else state.float()
-        c = min(chunk_size, n)
-        pad = -n % c
+        # under torch.export one chunk of the whole sequence (quadratic, as the other kernels' pairwise forms): no
+        # chunk count or padding read from a dynamic n
+        c = n if torch.compiler.is_exporting() else min(chunk_size, n)
+        pad = 0 if c == n else -n % c
         if pad:  # zero rows: beta 0 writes nothing, and their outputs are dropped below
             q, k, v = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
             beta = torch.nn.functional.pad(beta, (0, pad))

@@ -92,8 +92,8 @@ def test_a_key_written_twice_reads_back_its_last_value_where_the_sum_mixes_both(
 
 
 def test_float32_chunks_stay_on_the_float64_reference_over_a_long_sequence():
-    """Unit keys keep I - beta k k^T a contraction, so the float32 chunked form's rounding does not grow along the
-    sequence: 2,000 positions in chunks of 64 end on the float64 reference."""
+    """The float32 chunked form's rounding does not grow along the sequence: 2,000 positions in chunks of 64 end on
+    the float64 reference."""
     q, k, v, beta = inputs(batch=1, heads=1, n=2_000, d_k=4, d_v=4)
     y, s = causal_delta_rule(q, k, v, beta, chunk_size=64)
     want_y, want_s = reference(q, k, v, beta)

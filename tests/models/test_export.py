@@ -26,7 +26,7 @@ def test_the_explicit_state_step_equals_the_cached_forward():
 
 
 @pytest.mark.parametrize("variant", ["linear-elu", "linear-favor", "linear-hedgehog", "linear-window", "linear-decay", "linear-gated",
-                                     "linear-conv", "linear-hybrid-conv", "gpt2-conv"])
+                                     "linear-delta", "linear-conv", "linear-delta-conv", "linear-hybrid-conv", "gpt2-conv"])
 def test_torch_export_of_the_step_with_a_dynamic_batch_equals_eager(variant):
     model, step, ids, positions, state = prefill_then_step(variant)
     batch = torch.export.Dim("batch", min=1, max=64)
@@ -75,7 +75,8 @@ def states_of(cache):
 
 
 @pytest.mark.parametrize("variant", [
-    "linear-elu", "linear-window", "linear-gated", "linear-conv", pytest.param("linear-favor", marks=pytest.mark.slow),
+    "linear-elu", "linear-window", "linear-gated", "linear-conv", "linear-delta-conv",
+    pytest.param("linear-favor", marks=pytest.mark.slow),
     pytest.param("linear-hedgehog", marks=pytest.mark.slow),
 ])
 def test_torch_export_of_the_prompt_pass_serves_every_length_from_one_program(variant):
