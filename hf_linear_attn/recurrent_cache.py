@@ -6,7 +6,7 @@
   :class:`StabilisedFavorStateLayer` that and the running maximum of causal FAVOR+'s key logits.
 * :class:`DeltaRuleStateLayer` holds the state S (B, H, d_k, d_v) of linear attention with the delta rule (DeltaNet).
 * :class:`SlidingWindowStateLayer` holds that state plus the last W keys / values of window + linear attention.
-* With a short convolution on q, k, v (``use_short_conv``) each of the three linear layers above also holds the
+* With a short convolution on q, k, v (``use_short_conv``) each of the linear layers above also holds the
   convolution's buffer, the last K-1 pre-convolution inputs (:class:`ShortConvStateMixin`).
 * :class:`KeyValueStateLayer` holds the keys and values of a full-attention layer of a hybrid schedule, and
   :class:`ShortConvKeyValueStateLayer` those and a short convolution's buffer (``short_conv_on_full_attention``).
