@@ -69,7 +69,7 @@ def check_decay_options(config) -> None:
 
 def check_state_update(config) -> None:
     """Raise a ValueError naming the fix for a bad state update: its kind, and what the delta rule does not combine
-    with (it maps q and k itself, keeps no normaliser, and is built without a window or a decay)."""
+    with (it maps q and k itself, keeps no normaliser, is built without a window, and its gate is per head)."""
     update = config.state_update
     if update not in STATE_UPDATES:
         raise ValueError(f"state_update must be 'add' (linear attention's sum) or 'delta' (DeltaNet's delta rule), got "
@@ -82,13 +82,17 @@ def check_state_update(config) -> None:
             f"feature_map={config.feature_map!r} would go unused: leave feature_map at its default, or use "
             "state_update='add' for that feature map."
         )
-    other = [name for name, value in (("attention_window", config.attention_window),
-                                      ("state_decay", config.state_decay)) if value]
-    if other:
+    if config.attention_window:
         raise ValueError(
-            f"state_update='delta' with {' and '.join(other)}: a delta-rule state beside a window or with a decay "
-            "(Gated DeltaNet) is not built; drop one of them, or combine a delta-rule layer with full_attention "
-            "layers through layer_types."
+            f"state_update='delta' with attention_window={config.attention_window}: a delta-rule state beside a "
+            "window is not built; drop one of them, or combine a delta-rule layer with full_attention layers through "
+            "layer_types."
+        )
+    if config.state_decay == "gated" and (config.gate_low_rank_dim, config.gate_logit_normalizer) != (16, 16):
+        raise ValueError(
+            "gate_low_rank_dim and gate_logit_normalizer shape GLA's per-feature gate; with state_update='delta' "
+            "state_decay='gated' is Gated DeltaNet's gate, one per head (A_log, dt_bias, a_proj), which they do not "
+            "change: leave them at their defaults."
         )
 
 
@@ -183,8 +187,11 @@ class LinearGPT2Config(GPT2StyleConfig):
             state holds for a key instead of adding to it, `S_t = S_{t-1} + beta_t k_t (v_t - S_{t-1}^T k_t)^T`,
             `y_t = S_t^T q_t`, with q and k through SiLU and then unit length, a step size
             `beta_t = sigmoid(x_t W_beta)` per head (`attn.b_proj`, fla's name) and no normaliser (`feature_map`
-            and `linear_attention_eps` are not used). The state is S (d_k x d_v per head), z is not kept. Not with
-            `attention_window` or `state_decay`.
+            and `linear_attention_eps` are not used). The state is S (d_k x d_v per head), z is not kept. With
+            `state_decay` the state fades before each write, `S_t = alpha_t (I - beta_t k_t k_t^T) S_{t-1} +
+            beta_t k_t v_t^T`, one alpha per head: `"fixed"` RetNet's rates, `"gated"` Gated DeltaNet's gate
+            `log alpha_t = -exp(A_log) softplus(x_t W_a + dt_bias)` (`attn.delta_gate`), not GLA's per-feature one.
+            Not with `attention_window`.
         conv_size (`int`, defaults to 4): the convolution's width K (fla's `conv_size`), at least 2.
         short_conv_on_full_attention (`bool`, defaults to `False`): the same convolution on q, k, v of the
             `full_attention` layers too (their own weights, before the softmax attention), so that `layer_types` all

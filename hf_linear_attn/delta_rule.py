@@ -15,6 +15,10 @@ and beta = 1 a key's old value is replaced, not added to: the state is an associ
 overwritten. There is no normaliser: q and k are given unit length by the caller (DeltaNet's SiLU then L2 norm,
 :func:`delta_rule_qk`), so a stored value is read back at its own size. A pad (beta = 0) leaves the state as it was.
 
+With a decay (Gated DeltaNet, Yang et al. 2025, arXiv 2412.06464; ``log_decay`` = log alpha_t <= 0, one per head and
+token) the state fades before each write, S_t = alpha_t (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T; with alpha = 1
+everywhere it is the rule above exactly.
+
 Forms (float32 throughout, autocast off, output in V's dtype):
 
 * :func:`naive_delta_rule`: the recurrence, one position at a time (the reference the tests use; also the decoding
@@ -23,7 +27,9 @@ Forms (float32 throughout, autocast off, output in V's dtype):
   the corrections u_t = beta_t (v_t - S_{t-1}^T k_t) solve a unit lower-triangular system,
   (I + tril(diag(beta) K K^T, -1)) U = diag(beta) (V - K S), so U = T V - (T K) S with T the solved
   diag(beta); then Y = Q S + tril(Q K^T) U and the next chunk starts from S + K^T U. The triangular solves are done
-  for every chunk at once; only the C-row state products run chunk after chunk.
+  for every chunk at once; only the C-row state products run chunk after chunk. With a decay, every product between
+  positions s <= t of a chunk is scaled by exp(B_t - B_s) (B the running sum of log alpha in the chunk) and the
+  carried state by exp(B_t): no exponent is ever positive.
   Under ``torch.export`` the whole sequence is one chunk (quadratic in n, no chunk count read from n).
 * :func:`delta_rule_weights`: the n x n matrix the rule applies to the values from an empty state,
   tril(Q K^T) T (``output_attentions``).
@@ -42,12 +48,17 @@ def delta_rule_qk(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch
     return q, k
 
 
-def _float32(q, k, v, beta, key_mask):
-    """float32 q, k, v, beta (B, H, n), with beta 0 at pads (a pad writes nothing and erases nothing)."""
+def _float32(q, k, v, beta, key_mask, log_decay=None):
+    """float32 q, k, v, beta (B, H, n) and log alpha (B, H, n; zeros without a decay), with beta and log alpha 0 at
+    pads (a pad writes nothing, erases nothing and leaves the state undecayed)."""
     beta = beta.float()
+    batch, heads, n = beta.shape
+    log_decay = beta.new_zeros(()) if log_decay is None else log_decay.float()
+    log_decay = log_decay.expand(batch, heads, n)
     if key_mask is not None:
-        beta = torch.where(key_mask[:, None, :].bool(), beta, 0.0)
-    return q.float(), k.float(), v.float(), beta
+        real = key_mask[:, None, :].bool()
+        beta, log_decay = torch.where(real, beta, 0.0), torch.where(real, log_decay, 0.0)
+    return q.float(), k.float(), v.float(), beta, log_decay
 
 
 def _empty_state(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -61,17 +72,20 @@ def naive_delta_rule(
     beta: torch.Tensor,
     key_mask: torch.Tensor | None = None,
     state: torch.Tensor | None = None,
+    log_decay: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The delta rule one position at a time: q, k (B, H, n, d_k), v (B, H, n, d_v), beta (B, H, n) in [0, 1],
-    ``key_mask`` (B, n) (True: a real token), ``state`` S (B, H, d_k, d_v) or None (empty). Returns the outputs
-    (B, H, n, d_v) in V's dtype and the final S in float32."""
+    ``key_mask`` (B, n) (True: a real token), ``state`` S (B, H, d_k, d_v) or None (empty), ``log_decay`` log alpha
+    <= 0, (B or 1, H, n or 1) or None (no decay). Returns the outputs (B, H, n, d_v) in V's dtype and the final S in
+    float32."""
     out_dtype = v.dtype
     with _no_autocast(q):
-        q, k, v, beta = _float32(q, k, v, beta, key_mask)
+        q, k, v, beta, log_decay = _float32(q, k, v, beta, key_mask, log_decay)
         s = _empty_state(k, v) if state is None else state.float()
         outputs = []
         for t in range(q.shape[2]):
             k_t, b_t = k[:, :, t], beta[:, :, t, None]
+            s = log_decay[:, :, t, None, None].exp() * s  # the state fades first (Gated DeltaNet), then the rule
             correction = b_t * (v[:, :, t] - torch.einsum("bhk,bhkv->bhv", k_t, s))
             s = s + k_t[..., :, None] * correction[..., None, :]
             outputs.append(torch.einsum("bhk,bhkv->bhv", q[:, :, t], s))
@@ -79,12 +93,23 @@ def naive_delta_rule(
     return y.to(out_dtype), s
 
 
-def _solved_chunks(k: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
-    """T = (I + tril(diag(beta) K K^T, -1))^-1 diag(beta) for chunks k (..., C, d_k), beta (..., C): (..., C, C),
-    unit lower-triangular solve (exact: no series expansion)."""
+def _decays(cumulative: torch.Tensor) -> torch.Tensor:
+    """exp(B_t - B_s) for s <= t, 0 above the diagonal, from the running sums B (..., C) of log alpha: (..., C, C)."""
+    c = cumulative.shape[-1]
+    causal = torch.ones(c, c, dtype=torch.bool, device=cumulative.device).tril()
+    return (cumulative[..., :, None] - cumulative[..., None, :]).masked_fill(~causal, -torch.inf).exp()
+
+
+def _solved_chunks(k: torch.Tensor, beta: torch.Tensor, decays: torch.Tensor | None = None) -> torch.Tensor:
+    """T = (I + tril(diag(beta) (K K^T * decays), -1))^-1 diag(beta) for chunks k (..., C, d_k), beta (..., C) and
+    the decays between positions (..., C, C) or None: (..., C, C), unit lower-triangular solve (exact: no series
+    expansion)."""
     c = k.shape[-2]
     strictly_lower = torch.ones(c, c, dtype=torch.bool, device=k.device).tril(-1)
-    a = (beta[..., :, None] * (k @ k.transpose(-1, -2))).masked_fill(~strictly_lower, 0.0)
+    products = k @ k.transpose(-1, -2)
+    if decays is not None:
+        products = products * decays
+    a = (beta[..., :, None] * products).masked_fill(~strictly_lower, 0.0)
     eye = torch.eye(c, dtype=k.dtype, device=k.device)
     return torch.linalg.solve_triangular(eye + a, torch.diag_embed(beta), upper=False, unitriangular=True)
 
@@ -97,6 +122,7 @@ def causal_delta_rule(
     key_mask: torch.Tensor | None = None,
     state: torch.Tensor | None = None,
     chunk_size: int = 64,
+    log_decay: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The delta rule in chunks of ``chunk_size`` positions, exact: the same arguments and results as
     :func:`naive_delta_rule`. Memory: a C x C system per chunk and one state per chunk for autograd."""
@@ -104,8 +130,9 @@ def causal_delta_rule(
     batch, heads, n, d_k = q.shape
     if n == 0:
         return v, _empty_state(k, v) if state is None else state.float()
+    decayed = log_decay is not None
     with _no_autocast(q):
-        q, k, v, beta = _float32(q, k, v, beta, key_mask)
+        q, k, v, beta, log_decay = _float32(q, k, v, beta, key_mask, log_decay)
         s = _empty_state(k, v) if state is None else state.float()
         # under torch.export one chunk of the whole sequence (quadratic, as the other kernels' pairwise forms): no
         # chunk count or padding read from a dynamic n
@@ -113,28 +140,70 @@ def causal_delta_rule(
         pad = 0 if c == n else -n % c
         if pad:  # zero rows: beta 0 writes nothing, and their outputs are dropped below
             q, k, v = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
-            beta = torch.nn.functional.pad(beta, (0, pad))
+            beta, log_decay = (torch.nn.functional.pad(t, (0, pad)) for t in (beta, log_decay))
         chunks = (n + pad) // c
         q, k, v = (t.reshape(batch, heads, chunks, c, t.shape[-1]) for t in (q, k, v))
-        beta = beta.reshape(batch, heads, chunks, c)
-        t_matrix = _solved_chunks(k, beta)
-        w, u = t_matrix @ k, t_matrix @ v  # (B, H, N, C, d_k), (B, H, N, C, d_v)
-        scores = (q @ k.transpose(-1, -2)).tril()  # (B, H, N, C, C), a query sees its own key
+        beta, log_decay = (t.reshape(batch, heads, chunks, c) for t in (beta, log_decay))
+        if decayed:
+            running = log_decay.cumsum(-1)  # B_t: log of the decay from the chunk's start to t, <= 0
+            decays = _decays(running)  # exp(B_t - B_s), s <= t
+            carried, to_end = running.exp()[..., None], (running[..., -1:] - running).exp()[..., None]
+            t_matrix = _solved_chunks(k, beta, decays)
+            w, u = t_matrix @ (carried * k), t_matrix @ v  # the start state reaches position t decayed by exp(B_t)
+            scores = (q @ k.transpose(-1, -2)) * decays
+            q_carried, k_to_end, chunk_decay = carried * q, to_end * k, running[..., -1, None, None].exp()
+        else:
+            t_matrix = _solved_chunks(k, beta)
+            w, u = t_matrix @ k, t_matrix @ v  # (B, H, N, C, d_k), (B, H, N, C, d_v)
+            scores = (q @ k.transpose(-1, -2)).tril()  # (B, H, N, C, C), a query sees its own key
+            q_carried, k_to_end, chunk_decay = q, k, None
         outputs = []
         for i in range(chunks):
             corrections = u[:, :, i] - w[:, :, i] @ s  # u_t = beta_t (v_t - S_{t-1}^T k_t), all rows of the chunk
-            outputs.append(q[:, :, i] @ s + scores[:, :, i] @ corrections)
-            s = s + k[:, :, i].transpose(-1, -2) @ corrections
+            outputs.append(q_carried[:, :, i] @ s + scores[:, :, i] @ corrections)
+            if chunk_decay is not None:
+                s = chunk_decay[:, :, i] * s
+            s = s + k_to_end[:, :, i].transpose(-1, -2) @ corrections
         y = torch.stack(outputs, dim=2).reshape(batch, heads, chunks * c, -1)[:, :, :n]
     return y.to(out_dtype), s
 
 
 def delta_rule_weights(
-    q: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, key_mask: torch.Tensor | None = None
+    q: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, key_mask: torch.Tensor | None = None,
+    log_decay: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The causal n x n matrix A (B, H, n, n) with y = A V from an empty state: tril(Q K^T) T over the whole sequence
-    (quadratic; for inspection). Unlike softmax's, its rows need not be positive or sum to 1: a later key that
-    overwrites an earlier one gives the earlier value a negative weight."""
+    """The causal n x n matrix A (B, H, n, n) with y = A V from an empty state: tril(Q K^T) T over the whole sequence,
+    each product scaled by the decay between its positions where there is one (quadratic; for inspection). Unlike
+    softmax's, its rows need not be positive or sum to 1: a later key that overwrites an earlier one gives the earlier
+    value a negative weight."""
     with _no_autocast(q):
-        q, k, _, beta = _float32(q, k, k, beta, key_mask)
-        return (q @ k.transpose(-1, -2)).tril() @ _solved_chunks(k, beta)
+        q, k, _, beta, log_decay = _float32(q, k, k, beta, key_mask, log_decay)
+        decays = _decays(log_decay.cumsum(-1))
+        return ((q @ k.transpose(-1, -2)) * decays) @ _solved_chunks(k, beta, decays)
+
+
+class DeltaRuleGate(torch.nn.Module):
+    """Gated DeltaNet's decay, one per head and token (Mamba-2's form, as fla's GatedDeltaNet computes it):
+    log alpha_t = -exp(A_log) * softplus(x_t W_a + dt_bias) <= 0. Parameters ``a_proj`` (no bias), ``A_log`` and
+    ``dt_bias`` (fla's names), A in [1, 16] and dt in [0.001, 0.1] at init (``init_delta_rule_gate``): memories from
+    about 1 to 1,000 tokens at the start."""
+
+    def __init__(self, hidden_size: int, num_heads: int):
+        super().__init__()
+        self.a_proj = torch.nn.Linear(hidden_size, num_heads, bias=False)
+        self.A_log = torch.nn.Parameter(torch.zeros(num_heads))
+        self.dt_bias = torch.nn.Parameter(torch.zeros(num_heads))
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """log alpha (B, H, n) in float32 from the layer's input (B, n, D)."""
+        logits = self.a_proj(hidden_states).float() + self.dt_bias.float()
+        return (-self.A_log.float().exp() * torch.nn.functional.softplus(logits)).transpose(1, 2)
+
+
+def delta_rule_gate_init(num_heads: int, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A_log, dt_bias) as Mamba-2 and fla's GatedDeltaNet start them: A ~ U(1, 16), dt log-uniform in [0.001, 0.1]
+    (at least 1e-4), dt_bias its inverse softplus."""
+    a = torch.empty(num_heads).uniform_(1, 16, generator=generator)
+    dt = torch.exp(torch.rand(num_heads, generator=generator) * (torch.log(torch.tensor(0.1)) - torch.log(
+        torch.tensor(0.001))) + torch.log(torch.tensor(0.001))).clamp(min=1e-4)
+    return a.log(), dt + torch.log(-torch.expm1(-dt))

@@ -15,7 +15,7 @@ from .decayed_linear_attention import (
     decayed_linear_attention_weights,
     recurrent_decayed_linear_attention_step,
 )
-from .delta_rule import causal_delta_rule, delta_rule_qk, delta_rule_weights, naive_delta_rule
+from .delta_rule import DeltaRuleGate, causal_delta_rule, delta_rule_qk, delta_rule_weights, naive_delta_rule
 from .feature_maps import build_feature_map
 from .linear_attention import (
     causal_linear_attention,
@@ -111,6 +111,12 @@ class LinearGPT2Attention(GPT2StyleAttention):
             self.feature_map = None
             self.favor_stabiliser = False
             self.b_proj = torch.nn.Linear(self.embed_dim, self.num_heads, bias=False)
+            # a decay per head: RetNet's fixed rates, or Gated DeltaNet's gate from the input (not GLA's per-feature one)
+            self.state_decay = config.state_decay
+            if self.state_decay == "fixed":
+                self.decay_rates = list(config.decay_rates or retnet_decay_rates(self.num_heads))
+            elif self.state_decay == "gated":
+                self.delta_gate = DeltaRuleGate(self.embed_dim, self.num_heads)
             self.cache_layer_class = DeltaRuleStateLayer
             if config.use_short_conv:
                 self._add_short_conv(config)
@@ -172,8 +178,14 @@ class LinearGPT2Attention(GPT2StyleAttention):
     def per_token_inputs(self, hidden_states):
         """log a_t of the decayed state: (1, H, 1, 1) fixed rates, or the gate (B, H, n, m) from ``hidden_states``;
         the delta rule's step size beta (B, H, n) in (0, 1)."""
-        if self.delta_rule:
-            return {"beta": torch.sigmoid(self.b_proj(hidden_states).float()).transpose(1, 2)}
+        if self.delta_rule:  # beta (B, H, n); log alpha (1, H, 1) fixed or (B, H, n) gated, where there is a decay
+            inputs = {"beta": torch.sigmoid(self.b_proj(hidden_states).float()).transpose(1, 2)}
+            if self.state_decay == "fixed":
+                rates = torch.tensor(self.decay_rates, dtype=torch.float32, device=hidden_states.device)
+                inputs["log_decay"] = rates.log().view(1, -1, 1)
+            elif self.state_decay == "gated":
+                inputs["log_decay"] = self.delta_gate(hidden_states)
+            return inputs
         if self.state_decay is None:
             return {}
         if self.state_decay == "fixed":
@@ -334,19 +346,23 @@ class LinearGPT2Attention(GPT2StyleAttention):
             weights = decayed_linear_attention_weights(phi_q, phi_k, log_decay, key_mask, eps=self.eps)
         return output, weights, state, tail
 
-    def _attend_delta(self, q, k, v, beta, key_mask, state, need_tail, output_attentions):
+    def _attend_delta(self, q, k, v, beta, log_decay, key_mask, state, need_tail, output_attentions):
         """attend() with the delta rule: the chunked form for prompts, the recurrence for single tokens after a state.
-        State (S,); rollback tail: the unit keys, the values and beta (0 at pads)."""
+        State (S,); rollback tail: the unit keys, the values, beta and log alpha (both 0 at pads; log alpha 0
+        without a decay)."""
         q, k = delta_rule_qk(q, k)
-        if key_mask is not None:  # a pad writes nothing and erases nothing
-            beta = torch.where(key_mask[:, None, :].bool(), beta, 0.0)
+        decay = (log_decay if log_decay is not None else beta.new_zeros(())).expand_as(beta)
+        if key_mask is not None:  # a pad writes nothing, erases nothing and leaves the state undecayed
+            real = key_mask[:, None, :].bool()
+            beta, decay = torch.where(real, beta, 0.0), torch.where(real, decay, 0.0)
+        log_decay = None if log_decay is None else decay
         start = None if state is None else state[0]
         if state is not None and q.shape[2] == 1:
-            output, s = naive_delta_rule(q, k, v, beta, state=start)
+            output, s = naive_delta_rule(q, k, v, beta, state=start, log_decay=log_decay)
         else:
-            output, s = causal_delta_rule(q, k, v, beta, state=start, chunk_size=self.chunk_size)
-        weights = delta_rule_weights(q, k, beta) if output_attentions else None
-        return output, weights, (s,), (k, v.float(), beta) if need_tail else None
+            output, s = causal_delta_rule(q, k, v, beta, state=start, chunk_size=self.chunk_size, log_decay=log_decay)
+        weights = delta_rule_weights(q, k, beta, log_decay=log_decay) if output_attentions else None
+        return output, weights, (s,), (k, v.float(), beta, decay) if need_tail else None
 
     def _attend_favor(self, q, k, v, key_mask, state, use_cache, need_tail, output_attentions, log_decay):
         """attend() for causal FAVOR+: state (S, z, running maximum (B, H, m)); the maximum's growth is a decay of
@@ -375,7 +391,7 @@ class LinearGPT2Attention(GPT2StyleAttention):
             return output, weights, state if use_cache else None, () if need_tail else None
         if self.delta_rule:
             output, weights, state, tail = self._attend_delta(
-                q, k, v, beta, key_mask, state, need_tail, output_attentions
+                q, k, v, beta, log_decay, key_mask, state, need_tail, output_attentions
             )
             return output, weights, state if use_cache else None, tail
         if self.favor_stabiliser:

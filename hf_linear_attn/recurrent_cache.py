@@ -233,18 +233,20 @@ class DeltaRuleStateLayer(RecurrentStateLayer):
     """State (S (B, H, d_k, d_v),) of linear attention with the delta rule (``state_update="delta"``), float32,
     constant in size; no normaliser.
 
-    Rollback tail: the unit keys k (B, H, t, d_k), values v (B, H, t, d_v) and step sizes beta (B, H, t; 0 at pads)
-    of the recorded tokens; the state after a prefix of them is the committed state run through the rule again (the
-    rule erases before it writes, so a token's change cannot be subtracted back out: it is replayed, not undone).
+    Rollback tail: the unit keys k (B, H, t, d_k), values v (B, H, t, d_v), step sizes beta and log decays (B, H, t;
+    both 0 at pads, the decays 0 without one) of the recorded tokens; the state after a prefix of them is the
+    committed state run through the rule again (the rule erases before it writes, so a token's change cannot be
+    subtracted back out: it is replayed, not undone).
     """
 
     # generate() does not compile its step, even when asked: the compiled step is untested for this layer
     is_compileable = False
-    tail_token_dims = (2, 2, 2)
+    tail_token_dims = (2, 2, 2, 2)
 
     def _replay(self, state, tail):
-        keys, values, beta = tail
-        _, s = causal_delta_rule(keys, keys, values, beta, state=None if state is None else state[0])
+        keys, values, beta, log_decay = tail
+        _, s = causal_delta_rule(keys, keys, values, beta, state=None if state is None else state[0],
+                                 log_decay=log_decay)
         return (s,)
 
 

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from transformers import initialization as init
 
+from .delta_rule import DeltaRuleGate, delta_rule_gate_init
 from .feature_maps import FavorFeatureMap, HedgehogFeatureMap, identity_weight, orthogonal_gaussian_matrix
 from .linformer_projection import (
     STRUCTURED_INITS, LinformerProjection, multiscale_matrix, pooling_matrix, xavier_bound,
@@ -47,13 +48,17 @@ def init_linformer_projection(module: nn.Module, linformer_init: str, initialize
 def init_added_weights(module: nn.Module, config) -> None:
     """Init of ``module`` if it is a part this package adds: a feature map (:func:`init_feature_map`), Linformer's E / F
     (:func:`init_linformer_projection` by ``config.linformer_init``), a window factor (its config's start,
-    ``attention_window_factor_init``: 0 by default, g = 1) or a short convolution (PyTorch's Conv1d default); any other
-    module is left alone."""
+    ``attention_window_factor_init``: 0 by default, g = 1), a short convolution (PyTorch's Conv1d default) or Gated
+    DeltaNet's gate (:func:`~.delta_rule.delta_rule_gate_init`); any other module is left alone."""
     init_feature_map(module)
     if isinstance(module, LinformerProjection):
         init_linformer_projection(module, config.linformer_init, config.initializer_range)
     elif isinstance(module, SlidingWindowFactor):
         init.constant_(module.log_factor, module.init)
+    elif isinstance(module, DeltaRuleGate):  # Mamba-2's A and dt, as fla's GatedDeltaNet starts them
+        a_log, dt_bias = delta_rule_gate_init(module.A_log.shape[0])
+        init.copy_(module.A_log, a_log.to(module.A_log.device))
+        init.copy_(module.dt_bias, dt_bias.to(module.dt_bias.device))
     elif isinstance(module, ShortConvolution):
         # PyTorch's own Conv1d init, U(-1/sqrt(K), 1/sqrt(K)), which mamba_ssm's convolutions keep too (its init
         # touches only Linear and Embedding). It replaces transformers' generic N(0, initializer_range) for any

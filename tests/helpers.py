@@ -117,6 +117,11 @@ CONV_VARIANTS = {
     "linear-delta-conv": lambda **kw: LinearGPT2Config(
         **{**TINY_DECODER, "use_short_conv": True, "state_update": "delta", "linear_attention_chunk_size": 4, **kw}
     ),
+    # Gated DeltaNet: the delta rule with a per-head gate from the input, and the convolution, as its layers have
+    "linear-gated-delta-conv": lambda **kw: LinearGPT2Config(
+        **{**TINY_DECODER, "use_short_conv": True, "state_update": "delta", "state_decay": "gated",
+           "linear_attention_chunk_size": 4, **kw}
+    ),
     "linear-hybrid-conv": lambda **kw: LinearGPT2Config(
         **{**TINY_DECODER, "use_short_conv": True, "layer_types": ["full_attention", "linear_attention"],
            "linear_attention_chunk_size": 4, **kw}

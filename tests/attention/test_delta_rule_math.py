@@ -1,7 +1,8 @@
 """The delta rule (DeltaNet) against an independent float64 reference written from the update as the papers state it,
 S_t = (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T, y_t = S_t^T q_t, with explicit d x d matrices: the chunked
 form at every chunk length, with a starting state and pads, its gradients, the n x n weights, and the property the
-rule exists for (a key written twice reads back its last value, where the additive sum mixes both)."""
+rule exists for (a key written twice reads back its last value, where the additive sum mixes both); and Gated
+DeltaNet's decay, S_t = alpha_t (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T, the same way."""
 
 import pytest
 import torch
@@ -9,8 +10,9 @@ import torch
 from hf_linear_attn import causal_delta_rule, delta_rule_qk, delta_rule_weights, naive_delta_rule
 
 
-def reference(q, k, v, beta, state=None, key_mask=None):
-    """Float64, one position and one head at a time, the update as a d_k x d_k matrix times the state."""
+def reference(q, k, v, beta, state=None, key_mask=None, log_decay=None):
+    """Float64, one position and one head at a time, the update as a d_k x d_k matrix times the state (times alpha_t
+    where there is a decay)."""
     batch, heads, n, d_k = q.shape
     y = torch.zeros(batch, heads, n, v.shape[-1], dtype=torch.float64)
     final = torch.zeros(batch, heads, d_k, v.shape[-1], dtype=torch.float64)
@@ -18,9 +20,11 @@ def reference(q, k, v, beta, state=None, key_mask=None):
         for h in range(heads):
             s = torch.zeros(d_k, v.shape[-1], dtype=torch.float64) if state is None else state[b, h].double()
             for t in range(n):
-                step = 0.0 if key_mask is not None and not key_mask[b, t] else float(beta[b, h, t])
+                pad = key_mask is not None and not key_mask[b, t]
+                step = 0.0 if pad else float(beta[b, h, t])
+                alpha = 1.0 if pad or log_decay is None else float(log_decay[b, h, t].double().exp())
                 kt = k[b, h, t].double()[:, None]
-                s = (torch.eye(d_k, dtype=torch.float64) - step * kt @ kt.T) @ s + step * kt @ v[b, h, t].double()[None]
+                s = alpha * (torch.eye(d_k, dtype=torch.float64) - step * kt @ kt.T) @ s + step * kt @ v[b, h, t].double()[None]
                 y[b, h, t] = s.T @ q[b, h, t].double()
             final[b, h] = s
     return y, final
@@ -47,6 +51,38 @@ def test_the_chunked_form_equals_the_update_step_by_step_from_a_state_and_with_p
     torch.testing.assert_close(s.double(), want_s, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("chunk", [1, 4, 19, 64])
+def test_with_a_decay_per_head_and_token_the_chunked_form_equals_the_gated_update(chunk):
+    q, k, v, beta = inputs()
+    log_decay = -2 * torch.rand(2, 3, 19, generator=torch.Generator().manual_seed(2))  # alpha in (e^-2, 1]
+    state = torch.randn(2, 3, 8, 5, generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 19, dtype=torch.bool)
+    mask[1, :6] = False
+    want_y, want_s = reference(q, k, v, beta, state, mask, log_decay)
+    for y, s in (causal_delta_rule(q, k, v, beta, mask, state, chunk_size=chunk, log_decay=log_decay),
+                 naive_delta_rule(q, k, v, beta, mask, state, log_decay=log_decay)):
+        torch.testing.assert_close(y.double(), want_y, atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(s.double(), want_s, atol=2e-5, rtol=1e-5)
+    weights = delta_rule_weights(q, k, beta, log_decay=log_decay)  # from an empty state
+    torch.testing.assert_close(weights.double() @ v.double(), reference(q, k, v, beta, log_decay=log_decay)[0],
+                               atol=2e-5, rtol=1e-5)
+    # a decay of 1 everywhere is the rule without one, exactly
+    plain = causal_delta_rule(q, k, v, beta, mask, state, chunk_size=chunk)
+    ones = causal_delta_rule(q, k, v, beta, mask, state, chunk_size=chunk, log_decay=torch.zeros(2, 3, 19))
+    torch.testing.assert_close(ones, plain, atol=0, rtol=0)
+
+
+def test_a_decay_far_beyond_float32s_range_neither_overflows_nor_loses_the_last_write():
+    """log alpha = -100 a token: the decay across a chunk of 16 is e^-1,600. Every exponent the chunked form takes
+    is <= 0, so nothing overflows; the state holds only the last token's write, beta_t k_t v_t^T."""
+    q, k, v, beta = inputs(batch=1, heads=2, n=40)
+    log_decay = torch.full((1, 2, 40), -100.0)
+    y, s = causal_delta_rule(q, k, v, beta, chunk_size=16, log_decay=log_decay)
+    assert torch.isfinite(y).all() and torch.isfinite(s).all()
+    last = beta[:, :, -1, None, None] * k[:, :, -1, :, None] * v[:, :, -1, None, :]
+    torch.testing.assert_close(s, last, atol=1e-6, rtol=1e-5)
+
+
 def test_a_prompt_in_pieces_equals_the_prompt_at_once():
     q, k, v, beta = inputs(n=30)
     whole, final = causal_delta_rule(q, k, v, beta, chunk_size=8)
@@ -58,13 +94,14 @@ def test_a_prompt_in_pieces_equals_the_prompt_at_once():
 
 
 def test_gradients_of_the_chunked_form_equal_those_of_the_recurrence():
-    leaves = [t.clone().requires_grad_() for t in inputs(n=13)]
-    y, s = causal_delta_rule(*leaves, chunk_size=4)
+    log_decay = -torch.rand(2, 3, 13, generator=torch.Generator().manual_seed(3))
+    leaves = [t.clone().requires_grad_() for t in (*inputs(n=13), log_decay)]
+    y, s = causal_delta_rule(*leaves[:4], chunk_size=4, log_decay=leaves[4])
     (y.square().sum() + s.sum()).backward()
     chunked = [t.grad.clone() for t in leaves]
     for t in leaves:
         t.grad = None
-    y, s = naive_delta_rule(*leaves)
+    y, s = naive_delta_rule(*leaves[:4], log_decay=leaves[4])
     (y.square().sum() + s.sum()).backward()
     for got, want in zip(chunked, (t.grad for t in leaves)):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

@@ -1,32 +1,44 @@
-"""The delta rule (DeltaNet, ``state_update="delta"``) in the decoder: each layer computes the rule on its own q, k, v
+"""The delta rule (DeltaNet, ``state_update="delta"``) and Gated DeltaNet (with ``state_decay``) in the decoder: each layer computes the rule on its own q, k, v
 and step sizes (checked against the update written out in float64), it adds only the step-size projection to the
 weights, generation carries one d x d state per head, and bad configs are refused with the fix. The decoder test
-matrix (helpers.DECODER_VARIANTS / CONV_VARIANTS: linear-delta, linear-delta-conv) covers the cache, padding,
-rollback, beam search and checkpoints."""
+matrix (helpers.DECODER_VARIANTS / CONV_VARIANTS: linear-delta, linear-delta-conv, linear-gated-delta-conv) covers
+the cache, padding, rollback, beam search, export and checkpoints."""
 
 import pytest
 import torch
 from helpers import DECODER_VARIANTS, causal_lm, random_ids
 
 from hf_linear_attn import DeltaRuleStateLayer, LinearGPT2Config
+from hf_linear_attn.configuration_linear_gpt2 import retnet_decay_rates
 
 
-def test_each_layer_applies_the_rule_to_its_own_q_k_v_and_step_sizes():
-    model = causal_lm("linear-delta")
+@pytest.mark.parametrize("variant", ["linear-delta", "linear-gated-delta-conv"])
+def test_each_layer_applies_the_rule_to_its_own_q_k_v_step_sizes_and_gates(variant):
+    model = causal_lm(variant)
     attn = model.transformer.h[1].attn
     x = torch.randn(2, 11, 32, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         got = attn(x)[0]
-        q, k, v = (attn._split_heads(t).double() for t in attn.c_attn(x).split(32, dim=-1))
+        qkv = attn.c_attn(x)
+        if attn.has_short_conv:
+            qkv = attn.short_conv(qkv, None, None)[0]
+        q, k, v = (attn._split_heads(t).double() for t in qkv.split(32, dim=-1))
         beta = torch.sigmoid(attn.b_proj(x).double()).transpose(1, 2)  # (B, H, n)
+        alpha = torch.ones_like(beta)
+        if variant == "linear-gated-delta-conv":  # Gated DeltaNet's gate, written out
+            gate = attn.delta_gate
+            alpha = torch.exp(-gate.A_log.double().exp() * torch.nn.functional.softplus(
+                gate.a_proj(x).double() + gate.dt_bias.double())).transpose(1, 2)
+            assert alpha.min() < 0.99  # the gate fades the state here: a dropped decay would fail the comparison
     q, k = (torch.nn.functional.normalize(torch.nn.functional.silu(t), dim=-1) for t in (q, k))
-    y = torch.zeros_like(v)
+    y = torch.zeros(v.shape, dtype=torch.float64)
     for b in range(2):
         for h in range(4):
             s = torch.zeros(8, 8, dtype=torch.float64)
             for t in range(11):
                 kt, step = k[b, h, t][:, None], beta[b, h, t]
-                s = (torch.eye(8, dtype=torch.float64) - step * kt @ kt.T) @ s + step * kt @ v[b, h, t][None]
+                s = alpha[b, h, t] * (torch.eye(8, dtype=torch.float64) - step * kt @ kt.T) @ s
+                s = s + step * kt @ v[b, h, t][None]
                 y[b, h, t] = s.T @ q[b, h, t]
     want = attn.c_proj(y.transpose(1, 2).reshape(2, 11, 32).float())
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
@@ -58,7 +70,7 @@ def test_the_rule_changes_what_the_model_computes():
     ({"state_update": "replace"}, "state_update must be 'add'"),
     ({"state_update": "delta", "feature_map": "hedgehog"}, "maps q and k itself"),
     ({"state_update": "delta", "attention_window": 4}, "with attention_window"),
-    ({"state_update": "delta", "state_decay": "fixed"}, "with state_decay"),
+    ({"state_update": "delta", "state_decay": "gated", "gate_low_rank_dim": 8}, "Gated DeltaNet's gate, one per head"),
 ])
 def test_bad_delta_configs_are_refused_with_the_fix(options, message):
     with pytest.raises(ValueError, match=message):
@@ -76,3 +88,32 @@ def test_a_hybrid_of_softmax_and_delta_layers_keeps_a_cache_of_each_kind():
     assert [type(layer).__name__ for layer in cache.layers] == ["KeyValueStateLayer", "DeltaRuleStateLayer"]
     steps = [model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits for t in range(7, 12)]
     torch.testing.assert_close(torch.cat(steps, 1), model(ids).logits[:, 7:], atol=1e-5, rtol=1e-5)
+
+
+def test_gated_deltanet_fades_the_state_by_its_gate_and_starts_as_mamba2():
+    """state_decay="gated" with the rule: Gated DeltaNet's per-head gate (a_proj, A_log, dt_bias), A in [1, 16] and
+    softplus(dt_bias) in [0.001, 0.1] at init, alpha_t = exp(-A softplus(x W_a + dt_bias)); "fixed" takes RetNet's
+    rates and adds no weight."""
+    model = causal_lm("linear-gated-delta-conv")
+    attn = model.transformer.h[0].attn
+    extra = set(model.state_dict()) - set(causal_lm("linear-delta-conv").state_dict())
+    assert extra == {f"transformer.h.{i}.attn.delta_gate.{name}" for i in range(2)
+                     for name in ("a_proj.weight", "A_log", "dt_bias")}
+    fresh = LinearGPT2Config(**{**DECODER_VARIANTS["linear-delta"]().to_dict(), "state_decay": "gated"})
+    from transformers import AutoModelForCausalLM
+
+    gate = AutoModelForCausalLM.from_config(fresh).transformer.h[1].attn.delta_gate
+    assert ((gate.A_log.exp() >= 1) & (gate.A_log.exp() <= 16)).all()
+    dt = torch.nn.functional.softplus(gate.dt_bias)
+    assert ((dt >= 1e-3 - 1e-7) & (dt <= 0.1 + 1e-7)).all()
+    x = torch.randn(1, 9, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        alpha = torch.exp(-attn.delta_gate.A_log.double().exp()
+                          * torch.nn.functional.softplus(attn.delta_gate.a_proj(x).double()
+                                                         + attn.delta_gate.dt_bias.double())).transpose(1, 2)
+        inputs = attn.per_token_inputs(x)
+    torch.testing.assert_close(inputs["log_decay"].double().exp(), alpha)
+    assert (alpha < 1).all() and (alpha > 0).all()
+    fixed = causal_lm("linear-delta", state_decay="fixed").transformer.h[0].attn
+    assert fixed.decay_rates == retnet_decay_rates(4) and not hasattr(fixed, "delta_gate")
+    assert fixed.per_token_inputs(x)["log_decay"].exp().flatten().tolist() == pytest.approx(retnet_decay_rates(4))

@@ -12,7 +12,8 @@ from hf_linear_attn import LinformerGPT2Config, LinformerGPT2ForCausalLM
 # (gpt2-conv): the replay rebuilds its buffer
 DECODERS = [
     "linear-elu", "linear-favor", "linear-window", "linear-hybrid", "linear-decay", "linear-gated", "linear-delta",
-    "linear-conv", "linear-window-conv", "linear-decay-conv", "linear-delta-conv", "gpt2-conv", "linformer-headwise",
+    "linear-conv", "linear-window-conv", "linear-decay-conv", "linear-delta-conv", "linear-gated-delta-conv",
+    "gpt2-conv", "linformer-headwise",
     "linformer-key-value",
 ]
 
