@@ -15,9 +15,9 @@ and beta = 1 a key's old value is replaced, not added to: the state is an associ
 overwritten. There is no normaliser: q and k are given unit length by the caller (DeltaNet's SiLU then L2 norm,
 :func:`delta_rule_qk`), so a stored value is read back at its own size. A pad (beta = 0) leaves the state as it was.
 
-With a decay (Gated DeltaNet, Yang et al. 2025, arXiv 2412.06464; ``log_decay`` = log alpha_t <= 0, one per head and
-token) the state fades before each write, S_t = alpha_t (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T; with alpha = 1
-everywhere it is the rule above exactly.
+With a decay (Gated DeltaNet, Yang et al. 2025, arXiv 2412.06464; ``log_decay`` = log alpha_t <= 0, one per head
+and token) the state fades before each write, S_t = alpha_t (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T; with
+alpha = 1 everywhere it is the rule above exactly.
 
 Forms (float32 throughout, autocast off, output in V's dtype):
 

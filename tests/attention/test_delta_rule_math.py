@@ -24,7 +24,8 @@ def reference(q, k, v, beta, state=None, key_mask=None, log_decay=None):
                 step = 0.0 if pad else float(beta[b, h, t])
                 alpha = 1.0 if pad or log_decay is None else float(log_decay[b, h, t].double().exp())
                 kt = k[b, h, t].double()[:, None]
-                s = alpha * (torch.eye(d_k, dtype=torch.float64) - step * kt @ kt.T) @ s + step * kt @ v[b, h, t].double()[None]
+                s = alpha * (torch.eye(d_k, dtype=torch.float64) - step * kt @ kt.T) @ s
+                s = s + step * kt @ v[b, h, t].double()[None]
                 y[b, h, t] = s.T @ q[b, h, t].double()
             final[b, h] = s
     return y, final

@@ -1,6 +1,7 @@
-"""The delta rule (DeltaNet, ``state_update="delta"``) and Gated DeltaNet (with ``state_decay``) in the decoder: each layer computes the rule on its own q, k, v
-and step sizes (checked against the update written out in float64), it adds only the step-size projection to the
-weights, generation carries one d x d state per head, and bad configs are refused with the fix. The decoder test
+"""The delta rule (DeltaNet, ``state_update="delta"``) and Gated DeltaNet (with ``state_decay``) in the decoder: each
+layer computes the rule on its own q, k, v, step sizes and gates (checked against the update written out in float64),
+the rule adds only the step-size projection to the weights (the gate its own three), generation carries one d x d
+state per head, and bad configs are refused with the fix. The decoder test
 matrix (helpers.DECODER_VARIANTS / CONV_VARIANTS: linear-delta, linear-delta-conv, linear-gated-delta-conv) covers
 the cache, padding, rollback, beam search, export and checkpoints."""
 
