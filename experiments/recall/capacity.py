@@ -26,6 +26,11 @@ Memories (`MEMORIES`):
   elu + 1's state.
 - "hedgehog_narrow": the same with W_h of head_size / 2 columns: head_size features, elu + 1's state to the byte
   (linear_gpt2_hedgehog_narrow's map).
+- "delta": the delta rule (DeltaNet; linear_gpt2's ``state_update="delta"``): q and k through SiLU and unit length,
+  each pair written in turn as S <- S + beta k (v - S^T k)^T with beta = sigmoid(x W_beta) per head from the key's
+  embedding, then read y = q S: head_size x head_size per head and no normaliser, the same bytes as "identity". The
+  order of the pairs matters here (a later key can overwrite an earlier one's value); the reads come after the last
+  write, as MQAR's queries come after the context.
 - "softmax": softmax attention over the stored keys, i.e. its cache of every key and value. Its memory grows with
   the pairs; it is the reference with no capacity limit.
 """
@@ -36,11 +41,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hf_linear_attn.delta_rule import causal_delta_rule, delta_rule_qk
 from hf_linear_attn.feature_maps import EluFeatureMap, HedgehogFeatureMap
 from hf_linear_attn.linear_attention import bidirectional_linear_attention
 from hf_linear_attn.training.errors import UsageError
 
-MEMORIES = ("elu", "elu_unnormalized", "identity", "hedgehog", "hedgehog_narrow", "softmax")
+MEMORIES = ("elu", "elu_unnormalized", "identity", "hedgehog", "hedgehog_narrow", "delta", "softmax")
 NORMALISED = ("elu", "hedgehog", "hedgehog_narrow")  # read as linear_gpt2 reads: phi(q) S / (phi(q) . z + eps)
 EPS = 1e-6  # linear_gpt2's default linear_attention_eps
 
@@ -94,6 +100,8 @@ class StateMemory(nn.Module):
         self.k_proj = nn.Linear(width, width, bias=False)
         self.v_proj = nn.Linear(width, width, bias=False)
         self.readout = nn.Linear(width, num_values)
+        if memory == "delta":  # a step size per head from the key's embedding (the decoder's b_proj)
+            self.b_proj = nn.Linear(width, heads, bias=False)
         if memory in ("hedgehog", "hedgehog_narrow"):
             self.feature_map = HedgehogFeatureMap(heads, head_size, feature_count(memory, head_size) // 2)
         else:
@@ -111,6 +119,11 @@ class StateMemory(nn.Module):
             return F.scaled_dot_product_attention(q, k, v)
         if self.memory == "identity":
             return q @ (k.transpose(-1, -2) @ v)
+        if self.memory == "delta":  # write the pairs in order with the rule, then read every key from the last state
+            q, k = delta_rule_qk(q, k)
+            beta = torch.sigmoid(self.b_proj(embedded).float()).transpose(1, 2)  # (B, H, D)
+            _, state = causal_delta_rule(k, k, v, beta)
+            return (q @ state).to(v.dtype)
         phi_q, phi_k = self.feature_map(q, is_query=True), self.feature_map(k, is_query=False)
         if self.memory == "elu_unnormalized":
             return phi_q @ (phi_k.transpose(-1, -2) @ v)

@@ -20,7 +20,8 @@ SETTING_KEYS = {"num_keys", "num_values", "pairs", "heads"}
 LABELS = {"elu": "elu + 1, normalised (linear_gpt2's read)", "elu_unnormalized": "elu + 1, no normaliser",
           "identity": "no feature map, no normaliser (q S)", "softmax": "softmax over the stored pairs (a cache)",
           "hedgehog": "hedgehog, normalised (2 x 32 features)",
-          "hedgehog_narrow": "hedgehog at elu + 1's width (2 x 16 features), normalised"}
+          "hedgehog_narrow": "hedgehog at elu + 1's width (2 x 16 features), normalised",
+          "delta": "delta rule (DeltaNet), written in order, no normaliser"}
 DECODER = "linear_gpt2_conv"  # the trained decoder whose state the probe isolates
 
 

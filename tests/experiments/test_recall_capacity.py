@@ -31,6 +31,14 @@ def explicit_read(model: StateMemory, keys: torch.Tensor, values: torch.Tensor) 
                     w = torch.softmax(torch.stack([qi @ k[b, h, j] / d ** 0.5 for j in range(k.shape[2])]), 0)
                 elif model.memory == "identity":
                     w = torch.stack([qi @ k[b, h, j] for j in range(k.shape[2])])
+                elif model.memory == "delta":  # the pairs written in order with the rule, then the read q S
+                    unit = [torch.nn.functional.normalize(torch.nn.functional.silu(x), dim=-1) for x in (qi, *k[b, h])]
+                    beta = torch.sigmoid(m.b_proj(emb[b]))[:, h]
+                    state = torch.zeros(d, d, dtype=torch.float64)
+                    for j, kj in enumerate(unit[1:]):
+                        state = state + beta[j] * torch.outer(kj, v[b, h, j] - state.T @ kj)
+                    out[b, h, i] = state.T @ unit[0]
+                    continue
                 else:
                     if model.memory.startswith("hedgehog"):  # [softmax(x W_h), softmax(-x W_h)], written out
                         weight = m.feature_map.weight[h]
