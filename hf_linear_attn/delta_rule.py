@@ -35,6 +35,8 @@ Forms (float32 throughout, autocast off, output in V's dtype):
   tril(Q K^T) T (``output_attentions``).
 """
 
+import math
+
 import torch
 
 from .linear_attention import _no_autocast
@@ -49,15 +51,16 @@ def delta_rule_qk(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch
 
 
 def _float32(q, k, v, beta, key_mask, log_decay=None):
-    """float32 q, k, v, beta (B, H, n) and log alpha (B, H, n; zeros without a decay), with beta and log alpha 0 at
+    """float32 q, k, v, beta (B, H, n) and log alpha (B, H, n; None without a decay), with beta and log alpha 0 at
     pads (a pad writes nothing, erases nothing and leaves the state undecayed)."""
     beta = beta.float()
-    batch, heads, n = beta.shape
-    log_decay = beta.new_zeros(()) if log_decay is None else log_decay.float()
-    log_decay = log_decay.expand(batch, heads, n)
+    if log_decay is not None:
+        log_decay = log_decay.float().expand(beta.shape)
     if key_mask is not None:
         real = key_mask[:, None, :].bool()
-        beta, log_decay = torch.where(real, beta, 0.0), torch.where(real, log_decay, 0.0)
+        beta = torch.where(real, beta, 0.0)
+        if log_decay is not None:
+            log_decay = torch.where(real, log_decay, 0.0)
     return q.float(), k.float(), v.float(), beta, log_decay
 
 
@@ -85,7 +88,8 @@ def naive_delta_rule(
         outputs = []
         for t in range(q.shape[2]):
             k_t, b_t = k[:, :, t], beta[:, :, t, None]
-            s = log_decay[:, :, t, None, None].exp() * s  # the state fades first (Gated DeltaNet), then the rule
+            if log_decay is not None:  # the state fades first (Gated DeltaNet), then the rule
+                s = log_decay[:, :, t, None, None].exp() * s
             correction = b_t * (v[:, :, t] - torch.einsum("bhk,bhkv->bhv", k_t, s))
             s = s + k_t[..., :, None] * correction[..., None, :]
             outputs.append(torch.einsum("bhk,bhkv->bhv", q[:, :, t], s))
@@ -130,7 +134,6 @@ def causal_delta_rule(
     batch, heads, n, d_k = q.shape
     if n == 0:
         return v, _empty_state(k, v) if state is None else state.float()
-    decayed = log_decay is not None
     with _no_autocast(q):
         q, k, v, beta, log_decay = _float32(q, k, v, beta, key_mask, log_decay)
         s = _empty_state(k, v) if state is None else state.float()
@@ -140,12 +143,15 @@ def causal_delta_rule(
         pad = 0 if c == n else -n % c
         if pad:  # zero rows: beta 0 writes nothing, and their outputs are dropped below
             q, k, v = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
-            beta, log_decay = (torch.nn.functional.pad(t, (0, pad)) for t in (beta, log_decay))
+            beta = torch.nn.functional.pad(beta, (0, pad))
+            if log_decay is not None:
+                log_decay = torch.nn.functional.pad(log_decay, (0, pad))
         chunks = (n + pad) // c
         q, k, v = (t.reshape(batch, heads, chunks, c, t.shape[-1]) for t in (q, k, v))
-        beta, log_decay = (t.reshape(batch, heads, chunks, c) for t in (beta, log_decay))
-        if decayed:
-            running = log_decay.cumsum(-1)  # B_t: log of the decay from the chunk's start to t, <= 0
+        beta = beta.reshape(batch, heads, chunks, c)
+        if log_decay is not None:
+            # B_t: log of the decay from the chunk's start to t, <= 0
+            running = log_decay.reshape(batch, heads, chunks, c).cumsum(-1)
             decays = _decays(running)  # exp(B_t - B_s), s <= t
             carried, to_end = running.exp()[..., None], (running[..., -1:] - running).exp()[..., None]
             t_matrix = _solved_chunks(k, beta, decays)
@@ -178,14 +184,14 @@ def delta_rule_weights(
     value a negative weight."""
     with _no_autocast(q):
         q, k, _, beta, log_decay = _float32(q, k, k, beta, key_mask, log_decay)
-        decays = _decays(log_decay.cumsum(-1))
+        decays = _decays(torch.zeros_like(beta) if log_decay is None else log_decay.cumsum(-1))  # no decay: 1, causal
         return ((q @ k.transpose(-1, -2)) * decays) @ _solved_chunks(k, beta, decays)
 
 
 class DeltaRuleGate(torch.nn.Module):
     """Gated DeltaNet's decay, one per head and token (Mamba-2's form, as fla's GatedDeltaNet computes it):
     log alpha_t = -exp(A_log) * softplus(x_t W_a + dt_bias) <= 0. Parameters ``a_proj`` (no bias), ``A_log`` and
-    ``dt_bias`` (fla's names), A in [1, 16] and dt in [0.001, 0.1] at init (``init_delta_rule_gate``): memories from
+    ``dt_bias`` (fla's names), A in [1, 16] and dt in [0.001, 0.1] at init (:func:`delta_rule_gate_init`): memories from
     about 1 to 1,000 tokens at the start."""
 
     def __init__(self, hidden_size: int, num_heads: int):
@@ -204,6 +210,6 @@ def delta_rule_gate_init(num_heads: int, generator: torch.Generator | None = Non
     """(A_log, dt_bias) as Mamba-2 and fla's GatedDeltaNet start them: A ~ U(1, 16), dt log-uniform in [0.001, 0.1]
     (at least 1e-4), dt_bias its inverse softplus."""
     a = torch.empty(num_heads).uniform_(1, 16, generator=generator)
-    dt = torch.exp(torch.rand(num_heads, generator=generator) * (torch.log(torch.tensor(0.1)) - torch.log(
-        torch.tensor(0.001))) + torch.log(torch.tensor(0.001))).clamp(min=1e-4)
+    low, high = math.log(0.001), math.log(0.1)
+    dt = torch.exp(low + (high - low) * torch.rand(num_heads, generator=generator)).clamp(min=1e-4)
     return a.log(), dt + torch.log(-torch.expm1(-dt))

@@ -37,26 +37,28 @@ def lookup_attention(model, task: dict, batch_size: int, batches: int, seed: int
     model.eval()
     device = next(model.parameters()).device
     sums, uniform, queries = None, 0.0, 0
-    for _ in range(batches):
-        ids, labels = mqar_batch(batch_size, generator=generator, **task)
-        attentions = model(input_ids=ids.to(device), output_attentions=True).attentions
-        n = ids.shape[1]
-        if not attentions or any(a is None or tuple(a.shape[-2:]) != (n, n) for a in attentions):
-            model.train(was_training)
-            return None
-        rows, answers = (labels != -100).nonzero(as_tuple=True)
-        at = answers - 1  # the queried key's position: the value is predicted there
-        pair = (ids[:, 0 : 2 * task["pairs"] : 2][rows] == ids[rows, at][:, None]).int().argmax(-1)  # its pair
-        span = 2 * pair[:, None] + 1 + torch.arange(LOOKUP_SPAN)  # (queries, LOOKUP_SPAN); beyond `at`: weight 0
-        seen = span <= at[:, None]
-        span = span.clamp(max=n - 1)
-        # each layer's weights at the query rows: (queries, heads, n), then those on the pair's span
-        mass = torch.stack([(a.float().cpu()[rows, :, at].gather(-1, span[:, None, :].expand(-1, a.shape[1], -1))
-                             * seen[:, None, :]).sum(-1) for a in attentions])  # (layers, queries, heads)
-        sums = mass.sum(1) if sums is None else sums + mass.sum(1)
-        uniform += (seen.sum(-1) / (at + 1)).sum().item()
-        queries += len(at)
-    model.train(was_training)
+    try:
+        for _ in range(batches):
+            ids, labels = mqar_batch(batch_size, generator=generator, **task)
+            attentions = model(input_ids=ids.to(device), output_attentions=True).attentions
+            n = ids.shape[1]
+            if not attentions or any(a is None or tuple(a.shape[-2:]) != (n, n) for a in attentions):
+                return None
+            rows, answers = (labels != -100).nonzero(as_tuple=True)
+            at = answers - 1  # the queried key's position: the value is predicted there
+            pair = (ids[:, 0 : 2 * task["pairs"] : 2][rows] == ids[rows, at][:, None]).int().argmax(-1)  # its pair
+            span = 2 * pair[:, None] + 1 + torch.arange(LOOKUP_SPAN)  # (queries, LOOKUP_SPAN); beyond `at`: weight 0
+            seen = span <= at[:, None]
+            span = span.clamp(max=n - 1)
+            # each layer's weights at the query rows (queries, heads, n), taken on the device, then those on the span
+            mass = torch.stack([(a[rows.to(device), :, at.to(device)].float().cpu()
+                                 .gather(-1, span[:, None, :].expand(-1, a.shape[1], -1))
+                                 * seen[:, None, :]).sum(-1) for a in attentions])  # (layers, queries, heads)
+            sums = mass.sum(1) if sums is None else sums + mass.sum(1)
+            uniform += (seen.sum(-1) / (at + 1)).sum().item()
+            queries += len(at)
+    finally:
+        model.train(was_training)
     return {"layers": (sums / queries).tolist(), "uniform": uniform / queries, "queries": queries}
 
 
