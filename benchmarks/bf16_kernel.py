@@ -11,7 +11,6 @@ float64 at the longest n; the CPU's model and instruction-set flags recorded.
 """
 
 import argparse
-import importlib.util
 import json
 import platform
 import statistics
@@ -59,14 +58,12 @@ def timed_once(fn) -> float:
 
 def fla_torch_chunk():
     """fla's torch chunk form, or None with the reason."""
-    spec = importlib.util.find_spec("fla")
-    if spec is None or not spec.submodule_search_locations:
-        return None, "fla is not installed (pip install fla-core)"
-    path = Path(list(spec.submodule_search_locations)[0]) / "ops" / "linear_attn" / "naive.py"
-    module_spec = importlib.util.spec_from_file_location("fla_linear_attn_naive", path)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return module.naive_chunk_linear_attn, None
+    from benchmarks.suites import load_fla_naive
+
+    try:
+        return load_fla_naive("linear_attn").naive_chunk_linear_attn, None
+    except ImportError as error:
+        return None, str(error)
 
 
 def causal_flops(n: int, mode: str) -> float:

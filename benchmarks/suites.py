@@ -163,16 +163,17 @@ def linear_attention_flops(form: str, n: int, heads: int, d: int, chunk: int) ->
     return heads * chunks * per_chunk
 
 
-def _load_fla_naive():
-    """fla's torch-only linear-attention forms (ops/linear_attn/naive.py), loaded by path: the package's __init__
-    imports triton, which CPU-only installs lack."""
+def load_fla_naive(op: str = "linear_attn"):
+    """fla's torch-only reference forms of one op (``fla/ops/<op>/naive.py``: linear_attn, simple_gla, gla,
+    delta_rule, gated_delta_rule, ...), loaded by path: the package's __init__ imports triton, which CPU-only installs
+    lack. ImportError naming the install where fla is absent."""
     import importlib.util
 
     found = importlib.util.find_spec("fla")
     if found is None or not found.submodule_search_locations:
-        raise ImportError("fla (pip install flash-linear-attention) is not installed")
-    path = Path(list(found.submodule_search_locations)[0]) / "ops" / "linear_attn" / "naive.py"
-    module_spec = importlib.util.spec_from_file_location("fla_linear_attn_naive", path)
+        raise ImportError("fla is not installed: pip install --no-deps fla-core einops (or the project's test extra)")
+    path = Path(list(found.submodule_search_locations)[0]) / "ops" / op / "naive.py"
+    module_spec = importlib.util.spec_from_file_location(f"fla_{op}_naive", path)
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
     return module
@@ -182,7 +183,7 @@ def peer_kernel(name: str):
     """A peer's causal linear attention as fn(phi_q, phi_k, v) on (B, H, n, d) features, plus the feature maps it
     applies itself (None: it takes features), or ImportError with the reason it cannot run here."""
     if name == "fla chunk (torch)":
-        naive = _load_fla_naive()
+        naive = load_fla_naive()
 
         def fla_chunk(q, k, v):
             t = [x.transpose(1, 2) for x in (q, k, v)]
