@@ -220,28 +220,40 @@ def render_thresholds(rows: list[dict], models: list[str], threshold: float = 0.
 
 def render_lookup(rows: list[dict]) -> list[str]:
     """Where each trained model looks up (stages recorded with `lookup_attention`'s reading): per layer, the head with
-    the most attention weight on the queried pair."""
+    the most attention weight on the queried pair; and, for the stages recorded with it, the head with the largest
+    share of its row's absolute weight there (the reading for signed weights, such as the delta rule's)."""
     probed = [r for r in rows if r.get("lookup")]
     if not probed:
         return []
     depth = max(len(r["lookup"]["layers"]) for r in probed)
+    header = ["| model | n | pairs | width | accuracy | " + " | ".join(f"layer {i + 1}" for i in range(depth))
+              + " | even weights |", "|---" * (depth + 6) + "|"]
+
+    def table(key: str) -> list[str]:
+        lines = []
+        for r in (r for r in probed if key in r["lookup"]):
+            cells = []
+            for heads in r["lookup"][key]:
+                best = max(range(len(heads)), key=heads.__getitem__)
+                cells.append(f"{heads[best]:.1%} (head {best + 1} of {len(heads)})")
+            cells += ["-"] * (depth - len(cells))
+            lines.append(f"| {LABELS.get(r['model'], r['model'])} | {r['length']:,} | {r['pairs']} | {r['width']} | "
+                         f"{r['accuracy']:.1%} | " + " | ".join(cells) + f" | {r['lookup']['uniform']:.1%} |")
+        return header + lines if lines else []
+
     out = ["## Where the lookup is: attention on the queried pair", "",
            "At each query (the queried key's position, where the value is predicted), each layer's attention weight "
            "on the queried pair: its value's position and the two after it, the positions whose short-convolution "
            "window still holds the key and the value. Mean over the queries of fresh sequences; per layer the head "
            "that puts the most there. Even weights over the positions a query sees would put the last column's share "
-           "there. A head that recalls by attention puts most of its weight on the pair.", "",
-           "| model | n | pairs | width | accuracy | " + " | ".join(f"layer {i + 1}" for i in range(depth))
-           + " | even weights |", "|---" * (depth + 6) + "|"]
-    for r in probed:
-        cells = []
-        for heads in r["lookup"]["layers"]:
-            best = max(range(len(heads)), key=heads.__getitem__)
-            cells.append(f"{heads[best]:.1%} (head {best + 1} of {len(heads)})")
-        cells += ["-"] * (depth - len(cells))
-        out.append(f"| {LABELS.get(r['model'], r['model'])} | {r['length']:,} | {r['pairs']} | {r['width']} | "
-                   f"{r['accuracy']:.1%} | " + " | ".join(cells) + f" | {r['lookup']['uniform']:.1%} |")
-    return out + [""]
+           "there. A head that recalls by attention puts most of its weight on the pair.", "", *table("layers"), ""]
+    shares = table("layers_abs")
+    if shares:
+        out += ["The same, as the share of each row's absolute weight that lies on the pair (stages recorded since "
+                "this reading was added). For softmax and normalised linear attention, whose rows are positive and "
+                "sum to 1, it is the weight above; the delta rule's rows are signed and unnormalised, so there a sum "
+                "of weights can cancel what this share still shows.", "", *shares, ""]
+    return out
 
 
 def render(rows: list[dict], meta: dict) -> str:

@@ -26,8 +26,9 @@ LOOKUP_SPAN = 3
 def lookup_attention(model, task: dict, batch_size: int, batches: int, seed: int) -> dict | None:
     """Where a trained model looks up: at each query of fresh MQAR batches (the queried key's position, where the
     value is predicted), each layer's and head's attention weight on the queried pair (its value's position and the
-    LOOKUP_SPAN - 1 after it), averaged over the queries. A head that recalls by attention puts most of its weight
-    there; "uniform" is what a head spreading its weight evenly over the positions it sees would put there. None for a
+    LOOKUP_SPAN - 1 after it), averaged over the queries: "layers" the weight, "layers_abs" the share of the row's
+    absolute weight there (for a signed matrix such as the delta rule's, where weights of both signs cancel in a
+    sum). A head that recalls by attention puts most of its weight there; "uniform" is what a head spreading its weight evenly over the positions it sees would put there. None for a
     model whose weights are not an n x n matrix in position order (Linformer's k columns, Reformer's buckets) or
     that returns none (SDPA's GPT-2)."""
     if getattr(model.config, "model_type", None) == "reformer":  # LSH weights come sorted by bucket, not position
@@ -50,16 +51,21 @@ def lookup_attention(model, task: dict, batch_size: int, batches: int, seed: int
             span = 2 * pair[:, None] + 1 + torch.arange(LOOKUP_SPAN)  # (queries, LOOKUP_SPAN); beyond `at`: weight 0
             seen = span <= at[:, None]
             span = span.clamp(max=n - 1)
-            # each layer's weights at the query rows (queries, heads, n), taken on the device, then those on the span
-            mass = torch.stack([(a[rows.to(device), :, at.to(device)].float().cpu()
-                                 .gather(-1, span[:, None, :].expand(-1, a.shape[1], -1))
-                                 * seen[:, None, :]).sum(-1) for a in attentions])  # (layers, queries, heads)
-            sums = mass.sum(1) if sums is None else sums + mass.sum(1)
+            # each layer's weights at the query rows (queries, heads, n), taken on the device, then those on the span:
+            # the weight there, and its share of the row's absolute weight (the same for softmax and normalised linear
+            # attention, whose rows are positive and sum to 1; the delta rule's are signed and unnormalised)
+            weights = [a[rows.to(device), :, at.to(device)].float().cpu() for a in attentions]
+            on_pair = [w.gather(-1, span[:, None, :].expand(-1, w.shape[1], -1)) * seen[:, None, :] for w in weights]
+            mass = torch.stack([torch.stack((p.sum(-1), p.abs().sum(-1) / w.abs().sum(-1).clamp(min=1e-30)))
+                                for p, w in zip(on_pair, weights)])  # (layers, 2, queries, heads)
+            sums = mass.sum(2) if sums is None else sums + mass.sum(2)
             uniform += (seen.sum(-1) / (at + 1)).sum().item()
             queries += len(at)
     finally:
         model.train(was_training)
-    return {"layers": (sums / queries).tolist(), "uniform": uniform / queries, "queries": queries}
+    means = sums / queries
+    return {"layers": means[:, 0].tolist(), "layers_abs": means[:, 1].tolist(), "uniform": uniform / queries,
+            "queries": queries}
 
 
 def train_mqar(model, task: dict, steps: int, batch_size: int, optim: dict, seed: int, log_every: int,

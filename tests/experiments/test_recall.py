@@ -165,7 +165,9 @@ def test_decoding_state_bytes_constant_for_recurrent_models_and_growing_for_soft
 class _KnownLookup(torch.nn.Module):
     """A stand-in decoder whose attention weights are written by hand, row by row in plain Python from the context's
     pairs: layer 1, head 1 puts all its weight on the queried pair's value; head 2 spreads it evenly; layer 2, head 1
-    on position 0 (a key, never in a pair's span), head 2 half and half on the two positions after the value."""
+    on position 0 (a key, never in a pair's span), head 2 half and half on the two positions after the value; layer 3
+    (signed, as the delta rule's weights are), head 1 +1 on the value, -1 on the position after it and +2 on
+    position 0, head 2 -1 on position 0 only."""
 
     config = type("Config", (), {"model_type": "known-lookup"})()
 
@@ -176,21 +178,25 @@ class _KnownLookup(torch.nn.Module):
 
     def forward(self, input_ids, output_attentions):
         b, n = input_ids.shape
-        first, second = torch.zeros(b, 2, n, n), torch.zeros(b, 2, n, n)
+        first, second, third = (torch.zeros(b, 2, n, n) for _ in range(3))
         for row, seq in enumerate(input_ids.tolist()):
             where = {seq[2 * i]: 2 * i for i in range(self.pairs)}  # key -> its position in the context
             for t in range(n):
                 first[row, 1, t, : t + 1] = 1 / (t + 1)
                 second[row, 0, t, 0] = 1
+                third[row, :, t, 0] = torch.tensor([2.0, -1.0])
                 if t >= 2 * self.pairs and seq[t] in where:  # a query (or a random key token: weights all the same)
                     value = where[seq[t]] + 1
                     first[row, 0, t, value] = 1
+                    third[row, 0, t, value] = 1
                     for after in (value + 1, value + 2):
                         if after <= t:
                             second[row, 1, t, after] += 0.5
+                    if value + 1 <= t:
+                        third[row, 0, t, value + 1] = -1
                 else:
                     first[row, 0, t, 0] = 1
-        return type("Out", (), {"attentions": (first, second)})()
+        return type("Out", (), {"attentions": (first, second, third)})()
 
 
 def test_the_lookup_reading_finds_the_head_that_attends_to_the_queried_pair():
@@ -199,7 +205,7 @@ def test_the_lookup_reading_finds_the_head_that_attends_to_the_queried_pair():
     task = {"length": 48, "pairs": 6, "num_keys": 16, "num_values": 16}
     reading = lookup_attention(_KnownLookup(6), task, batch_size=3, batches=2, seed=7)
     # the same batches, and what even weights put on the pair, counted independently of the reading's indexing
-    generator, even, queries, halves = torch.Generator().manual_seed(7), [], 0, []
+    generator, even, queries, halves, reached, signed, shares = torch.Generator().manual_seed(7), [], 0, [], [], [], []
     for _ in range(2):
         ids, labels = mqar_batch(3, generator=generator, **task)
         for seq, lab in zip(ids.tolist(), labels.tolist()):
@@ -208,12 +214,22 @@ def test_the_lookup_reading_finds_the_head_that_attends_to_the_queried_pair():
                 t, value = answer - 1, where[seq[answer - 1]] + 1
                 even.append(sum(1 for x in (value, value + 1, value + 2) if x <= t) / (t + 1))
                 halves.append(0.5 * sum(1 for x in (value + 1, value + 2) if x <= t))
+                reached.append(1.0 if value + 1 <= t else 0.0)  # layer 2, head 2's row is all on the span, or empty
+                signed.append(1.0 - reached[-1])  # +1 and -1 cancel where both are seen
+                shares.append((1 + reached[-1]) / (3 + reached[-1]))  # |+1| (+ |-1|) of |+1| (+ |-1|) + |+2|
                 queries += 1
     assert reading["queries"] == queries == 2 * 3 * 6
     assert reading["layers"][0] == pytest.approx([1.0, sum(even) / queries])
     assert reading["uniform"] == pytest.approx(sum(even) / queries)
     assert reading["layers"][1] == pytest.approx([0.0, sum(halves) / queries])
     assert sum(halves) / queries < 1  # some query sits right after the last pair: the span reaches past it
+    # the share of the row's absolute weight: the weight itself where rows are positive and sum to 1
+    assert reading["layers_abs"][0] == pytest.approx(reading["layers"][0])
+    assert reading["layers_abs"][1] == pytest.approx([0.0, sum(reached) / queries])
+    # signed rows: weights of both signs on the pair cancel in the sum, not in the share
+    assert reading["layers"][2] == pytest.approx([sum(signed) / queries, 0.0])
+    assert reading["layers_abs"][2] == pytest.approx([sum(shares) / queries, 0.0])
+    assert sum(signed) < sum(shares)  # the head the sum nearly misses
 
 
 def test_the_lookup_reading_of_real_decoders():
