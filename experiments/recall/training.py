@@ -28,9 +28,9 @@ def lookup_attention(model, task: dict, batch_size: int, batches: int, seed: int
     value is predicted), each layer's and head's attention weight on the queried pair (its value's position and the
     LOOKUP_SPAN - 1 after it), averaged over the queries: "layers" the weight, "layers_abs" the share of the row's
     absolute weight there (for a signed matrix such as the delta rule's, where weights of both signs cancel in a
-    sum). A head that recalls by attention puts most of its weight there; "uniform" is what a head spreading its weight evenly over the positions it sees would put there. None for a
-    model whose weights are not an n x n matrix in position order (Linformer's k columns, Reformer's buckets) or
-    that returns none (SDPA's GPT-2)."""
+    sum). A head that recalls by attention puts most of its weight there; "uniform" is what a head spreading its
+    weight evenly over the positions it sees would put there. None for a model whose weights are not an n x n matrix
+    in position order (Linformer's k columns, Reformer's buckets) or that returns none (SDPA's GPT-2)."""
     if getattr(model.config, "model_type", None) == "reformer":  # LSH weights come sorted by bucket, not position
         return None
     generator = torch.Generator().manual_seed(seed)
