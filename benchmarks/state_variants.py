@@ -50,7 +50,8 @@ def call(method: str, q, k, v, gate, beta, head_gate, log_rates):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     if method in ("delta rule", "gated delta rule"):
         q_unit, k_unit = delta_rule_qk(q, k)
-        return causal_delta_rule(q_unit, k_unit, v, beta, log_decay=head_gate if method.startswith("gated") else None)[0]
+        log_decay = head_gate if method == "gated delta rule" else None
+        return causal_delta_rule(q_unit, k_unit, v, beta, log_decay=log_decay)[0]
     phi_q, phi_k = F.elu(q) + 1, F.elu(k) + 1
     if method == "linear":
         return causal_linear_attention(phi_q, phi_k, v)[0]
