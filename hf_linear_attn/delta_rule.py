@@ -17,7 +17,9 @@ overwritten. There is no normaliser: q and k are given unit length by the caller
 
 With a decay (Gated DeltaNet, Yang et al. 2025, arXiv 2412.06464; ``log_decay`` = log alpha_t <= 0, one per head
 and token) the state fades before each write, S_t = alpha_t (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T; with
-alpha = 1 everywhere it is the rule above exactly.
+alpha = 1 everywhere it is the rule above exactly. With one decay per key feature (Kimi Delta Attention, KDA: Kimi
+Team 2025, arXiv 2510.26692; ``log_decay`` (B, H, n, d_k)) the state's rows fade each at their own rate first,
+S_t = (I - beta_t k_t k_t^T) Diag(alpha_t) S_{t-1} + beta_t k_t v_t^T (the order fla's reference takes).
 
 Forms (float32 throughout, autocast off, output in V's dtype):
 
@@ -28,8 +30,9 @@ Forms (float32 throughout, autocast off, output in V's dtype):
   (I + tril(diag(beta) K K^T, -1)) U = diag(beta) (V - K S), so U = T V - (T K) S with T the solved
   diag(beta); then Y = Q S + tril(Q K^T) U and the next chunk starts from S + K^T U. The triangular solves are done
   for every chunk at once; only the C-row state products run chunk after chunk. With a decay, every product between
-  positions s <= t of a chunk is scaled by exp(B_t - B_s) (B the running sum of log alpha in the chunk) and the
-  carried state by exp(B_t): no exponent is ever positive.
+  positions s <= t of a chunk is scaled by exp(B_t - B_s) (B the running sum of log alpha in the chunk; with one
+  decay per feature, feature by feature inside the product, as GLA's kernel computes its scores) and the carried
+  state by exp(B_t): no exponent is ever positive.
   Under ``torch.export`` the whole sequence is one chunk (quadratic in n, no chunk count read from n).
 * :func:`delta_rule_weights`: the n x n matrix the rule applies to the values from an empty state,
   tril(Q K^T) T (``output_attentions``).
@@ -39,6 +42,7 @@ import math
 
 import torch
 
+from .decayed_linear_attention import _decayed_scores, _split_scores
 from .linear_attention import _no_autocast
 
 
@@ -50,17 +54,30 @@ def delta_rule_qk(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch
     return q, k
 
 
+def _check_log_decay(log_decay: torch.Tensor, k: torch.Tensor) -> None:
+    n, d_k = k.shape[2], k.shape[-1]
+    per_head = log_decay.dim() == 3 and log_decay.shape[-1] in (1, n)
+    per_feature = log_decay.dim() == 4 and log_decay.shape[2] in (1, n) and log_decay.shape[-1] == d_k
+    if not (per_head or per_feature):
+        raise ValueError(
+            f"log_decay must be (batch, heads, n) (one decay per head and token, Gated DeltaNet) or (batch, heads, n, "
+            f"d_k) (one per key feature, KDA), broadcastable to k {tuple(k.shape)}; got {tuple(log_decay.shape)}.")
+
+
 def _float32(q, k, v, beta, key_mask, log_decay=None):
-    """float32 q, k, v, beta (B, H, n) and log alpha (B, H, n; None without a decay), with beta and log alpha 0 at
-    pads (a pad writes nothing, erases nothing and leaves the state undecayed)."""
+    """float32 q, k, v, beta (B, H, n) and log alpha (B, H, n, g) with g = 1 (one per head) or d_k (one per feature;
+    None without a decay), with beta and log alpha 0 at pads (a pad writes nothing, erases nothing and leaves the
+    state undecayed)."""
     beta = beta.float()
     if log_decay is not None:
-        log_decay = log_decay.float().expand(beta.shape)
+        _check_log_decay(log_decay, k)
+        log_decay = log_decay.float()[..., None] if log_decay.dim() == 3 else log_decay.float()
+        log_decay = log_decay.expand(*beta.shape, log_decay.shape[-1])
     if key_mask is not None:
         real = key_mask[:, None, :].bool()
         beta = torch.where(real, beta, 0.0)
         if log_decay is not None:
-            log_decay = torch.where(real, log_decay, 0.0)
+            log_decay = torch.where(real[..., None], log_decay, 0.0)
     return q.float(), k.float(), v.float(), beta, log_decay
 
 
@@ -79,8 +96,8 @@ def naive_delta_rule(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The delta rule one position at a time: q, k (B, H, n, d_k), v (B, H, n, d_v), beta (B, H, n) in [0, 1],
     ``key_mask`` (B, n) (True: a real token), ``state`` S (B, H, d_k, d_v) or None (empty), ``log_decay`` log alpha
-    <= 0, (B or 1, H, n or 1) or None (no decay). Returns the outputs (B, H, n, d_v) in V's dtype and the final S in
-    float32."""
+    <= 0, (B or 1, H, n or 1) (one per head) or (B or 1, H, n or 1, d_k) (one per key feature), or None (no decay).
+    Returns the outputs (B, H, n, d_v) in V's dtype and the final S in float32."""
     out_dtype = v.dtype
     with _no_autocast(q):
         q, k, v, beta, log_decay = _float32(q, k, v, beta, key_mask, log_decay)
@@ -88,8 +105,8 @@ def naive_delta_rule(
         outputs = []
         for t in range(q.shape[2]):
             k_t, b_t = k[:, :, t], beta[:, :, t, None]
-            if log_decay is not None:  # the state fades first (Gated DeltaNet), then the rule
-                s = log_decay[:, :, t, None, None].exp() * s
+            if log_decay is not None:  # the state fades first (Gated DeltaNet; KDA row by row), then the rule
+                s = log_decay[:, :, t, :, None].exp() * s
             correction = b_t * (v[:, :, t] - torch.einsum("bhk,bhkv->bhv", k_t, s))
             s = s + k_t[..., :, None] * correction[..., None, :]
             outputs.append(torch.einsum("bhk,bhkv->bhv", q[:, :, t], s))
@@ -97,22 +114,25 @@ def naive_delta_rule(
     return y.to(out_dtype), s
 
 
-def _decays(cumulative: torch.Tensor) -> torch.Tensor:
-    """exp(B_t - B_s) for s <= t, 0 above the diagonal, from the running sums B (..., C) of log alpha: (..., C, C)."""
-    c = cumulative.shape[-1]
-    causal = torch.ones(c, c, dtype=torch.bool, device=cumulative.device).tril()
-    return (cumulative[..., :, None] - cumulative[..., None, :]).masked_fill(~causal, -torch.inf).exp()
+def _products(a: torch.Tensor, b: torch.Tensor, cumulative: torch.Tensor | None) -> torch.Tensor:
+    """a_t . b_s for s <= t, 0 above the diagonal, each scaled by the decay from s to t where there is one:
+    exp(B_t - B_s) from the running sums B (..., C, 1) of log alpha, or feature by feature, sum_f a_tf b_sf
+    exp(B_tf - B_sf), from B (..., C, d_k); every exponent <= 0 (masked before exp). (..., C, C)."""
+    if cumulative is None:
+        return (a @ b.transpose(-1, -2)).tril()
+    if cumulative.shape[-1] == 1:
+        return _decayed_scores(a, b, cumulative)
+    # one decay per feature: GLA's matmul around the chunk's middle where the chunk's decay allows it, else C x C x d
+    scores = _split_scores(a, b, cumulative)
+    return _decayed_scores(a, b, cumulative) if scores is None else scores
 
 
-def _solved_chunks(k: torch.Tensor, beta: torch.Tensor, decays: torch.Tensor | None = None) -> torch.Tensor:
-    """T = (I + tril(diag(beta) (K K^T * decays), -1))^-1 diag(beta) for chunks k (..., C, d_k), beta (..., C) and
-    the decays between positions (..., C, C) or None: (..., C, C), unit lower-triangular solve (exact: no series
+def _solved_chunks(k: torch.Tensor, beta: torch.Tensor, products: torch.Tensor) -> torch.Tensor:
+    """T = (I + tril(diag(beta) P, -1))^-1 diag(beta) for chunks k (..., C, d_k), beta (..., C) and the (decayed)
+    key products P (..., C, C) of :func:`_products`: (..., C, C), unit lower-triangular solve (exact: no series
     expansion)."""
     c = k.shape[-2]
     strictly_lower = torch.ones(c, c, dtype=torch.bool, device=k.device).tril(-1)
-    products = k @ k.transpose(-1, -2)
-    if decays is not None:
-        products = products * decays
     a = (beta[..., :, None] * products).masked_fill(~strictly_lower, 0.0)
     eye = torch.eye(c, dtype=k.dtype, device=k.device)
     return torch.linalg.solve_triangular(eye + a, torch.diag_embed(beta), upper=False, unitriangular=True)
@@ -145,21 +165,21 @@ def causal_delta_rule(
             q, k, v = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
             beta = torch.nn.functional.pad(beta, (0, pad))
             if log_decay is not None:
-                log_decay = torch.nn.functional.pad(log_decay, (0, pad))
+                log_decay = torch.nn.functional.pad(log_decay, (0, 0, 0, pad))
         chunks = (n + pad) // c
         q, k, v = (t.reshape(batch, heads, chunks, c, t.shape[-1]) for t in (q, k, v))
         beta = beta.reshape(batch, heads, chunks, c)
         if log_decay is not None:
-            # B_t: log of the decay from the chunk's start to t, <= 0
-            running = log_decay.reshape(batch, heads, chunks, c).cumsum(-1)
-            decays = _decays(running)  # exp(B_t - B_s), s <= t
-            carried, to_end = running.exp()[..., None], (running[..., -1:] - running).exp()[..., None]
-            t_matrix = _solved_chunks(k, beta, decays)
+            # B_t: log of the decay from the chunk's start to t, <= 0, (B, H, N, C, g) with g 1 or d_k
+            running = log_decay.reshape(batch, heads, chunks, c, -1).cumsum(-2)
+            carried, to_end = running.exp(), (running[..., -1:, :] - running).exp()
+            t_matrix = _solved_chunks(k, beta, _products(k, k, running))
             w, u = t_matrix @ (carried * k), t_matrix @ v  # the start state reaches position t decayed by exp(B_t)
-            scores = (q @ k.transpose(-1, -2)) * decays
-            q_carried, k_to_end, chunk_decay = carried * q, to_end * k, running[..., -1, None, None].exp()
+            scores = _products(q, k, running)
+            # the chunk's whole decay of the state's rows: (B, H, N, g, 1)
+            q_carried, k_to_end, chunk_decay = carried * q, to_end * k, running[..., -1, :, None].exp()
         else:
-            t_matrix = _solved_chunks(k, beta)
+            t_matrix = _solved_chunks(k, beta, _products(k, k, None))
             w, u = t_matrix @ k, t_matrix @ v  # (B, H, N, C, d_k), (B, H, N, C, d_v)
             scores = (q @ k.transpose(-1, -2)).tril()  # (B, H, N, C, C), a query sees its own key
             q_carried, k_to_end, chunk_decay = q, k, None
@@ -184,8 +204,8 @@ def delta_rule_weights(
     value a negative weight."""
     with _no_autocast(q):
         q, k, _, beta, log_decay = _float32(q, k, k, beta, key_mask, log_decay)
-        decays = _decays(torch.zeros_like(beta) if log_decay is None else log_decay.cumsum(-1))  # no decay: 1, causal
-        return ((q @ k.transpose(-1, -2)) * decays) @ _solved_chunks(k, beta, decays)
+        running = None if log_decay is None else log_decay.cumsum(-2)
+        return _products(q, k, running) @ _solved_chunks(k, beta, _products(k, k, running))
 
 
 class DeltaRuleGate(torch.nn.Module):

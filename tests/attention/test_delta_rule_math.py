@@ -2,7 +2,8 @@
 S_t = (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T, y_t = S_t^T q_t, with explicit d x d matrices: the chunked
 form at every chunk length, with a starting state and pads, its gradients, the n x n weights, and the property the
 rule exists for (a key written twice reads back its last value, where the additive sum mixes both); and Gated
-DeltaNet's decay, S_t = alpha_t (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T, the same way."""
+DeltaNet's decay, S_t = alpha_t (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T, the same way, and KDA's decay
+per key feature, S_t = (I - beta_t k_t k_t^T) Diag(alpha_t) S_{t-1} + beta_t k_t v_t^T."""
 
 import pytest
 import torch
@@ -11,8 +12,8 @@ from hf_linear_attn import causal_delta_rule, delta_rule_qk, delta_rule_weights,
 
 
 def reference(q, k, v, beta, state=None, key_mask=None, log_decay=None):
-    """Float64, one position and one head at a time, the update as a d_k x d_k matrix times the state (times alpha_t
-    where there is a decay)."""
+    """Float64, one position and one head at a time, the update as a d_k x d_k matrix times the state (after
+    Diag(alpha_t), alpha_t one number per head or one per key feature, where there is a decay)."""
     batch, heads, n, d_k = q.shape
     y = torch.zeros(batch, heads, n, v.shape[-1], dtype=torch.float64)
     final = torch.zeros(batch, heads, d_k, v.shape[-1], dtype=torch.float64)
@@ -22,9 +23,11 @@ def reference(q, k, v, beta, state=None, key_mask=None, log_decay=None):
             for t in range(n):
                 pad = key_mask is not None and not key_mask[b, t]
                 step = 0.0 if pad else float(beta[b, h, t])
-                alpha = 1.0 if pad or log_decay is None else float(log_decay[b, h, t].double().exp())
+                alpha = torch.ones(d_k, dtype=torch.float64)
+                if not pad and log_decay is not None:
+                    alpha = alpha * log_decay[b, h, t].double().exp()  # a number, or d_k of them
                 kt = k[b, h, t].double()[:, None]
-                s = alpha * (torch.eye(d_k, dtype=torch.float64) - step * kt @ kt.T) @ s
+                s = (torch.eye(d_k, dtype=torch.float64) - step * kt @ kt.T) @ torch.diag(alpha) @ s
                 s = s + step * kt @ v[b, h, t].double()[None]
                 y[b, h, t] = s.T @ q[b, h, t].double()
             final[b, h] = s
@@ -73,6 +76,36 @@ def test_with_a_decay_per_head_and_token_the_chunked_form_equals_the_gated_updat
     torch.testing.assert_close(ones, plain, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("chunk", [1, 4, 19, 64])
+@pytest.mark.parametrize("strength", [2.0, 12.0])  # 12 a token: a chunk of 19 decays past GLA's matmul split
+def test_with_a_decay_per_key_feature_the_chunked_form_equals_kdas_update(chunk, strength):
+    q, k, v, beta = inputs()
+    log_decay = -strength * torch.rand(2, 3, 19, 8, generator=torch.Generator().manual_seed(2))
+    state = torch.randn(2, 3, 8, 5, generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 19, dtype=torch.bool)
+    mask[1, :6] = False
+    want_y, want_s = reference(q, k, v, beta, state, mask, log_decay)
+    for y, s in (causal_delta_rule(q, k, v, beta, mask, state, chunk_size=chunk, log_decay=log_decay),
+                 naive_delta_rule(q, k, v, beta, mask, state, log_decay=log_decay)):
+        torch.testing.assert_close(y.double(), want_y, atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(s.double(), want_s, atol=2e-5, rtol=1e-5)
+    weights = delta_rule_weights(q, k, beta, log_decay=log_decay)
+    torch.testing.assert_close(weights.double() @ v.double(), reference(q, k, v, beta, log_decay=log_decay)[0],
+                               atol=2e-5, rtol=1e-5)
+    # the same decay on every feature is the decay per head
+    per_head = log_decay[..., :1]
+    torch.testing.assert_close(
+        causal_delta_rule(q, k, v, beta, mask, state, chunk_size=chunk, log_decay=per_head.expand(-1, -1, -1, 8))[0],
+        causal_delta_rule(q, k, v, beta, mask, state, chunk_size=chunk, log_decay=per_head[..., 0])[0],
+        atol=1e-5, rtol=1e-5)
+
+
+def test_a_decay_of_the_wrong_shape_is_refused_with_the_shapes_that_work():
+    q, k, v, beta = inputs()
+    with pytest.raises(ValueError, match=r"\(batch, heads, n, d_k\) \(one per key feature, KDA\)"):
+        causal_delta_rule(q, k, v, beta, log_decay=torch.zeros(2, 3, 19, 5))
+
+
 def test_a_decay_far_beyond_float32s_range_neither_overflows_nor_loses_the_last_write():
     """log alpha = -100 a token: the decay across a chunk of 16 is e^-1,600. Every exponent the chunked form takes
     is <= 0, so nothing overflows; the state holds only the last token's write, beta_t k_t v_t^T."""
@@ -94,8 +127,9 @@ def test_a_prompt_in_pieces_equals_the_prompt_at_once():
     torch.testing.assert_close(state, final, atol=1e-5, rtol=1e-5)
 
 
-def test_gradients_of_the_chunked_form_equal_those_of_the_recurrence():
-    log_decay = -torch.rand(2, 3, 13, generator=torch.Generator().manual_seed(3))
+@pytest.mark.parametrize("per_feature", [False, True])
+def test_gradients_of_the_chunked_form_equal_those_of_the_recurrence(per_feature):
+    log_decay = -torch.rand(2, 3, 13, *((8,) if per_feature else ()), generator=torch.Generator().manual_seed(3))
     leaves = [t.clone().requires_grad_() for t in (*inputs(n=13), log_decay)]
     y, s = causal_delta_rule(*leaves[:4], chunk_size=4, log_decay=leaves[4])
     (y.square().sum() + s.sum()).backward()

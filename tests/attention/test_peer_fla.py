@@ -3,9 +3,12 @@
 
 The float64 loops in the other math tests are written here from the papers; these check that we read the papers as
 the field's reference code does: the conventions (where the decay multiplies, where beta goes, RetNet's rates, the
-start state's layout), not only the algebra. fla's forms compute numerators only (no normaliser) and scale q by
-d^-1/2; our additive kernels divide by phi(q) . z, so their numerator and normaliser are two fla calls (the second
-on values of ones, as our CUDA path calls fla's kernel), and q is multiplied by d^1/2 where fla's scale is fixed."""
+start state's layout), not only the algebra. Ops: linear attention, RetNet's retention, simple GLA, GLA, the delta
+rule, Gated DeltaNet and Kimi Delta Attention (KDA: a decay per key feature).
+
+fla's forms compute numerators only (no normaliser) and scale q by d^-1/2; our additive kernels divide by
+phi(q) . z, so their numerator and normaliser are two fla calls (the second on values of ones, as our CUDA path calls
+fla's kernel), and q is multiplied by d^1/2 where fla's scale is fixed."""
 
 import pytest
 import torch
@@ -24,7 +27,7 @@ B, H, N, D, DV = 2, 3, 37, 8, 5
 def fla():
     try:
         return {op: load_fla_naive(op) for op in ("linear_attn", "simple_gla", "gla", "retention", "delta_rule",
-                                                  "gated_delta_rule")}
+                                                  "gated_delta_rule", "kda")}
     except ImportError as error:  # the test extra installs it; CI always has it
         import os
 
@@ -159,3 +162,17 @@ def test_gated_deltanet_equals_flas_recurrence_from_a_start_state(fla, chunk):
         output_final_state=True)
     close(ours, peer.transpose(1, 2))
     close(s, s_peer)
+
+
+@pytest.mark.parametrize("chunk", [1, 16, 64])
+def test_a_decay_per_key_feature_equals_flas_kda(fla, chunk):
+    """Kimi Delta Attention: each row of the state fades at its own rate, Diag(alpha_t), before the rule writes."""
+    q, k, v, beta, g = delta_inputs(n=64)
+    log_decay = F.logsigmoid(torch.randn(B, H, 64, D, generator=g) + 2)
+    start = torch.randn(B, H, D, DV, generator=g)
+    ours, s = causal_delta_rule(q, k, v, beta, state=start, chunk_size=chunk, log_decay=log_decay)
+    fla_args = (*bthd(q, k, v, log_decay), beta.transpose(1, 2))
+    for form in (fla["kda"].naive_recurrent_kda, fla["kda"].naive_chunk_kda):
+        peer, s_peer = form(*fla_args, scale=1.0, initial_state=start.clone(), output_final_state=True)
+        close(ours, peer.transpose(1, 2))
+        close(s, s_peer)
