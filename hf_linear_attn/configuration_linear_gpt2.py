@@ -9,6 +9,7 @@ from .sliding_window_attention import check_window_factor_init, check_window_opt
 
 STATE_DECAYS = ("fixed", "gated")
 STATE_UPDATES = ("add", "delta")
+DELTA_GATES = ("head", "feature")
 
 
 def retnet_decay_rates(num_heads: int) -> list[float]:
@@ -71,6 +72,14 @@ def check_state_update(config) -> None:
     """Raise a ValueError naming the fix for a bad state update: its kind, and what the delta rule does not combine
     with (it maps q and k itself, keeps no normaliser, is built without a window, and its gate is per head)."""
     update = config.state_update
+    if config.delta_gate not in DELTA_GATES:
+        raise ValueError(f"delta_gate must be 'head' (Gated DeltaNet) or 'feature' (KDA), got {config.delta_gate!r}.")
+    if config.delta_gate != "head" and (update, config.state_decay) != ("delta", "gated"):
+        raise ValueError(
+            f"delta_gate={config.delta_gate!r} chooses the delta rule's gate, but state_update={update!r} and "
+            f"state_decay={config.state_decay!r}: set state_update='delta' and state_decay='gated' for KDA's gate, or "
+            "leave delta_gate at 'head'."
+        )
     if update not in STATE_UPDATES:
         raise ValueError(f"state_update must be 'add' (linear attention's sum) or 'delta' (DeltaNet's delta rule), got "
                          f"{update!r}.")
@@ -91,8 +100,9 @@ def check_state_update(config) -> None:
     if config.state_decay == "gated" and (config.gate_low_rank_dim, config.gate_logit_normalizer) != (16, 16):
         raise ValueError(
             "gate_low_rank_dim and gate_logit_normalizer shape GLA's per-feature gate; with state_update='delta' "
-            "state_decay='gated' is Gated DeltaNet's gate, one per head (A_log, dt_bias, a_proj), which they do not "
-            "change: leave them at their defaults."
+            "state_decay='gated' is Gated DeltaNet's gate (one per head: A_log, dt_bias, a_proj) or KDA's "
+            "(delta_gate='feature': f_proj of rank head size, as fla's), which they do not change: leave them at "
+            "their defaults."
         )
 
 
@@ -192,6 +202,11 @@ class LinearGPT2Config(GPT2StyleConfig):
             beta_t k_t v_t^T`, one alpha per head: `"fixed"` RetNet's rates, `"gated"` Gated DeltaNet's gate
             `log alpha_t = -exp(A_log) softplus(x_t W_a + dt_bias)` (`attn.delta_gate`), not GLA's per-feature one.
             Not with `attention_window`.
+        delta_gate (`str`, defaults to `"head"`): the delta rule's gate with `state_decay="gated"`. `"head"`: Gated
+            DeltaNet's, one alpha per head and token. `"feature"`: Kimi Delta Attention's (KDA, Kimi Linear), one per
+            key feature, `S_t = (I - beta_t k_t k_t^T) Diag(alpha_t) S_{t-1} + beta_t k_t v_t^T`, its logits from a
+            low-rank projection `x_t W_down W_up` (`attn.delta_gate.f_proj`, rank the head size) and a `dt_bias` per
+            head and feature, as fla's KDA layer computes it.
         conv_size (`int`, defaults to 4): the convolution's width K (fla's `conv_size`), at least 2.
         short_conv_on_full_attention (`bool`, defaults to `False`): the same convolution on q, k, v of the
             `full_attention` layers too (their own weights, before the softmax attention), so that `layer_types` all
@@ -218,6 +233,7 @@ class LinearGPT2Config(GPT2StyleConfig):
     conv_size: int = 4
     short_conv_on_full_attention: bool = False
     state_update: str = "add"
+    delta_gate: str = "head"
 
     default_auto_map = build_auto_map("linear_gpt2", "LinearGPT2", DECODER_HEADS)
 

@@ -209,27 +209,43 @@ def delta_rule_weights(
 
 
 class DeltaRuleGate(torch.nn.Module):
-    """Gated DeltaNet's decay, one per head and token (Mamba-2's form, as fla's GatedDeltaNet computes it):
-    log alpha_t = -exp(A_log) * softplus(x_t W_a + dt_bias) <= 0. Parameters ``a_proj`` (no bias), ``A_log`` and
-    ``dt_bias`` (fla's names), A in [1, 16] and dt in [0.001, 0.1] at init (:func:`delta_rule_gate_init`): memories from
-    about 1 to 1,000 tokens at the start."""
+    """The delta rule's decay from the layer's input, Mamba-2's form as fla computes it, log alpha = -exp(A_log) *
+    softplus(logits + dt_bias) <= 0, with A_log one per head:
 
-    def __init__(self, hidden_size: int, num_heads: int):
+    * ``head_dim`` None, Gated DeltaNet's gate: one alpha per head and token, logits = x W_a (``a_proj``, no bias),
+      ``dt_bias`` one per head. Output (B, H, n).
+    * ``head_dim`` d_k, Kimi Delta Attention's gate: one alpha per key feature, logits from a low-rank projection
+      x W_down W_up (``f_proj``, rank d_k, no biases, as fla's KDA), ``dt_bias`` one per head and feature. Output
+      (B, H, n, d_k).
+
+    A in [1, 16] and dt in [0.001, 0.1] at init (:func:`delta_rule_gate_init`): memories from about 1 to 1,000 tokens
+    at the start. Parameter names are fla's."""
+
+    def __init__(self, hidden_size: int, num_heads: int, head_dim: int | None = None):
         super().__init__()
-        self.a_proj = torch.nn.Linear(hidden_size, num_heads, bias=False)
+        self.head_dim = head_dim
+        if head_dim is None:
+            self.a_proj = torch.nn.Linear(hidden_size, num_heads, bias=False)
+        else:
+            self.f_proj = torch.nn.Sequential(torch.nn.Linear(hidden_size, head_dim, bias=False),
+                                              torch.nn.Linear(head_dim, num_heads * head_dim, bias=False))
         self.A_log = torch.nn.Parameter(torch.zeros(num_heads))
-        self.dt_bias = torch.nn.Parameter(torch.zeros(num_heads))
+        self.dt_bias = torch.nn.Parameter(torch.zeros(num_heads * (head_dim or 1)))
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """log alpha (B, H, n) in float32 from the layer's input (B, n, D)."""
-        logits = self.a_proj(hidden_states).float() + self.dt_bias.float()
-        return (-self.A_log.float().exp() * torch.nn.functional.softplus(logits)).transpose(1, 2)
+        """log alpha in float32 from the layer's input (B, n, D): (B, H, n), or (B, H, n, d_k) per feature."""
+        heads = self.A_log.shape[0]
+        proj = self.a_proj if self.head_dim is None else self.f_proj
+        logits = (proj(hidden_states).float() + self.dt_bias.float()).unflatten(-1, (heads, -1))  # (B, n, H, g)
+        log_decay = (-self.A_log.float().exp()[:, None] * torch.nn.functional.softplus(logits)).transpose(1, 2)
+        return log_decay[..., 0] if self.head_dim is None else log_decay
 
 
-def delta_rule_gate_init(num_heads: int, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(A_log, dt_bias) as Mamba-2 and fla's GatedDeltaNet start them: A ~ U(1, 16), dt log-uniform in [0.001, 0.1]
-    (at least 1e-4), dt_bias its inverse softplus."""
+def delta_rule_gate_init(num_heads: int, generator: torch.Generator | None = None,
+                         features: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A_log (H), dt_bias (H * features)) as Mamba-2 and fla's GatedDeltaNet and KDA start them: A ~ U(1, 16) per
+    head, dt log-uniform in [0.001, 0.1] (at least 1e-4) per head and feature, dt_bias its inverse softplus."""
     a = torch.empty(num_heads).uniform_(1, 16, generator=generator)
     low, high = math.log(0.001), math.log(0.1)
-    dt = torch.exp(low + (high - low) * torch.rand(num_heads, generator=generator)).clamp(min=1e-4)
+    dt = torch.exp(low + (high - low) * torch.rand(num_heads * features, generator=generator)).clamp(min=1e-4)
     return a.log(), dt + torch.log(-torch.expm1(-dt))

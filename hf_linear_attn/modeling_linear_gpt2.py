@@ -111,12 +111,14 @@ class LinearGPT2Attention(GPT2StyleAttention):
             self.feature_map = None
             self.favor_stabiliser = False
             self.b_proj = torch.nn.Linear(self.embed_dim, self.num_heads, bias=False)
-            # a decay per head: RetNet's fixed rates, or Gated DeltaNet's gate from the input (not GLA's per-feature one)
+            # a decay: RetNet's fixed rates per head, or a gate from the input, Gated DeltaNet's per head or KDA's
+            # per key feature (delta_gate)
             self.state_decay = config.state_decay
             if self.state_decay == "fixed":
                 self.decay_rates = list(config.decay_rates or retnet_decay_rates(self.num_heads))
             elif self.state_decay == "gated":
-                self.delta_gate = DeltaRuleGate(self.embed_dim, self.num_heads)
+                per_feature = self.head_dim if config.delta_gate == "feature" else None
+                self.delta_gate = DeltaRuleGate(self.embed_dim, self.num_heads, per_feature)
             self.cache_layer_class = DeltaRuleStateLayer
             if config.use_short_conv:
                 self._add_short_conv(config)
@@ -178,7 +180,7 @@ class LinearGPT2Attention(GPT2StyleAttention):
     def per_token_inputs(self, hidden_states):
         """log a_t of the decayed state: (1, H, 1, 1) fixed rates, or the gate (B, H, n, m) from ``hidden_states``;
         the delta rule's step size beta (B, H, n) in (0, 1)."""
-        if self.delta_rule:  # beta (B, H, n); log alpha (1, H, 1) fixed or (B, H, n) gated, where there is a decay
+        if self.delta_rule:  # beta (B, H, n); log alpha (1, H, 1) fixed, (B, H, n) or (B, H, n, d_k) gated
             inputs = {"beta": torch.sigmoid(self.b_proj(hidden_states).float()).transpose(1, 2)}
             if self.state_decay == "fixed":
                 rates = torch.tensor(self.decay_rates, dtype=torch.float32, device=hidden_states.device)
@@ -351,10 +353,14 @@ class LinearGPT2Attention(GPT2StyleAttention):
         State (S,); rollback tail: the unit keys, the values, beta and log alpha (both 0 at pads; log alpha 0
         without a decay)."""
         q, k = delta_rule_qk(q, k)
-        decay = (log_decay if log_decay is not None else beta.new_zeros(())).expand_as(beta)
+        if log_decay is not None and log_decay.dim() == 4:  # KDA: one per key feature
+            decay = log_decay.expand(*beta.shape, log_decay.shape[-1])
+        else:
+            decay = (log_decay if log_decay is not None else beta.new_zeros(())).expand_as(beta)
         if key_mask is not None:  # a pad writes nothing, erases nothing and leaves the state undecayed
             real = key_mask[:, None, :].bool()
-            beta, decay = torch.where(real, beta, 0.0), torch.where(real, decay, 0.0)
+            beta = torch.where(real, beta, 0.0)
+            decay = torch.where(real[..., None] if decay.dim() == 4 else real, decay, 0.0)
         log_decay = None if log_decay is None else decay
         start = None if state is None else state[0]
         if state is not None and q.shape[2] == 1:

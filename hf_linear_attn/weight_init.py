@@ -55,8 +55,8 @@ def init_added_weights(module: nn.Module, config) -> None:
         init_linformer_projection(module, config.linformer_init, config.initializer_range)
     elif isinstance(module, SlidingWindowFactor):
         init.constant_(module.log_factor, module.init)
-    elif isinstance(module, DeltaRuleGate):  # Mamba-2's A and dt, as fla's GatedDeltaNet starts them
-        a_log, dt_bias = delta_rule_gate_init(module.A_log.shape[0])
+    elif isinstance(module, DeltaRuleGate):  # Mamba-2's A and dt, as fla's GatedDeltaNet and KDA start them
+        a_log, dt_bias = delta_rule_gate_init(module.A_log.shape[0], features=module.head_dim or 1)
         init.copy_(module.A_log, a_log.to(module.A_log.device))
         init.copy_(module.dt_bias, dt_bias.to(module.dt_bias.device))
     elif isinstance(module, ShortConvolution):

@@ -122,6 +122,11 @@ CONV_VARIANTS = {
         **{**TINY_DECODER, "use_short_conv": True, "state_update": "delta", "state_decay": "gated",
            "linear_attention_chunk_size": 4, **kw}
     ),
+    # Kimi Delta Attention: the delta rule with a gate per key feature (delta_gate="feature"), and the convolution
+    "linear-kda-conv": lambda **kw: LinearGPT2Config(
+        **{**TINY_DECODER, "use_short_conv": True, "state_update": "delta", "state_decay": "gated",
+           "delta_gate": "feature", "linear_attention_chunk_size": 4, **kw}
+    ),
     "linear-hybrid-conv": lambda **kw: LinearGPT2Config(
         **{**TINY_DECODER, "use_short_conv": True, "layer_types": ["full_attention", "linear_attention"],
            "linear_attention_chunk_size": 4, **kw}

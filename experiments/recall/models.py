@@ -45,6 +45,9 @@ LINEAR_VARIANTS = {
     "linear_gpt2_delta": {"state_update": "delta"},
     "linear_gpt2_delta_conv": {"state_update": "delta", "use_short_conv": True},
     "linear_gpt2_gated_delta_conv": {"state_update": "delta", "state_decay": "gated", "use_short_conv": True},
+    # and with Kimi Delta Attention's gate, one decay per key feature
+    "linear_gpt2_kda_conv": {"state_update": "delta", "state_decay": "gated", "delta_gate": "feature",
+                             "use_short_conv": True},
     "linear_gpt2_window_conv": lambda dims, n: {
         "attention_window": min(64, n), "linear_attention_chunk_size": min(64, n), "use_short_conv": True,
         "attention_window_factor_init": math.log(dims.hidden_size // dims.num_heads)},
@@ -76,6 +79,7 @@ LABELS = {"gpt2_sdpa": "GPT-2 (softmax)", "reformer_lsh": "Reformer (LSH)", "lin
           "linear_gpt2_delta": "linear_gpt2, delta rule (DeltaNet)",
           "linear_gpt2_delta_conv": "linear_gpt2, delta rule (DeltaNet), short conv",
           "linear_gpt2_gated_delta_conv": "linear_gpt2, gated delta rule (Gated DeltaNet), short conv",
+          "linear_gpt2_kda_conv": "linear_gpt2, delta rule gated per key feature (KDA), short conv",
           "gpt2_conv": "GPT-2 (softmax), short conv",
           "linear_gpt2_hybrid_conv": "linear_gpt2, softmax layer 1 + linear, short conv",
           "linear_gpt2_hybrid_last_conv": "linear_gpt2, linear + softmax layer 2, short conv"}

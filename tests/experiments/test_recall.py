@@ -110,7 +110,8 @@ def test_decoding_state_bytes_constant_for_recurrent_models_and_growing_for_soft
     for name in ("gpt2_sdpa", "linear_gpt2", "linear_gpt2_hedgehog", "linear_gpt2_conv", "gpt2_conv",
                  "linear_gpt2_window", "linear_gpt2_window_conv", "linear_gpt2_hedgehog_conv",
                  "linear_gpt2_hedgehog_narrow_conv", "linear_gpt2_hybrid_conv", "linear_gpt2_hybrid_last_conv",
-                 "linear_gpt2_delta", "linear_gpt2_delta_conv", "linear_gpt2_gated_delta_conv"):
+                 "linear_gpt2_delta", "linear_gpt2_delta_conv", "linear_gpt2_gated_delta_conv",
+                 "linear_gpt2_kda_conv"):
         torch.manual_seed(0)
         model = build_recall_model(name, dims, 128, vocab)
         sizes[name] = [decoding_state_bytes(model, n, vocab) for n in (32, 64, 128)]
@@ -151,6 +152,8 @@ def test_decoding_state_bytes_constant_for_recurrent_models_and_growing_for_soft
     assert sizes["linear_gpt2_delta_conv"] == [size + 2 * 3 * 3 * 32 * 4 for size in sizes["linear_gpt2_delta"]]
     assert build_recall_model("linear_gpt2_delta_conv", dims, 64, vocab).config.state_update == "delta"
     assert sizes["linear_gpt2_gated_delta_conv"] == sizes["linear_gpt2_delta_conv"]  # the gate keeps no state
+    assert sizes["linear_gpt2_kda_conv"] == sizes["linear_gpt2_delta_conv"]  # KDA's gate per feature: no state either
+    assert build_recall_model("linear_gpt2_kda_conv", dims, 64, vocab).config.delta_gate == "feature"
     # the hybrids: one layer of GPT-2 + conv's cache (growing with n) and one of linear + conv's state, in either order
     for name, first in (("linear_gpt2_hybrid_conv", "full_attention"),
                         ("linear_gpt2_hybrid_last_conv", "linear_attention")):

@@ -123,7 +123,8 @@ def test_decoders_load_in_a_fresh_process_and_generate_the_same_tokens(tmp_path)
     ids, mask = left_padded_batch(prompts)
     inputs = {"input_ids": ids, "attention_mask": mask}
     variants = ("linear-favor", "linear-hedgehog", "linear-window", "linear-hybrid", "linear-gated",
-                "linear-window-conv", "linear-delta-conv", "gpt2-conv", "linformer-layerwise", "linformer-none")
+                "linear-window-conv", "linear-delta-conv", "linear-kda-conv", "gpt2-conv", "linformer-layerwise",
+                "linformer-none")
     for variant in variants:
         for auto in (AutoModelForCausalLM, AutoModel, AutoModelForSequenceClassification):
             if auto is AutoModelForCausalLM:

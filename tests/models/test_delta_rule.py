@@ -1,8 +1,10 @@
-"""The delta rule (DeltaNet, ``state_update="delta"``) and Gated DeltaNet (with ``state_decay``) in the decoder: each
+"""The delta rule (DeltaNet, ``state_update="delta"``), Gated DeltaNet (with ``state_decay``) and Kimi Delta
+Attention (``delta_gate="feature"``) in the decoder: each
 layer computes the rule on its own q, k, v, step sizes and gates (checked against the update written out in float64),
 the rule adds only the step-size projection to the weights (the gate its own three), generation carries one d x d
 state per head, and bad configs are refused with the fix. The decoder test
-matrix (helpers.DECODER_VARIANTS / CONV_VARIANTS: linear-delta, linear-delta-conv, linear-gated-delta-conv) covers
+matrix (helpers.DECODER_VARIANTS / CONV_VARIANTS: linear-delta, linear-delta-conv, linear-gated-delta-conv,
+linear-kda-conv) covers
 the cache, padding, rollback, beam search, export and checkpoints."""
 
 import pytest
@@ -13,7 +15,7 @@ from hf_linear_attn import DeltaRuleStateLayer, LinearGPT2Config
 from hf_linear_attn.configuration_linear_gpt2 import retnet_decay_rates
 
 
-@pytest.mark.parametrize("variant", ["linear-delta", "linear-gated-delta-conv"])
+@pytest.mark.parametrize("variant", ["linear-delta", "linear-gated-delta-conv", "linear-kda-conv"])
 def test_each_layer_applies_the_rule_to_its_own_q_k_v_step_sizes_and_gates(variant):
     model = causal_lm(variant)
     attn = model.transformer.h[1].attn
@@ -25,12 +27,19 @@ def test_each_layer_applies_the_rule_to_its_own_q_k_v_step_sizes_and_gates(varia
             qkv = attn.short_conv(qkv, None, None)[0]
         q, k, v = (attn._split_heads(t).double() for t in qkv.split(32, dim=-1))
         beta = torch.sigmoid(attn.b_proj(x).double()).transpose(1, 2)  # (B, H, n)
-        alpha = torch.ones_like(beta)
+        alpha = torch.ones(*beta.shape, 8, dtype=torch.float64)  # per key feature
         if variant == "linear-gated-delta-conv":  # Gated DeltaNet's gate, written out
             gate = attn.delta_gate
             alpha = torch.exp(-gate.A_log.double().exp() * torch.nn.functional.softplus(
-                gate.a_proj(x).double() + gate.dt_bias.double())).transpose(1, 2)
+                gate.a_proj(x).double() + gate.dt_bias.double())).transpose(1, 2)[..., None].expand(-1, -1, -1, 8)
             assert alpha.min() < 0.99  # the gate fades the state here: a dropped decay would fail the comparison
+        if variant == "linear-kda-conv":  # KDA's: low-rank logits, dt_bias per head and feature, A per head
+            gate = attn.delta_gate
+            logits = (gate.f_proj[1](gate.f_proj[0](x)).double() + gate.dt_bias.double()).view(2, 11, 4, 8)
+            alpha = torch.exp(-gate.A_log.double().exp()[:, None] * torch.nn.functional.softplus(logits))
+            alpha = alpha.transpose(1, 2)  # (B, H, n, d_k)
+            spread = alpha.std(-1)  # features of one head fade at different rates: a per-head gate fails this
+            assert alpha.min() < 0.99 and spread.max() > 1e-3
     q, k = (torch.nn.functional.normalize(torch.nn.functional.silu(t), dim=-1) for t in (q, k))
     y = torch.zeros(v.shape, dtype=torch.float64)
     for b in range(2):
@@ -38,7 +47,7 @@ def test_each_layer_applies_the_rule_to_its_own_q_k_v_step_sizes_and_gates(varia
             s = torch.zeros(8, 8, dtype=torch.float64)
             for t in range(11):
                 kt, step = k[b, h, t][:, None], beta[b, h, t]
-                s = alpha[b, h, t] * (torch.eye(8, dtype=torch.float64) - step * kt @ kt.T) @ s
+                s = (torch.eye(8, dtype=torch.float64) - step * kt @ kt.T) @ torch.diag(alpha[b, h, t]) @ s
                 s = s + step * kt @ v[b, h, t][None]
                 y[b, h, t] = s.T @ q[b, h, t]
     want = attn.c_proj(y.transpose(1, 2).reshape(2, 11, 32).float())
@@ -71,7 +80,10 @@ def test_the_rule_changes_what_the_model_computes():
     ({"state_update": "replace"}, "state_update must be 'add'"),
     ({"state_update": "delta", "feature_map": "hedgehog"}, "maps q and k itself"),
     ({"state_update": "delta", "attention_window": 4}, "with attention_window"),
-    ({"state_update": "delta", "state_decay": "gated", "gate_low_rank_dim": 8}, "Gated DeltaNet's gate, one per head"),
+    ({"state_update": "delta", "state_decay": "gated", "gate_low_rank_dim": 8}, "Gated DeltaNet's gate \\(one per"),
+    ({"delta_gate": "channel"}, "delta_gate must be 'head'"),
+    ({"delta_gate": "feature"}, "set state_update='delta' and state_decay='gated'"),
+    ({"state_update": "delta", "state_decay": "fixed", "delta_gate": "feature"}, "state_decay='fixed'"),
 ])
 def test_bad_delta_configs_are_refused_with_the_fix(options, message):
     with pytest.raises(ValueError, match=message):
@@ -118,3 +130,22 @@ def test_gated_deltanet_fades_the_state_by_its_gate_and_starts_as_mamba2():
     fixed = causal_lm("linear-delta", state_decay="fixed").transformer.h[0].attn
     assert fixed.decay_rates == retnet_decay_rates(4) and not hasattr(fixed, "delta_gate")
     assert fixed.per_token_inputs(x)["log_decay"].exp().flatten().tolist() == pytest.approx(retnet_decay_rates(4))
+
+
+def test_kdas_gate_is_per_key_feature_and_starts_as_flas():
+    """delta_gate="feature": f_proj (hidden -> head size -> heads x head size, no biases), A_log per head, dt_bias per
+    head and feature, A in [1, 16] and softplus(dt_bias) in [0.001, 0.1] at init; the cache is Gated DeltaNet's."""
+    model = causal_lm("linear-kda-conv")
+    extra = set(model.state_dict()) - set(causal_lm("linear-delta-conv").state_dict())
+    assert extra == {f"transformer.h.{i}.attn.delta_gate.{name}" for i in range(2)
+                     for name in ("f_proj.0.weight", "f_proj.1.weight", "A_log", "dt_bias")}
+    gate = model.transformer.h[0].attn.delta_gate
+    assert gate.f_proj[0].weight.shape == (8, 32) and gate.f_proj[1].weight.shape == (32, 8)
+    assert gate.A_log.shape == (4,) and gate.dt_bias.shape == (32,)
+    assert ((gate.A_log.exp() >= 1) & (gate.A_log.exp() <= 16)).all()
+    dt = torch.nn.functional.softplus(gate.dt_bias)
+    assert ((dt >= 1e-3 - 1e-7) & (dt <= 0.1 + 1e-7)).all() and dt.std() > 0  # drawn per feature
+    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0))
+    assert tuple(gate(x).shape) == (2, 4, 5, 8) and (gate(x) < 0).all()
+    cache = model(random_ids(2, 9), use_cache=True).past_key_values
+    assert [tuple(t.shape) for t in cache.layers[0].state] == [(2, 4, 8, 8), (2, 3, 96)]  # S, the conv's buffer

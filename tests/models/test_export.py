@@ -25,9 +25,9 @@ def test_the_explicit_state_step_equals_the_cached_forward():
     torch.testing.assert_close(logits[:, -1], model(ids).logits[:, -1], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("variant", ["linear-elu", "linear-favor", "linear-hedgehog", "linear-window", "linear-decay", "linear-gated",
-                                     "linear-delta", "linear-conv", "linear-delta-conv", "linear-gated-delta-conv",
-                                     "linear-hybrid-conv", "gpt2-conv"])
+@pytest.mark.parametrize("variant", ["linear-elu", "linear-favor", "linear-hedgehog", "linear-window", "linear-decay",
+                                     "linear-gated", "linear-delta", "linear-conv", "linear-delta-conv",
+                                     "linear-gated-delta-conv", "linear-kda-conv", "linear-hybrid-conv", "gpt2-conv"])
 def test_torch_export_of_the_step_with_a_dynamic_batch_equals_eager(variant):
     model, step, ids, positions, state = prefill_then_step(variant)
     batch = torch.export.Dim("batch", min=1, max=64)

@@ -13,6 +13,7 @@ from hf_linear_attn import LinformerGPT2Config, LinformerGPT2ForCausalLM
 DECODERS = [
     "linear-elu", "linear-favor", "linear-window", "linear-hybrid", "linear-decay", "linear-gated", "linear-delta",
     "linear-conv", "linear-window-conv", "linear-decay-conv", "linear-delta-conv", "linear-gated-delta-conv",
+    "linear-kda-conv",
     "gpt2-conv", "linformer-headwise",
     "linformer-key-value",
 ]
