@@ -55,10 +55,17 @@ def test_the_chunked_form_equals_the_update_step_by_step_from_a_state_and_with_p
     torch.testing.assert_close(s.double(), want_s, atol=2e-5, rtol=1e-5)
 
 
+# one decay per head and token (Gated DeltaNet), alpha in (e^-2, 1]; one per key feature (KDA), at 2 and at 12 a
+# token (a chunk of 19 then decays past GLA's matmul split, so the C x C x d_k form runs)
+DECAYS = {"per head": (2.0, ()), "per feature": (2.0, (8,)), "per feature, strong": (12.0, (8,))}
+
+
 @pytest.mark.parametrize("chunk", [1, 4, 19, 64])
-def test_with_a_decay_per_head_and_token_the_chunked_form_equals_the_gated_update(chunk):
+@pytest.mark.parametrize("decay", list(DECAYS))
+def test_with_a_decay_the_chunked_form_equals_the_gated_update(chunk, decay):
+    strength, features = DECAYS[decay]
     q, k, v, beta = inputs()
-    log_decay = -2 * torch.rand(2, 3, 19, generator=torch.Generator().manual_seed(2))  # alpha in (e^-2, 1]
+    log_decay = -strength * torch.rand(2, 3, 19, *features, generator=torch.Generator().manual_seed(2))
     state = torch.randn(2, 3, 8, 5, generator=torch.Generator().manual_seed(1))
     mask = torch.ones(2, 19, dtype=torch.bool)
     mask[1, :6] = False
@@ -70,34 +77,15 @@ def test_with_a_decay_per_head_and_token_the_chunked_form_equals_the_gated_updat
     weights = delta_rule_weights(q, k, beta, log_decay=log_decay)  # from an empty state
     torch.testing.assert_close(weights.double() @ v.double(), reference(q, k, v, beta, log_decay=log_decay)[0],
                                atol=2e-5, rtol=1e-5)
-    # a decay of 1 everywhere is the rule without one, exactly
-    plain = causal_delta_rule(q, k, v, beta, mask, state, chunk_size=chunk)
-    ones = causal_delta_rule(q, k, v, beta, mask, state, chunk_size=chunk, log_decay=torch.zeros(2, 3, 19))
-    torch.testing.assert_close(ones, plain, atol=0, rtol=0)
-
-
-@pytest.mark.parametrize("chunk", [1, 4, 19, 64])
-@pytest.mark.parametrize("strength", [2.0, 12.0])  # 12 a token: a chunk of 19 decays past GLA's matmul split
-def test_with_a_decay_per_key_feature_the_chunked_form_equals_kdas_update(chunk, strength):
-    q, k, v, beta = inputs()
-    log_decay = -strength * torch.rand(2, 3, 19, 8, generator=torch.Generator().manual_seed(2))
-    state = torch.randn(2, 3, 8, 5, generator=torch.Generator().manual_seed(1))
-    mask = torch.ones(2, 19, dtype=torch.bool)
-    mask[1, :6] = False
-    want_y, want_s = reference(q, k, v, beta, state, mask, log_decay)
-    for y, s in (causal_delta_rule(q, k, v, beta, mask, state, chunk_size=chunk, log_decay=log_decay),
-                 naive_delta_rule(q, k, v, beta, mask, state, log_decay=log_decay)):
-        torch.testing.assert_close(y.double(), want_y, atol=2e-5, rtol=1e-5)
-        torch.testing.assert_close(s.double(), want_s, atol=2e-5, rtol=1e-5)
-    weights = delta_rule_weights(q, k, beta, log_decay=log_decay)
-    torch.testing.assert_close(weights.double() @ v.double(), reference(q, k, v, beta, log_decay=log_decay)[0],
-                               atol=2e-5, rtol=1e-5)
-    # the same decay on every feature is the decay per head
-    per_head = log_decay[..., :1]
-    torch.testing.assert_close(
-        causal_delta_rule(q, k, v, beta, mask, state, chunk_size=chunk, log_decay=per_head.expand(-1, -1, -1, 8))[0],
-        causal_delta_rule(q, k, v, beta, mask, state, chunk_size=chunk, log_decay=per_head[..., 0])[0],
-        atol=1e-5, rtol=1e-5)
+    if not features:  # a decay of 1 everywhere is the rule without one, exactly
+        plain = causal_delta_rule(q, k, v, beta, mask, state, chunk_size=chunk)
+        ones = causal_delta_rule(q, k, v, beta, mask, state, chunk_size=chunk, log_decay=torch.zeros(2, 3, 19))
+        torch.testing.assert_close(ones, plain, atol=0, rtol=0)
+    else:  # the same decay on every feature is the decay per head
+        per_head = log_decay[..., :1]
+        same = [causal_delta_rule(q, k, v, beta, mask, state, chunk_size=chunk, log_decay=decays)[0]
+                for decays in (per_head.expand(-1, -1, -1, 8), per_head[..., 0])]
+        torch.testing.assert_close(*same, atol=1e-5, rtol=1e-5)
 
 
 def test_a_decay_of_the_wrong_shape_is_refused_with_the_shapes_that_work():
