@@ -11,6 +11,7 @@ the capacity probe: how many of MQAR's pairs one layer's state holds when nothin
     python scripts/recall.py --preset passkey-smoke --output_dir /tmp/passkey-smoke    # passkey, every code path
     python scripts/recall.py --preset passkey-cpu --estimate      # a probe of a few steps: the preset's hours here
     python scripts/recall.py --preset capacity --output_dir results/recall/capacity   # the state alone, ~1 h
+    python scripts/recall.py --preset based-n256 --output_dir results/recall/based-n256 --probe_saved  # saved models
 
 Presets are configs/recall/NAME.json (or a path); a preset with "task": "passkey" runs passkey retrieval, one with
 "task": "capacity" the capacity probe (--models then names its memories), any other MQAR. Rerunning the same command
@@ -46,6 +47,9 @@ def main(argv=None):
     parser.add_argument("--dry_run", action="store_true", help="print every stage and its arguments, run nothing")
     parser.add_argument("--report_only", action="store_true", help="run nothing: write the report from the stages "
                                                                    "finished so far")
+    parser.add_argument("--probe_saved", action="store_true", help="MQAR presets: run nothing; read where each "
+                        "saved model (<output_dir>/models/, this machine's) looks up and how long its states keep what "
+                        "they hold, into probes.json and probes.md")
     parser.add_argument("--estimate", action="store_true", help="passkey presets: time a few steps of each model "
                                                                 "and project the preset's hours on this machine")
     args = parser.parse_args(argv)
@@ -59,6 +63,13 @@ def main(argv=None):
             passkey_runner.estimate(preset, args.models, log=lambda s: print(s, flush=True))
             return
         output_dir = Path(args.output_dir or f"outputs/recall/{preset.stem}")
+        if args.probe_saved:
+            if task != "mqar":
+                raise UsageError("--probe_saved reads the models an MQAR preset's stages saved; this preset is "
+                                 f"{task}")
+            runner.probe_saved(preset, output_dir, args.models, log=lambda s: print(s, flush=True))
+            print(f"wrote {output_dir}/probes.json, probes.md")
+            return
         if args.device != "cpu" and task != "mqar":
             raise UsageError(f"--device applies to MQAR presets only: leave it out for this {task} preset")
         if (args.pairs or args.widths) and task != "mqar":

@@ -16,8 +16,8 @@ from pathlib import Path
 
 from experiments.long_range.models import Dims
 from experiments.long_range.training import PRECISIONS, Checkpointing, check_device, device_name
-from experiments.long_range.stages import (Stage, checkpoint_file, run_or_reload, stage_machines, whole_command,
-                                           write_atomic)
+from experiments.long_range.stages import (Stage, checkpoint_file, load_records, run_or_reload, stage_machines,
+                                           whole_command, write_atomic)
 from hf_linear_attn.training.errors import UsageError
 
 from .models import LABELS, build_recall_model, check_models, decoding_state_bytes
@@ -123,7 +123,7 @@ def run_mqar_stage(stage: Stage, checkpointing=None, device: str = "cpu", save_t
     `save_to` where given (not committed: a later probe reads it without training again)."""
     import torch
 
-    from .training import lookup_attention, train_mqar
+    from .training import lookup_attention, memory_spans, train_mqar
 
     a = stage.args
     task = {"length": a["length"], "pairs": a["pairs"], "num_keys": a["num_keys"], "num_values": a["num_values"]}
@@ -138,6 +138,7 @@ def run_mqar_stage(stage: Stage, checkpointing=None, device: str = "cpu", save_t
     metrics["state_bytes"] = decoding_state_bytes(model, a["length"], vocab)
     metrics["parameters"] = sum(p.numel() for p in model.parameters())
     metrics["lookup"] = lookup_attention(model, task, a["batch_size"], LOOKUP_BATCHES, a["seed"] + 20_000)
+    metrics["memory"] = memory_spans(model, task, a["batch_size"], a["seed"] + 30_000)
     if save_to is not None:
         model.save_pretrained(save_to)
     if device != "cpu":  # CPU records (all of them before --device) name no device
@@ -155,7 +156,8 @@ def summarise(records: dict) -> list[dict]:
                      "accuracy": m["eval_accuracy"], "state_bytes": m.get("state_bytes"), "loss": m["eval_loss"],
                      "steps_per_second": m["steps_per_second"],
                      **({"resumed_at": m["resumed_at"]} if m.get("resumed_at") else {}),
-                     **({"lookup": m["lookup"]} if m.get("lookup") else {})})
+                     **({"lookup": m["lookup"]} if m.get("lookup") else {}),
+                     **({"memory": m["memory"]} if m.get("memory") else {})})
     return sorted(rows, key=lambda r: (r["length"], r["width"], r["model"], r["pairs"]))
 
 
@@ -256,6 +258,28 @@ def render_lookup(rows: list[dict]) -> list[str]:
     return out
 
 
+def render_memory(rows: list[dict]) -> list[str]:
+    """How long each decayed state keeps what it holds (stages recorded with `memory_spans`' reading)."""
+    probed = [r for r in rows if r.get("memory")]
+    if not probed:
+        return []
+    depth = max(len(r["memory"]["layers"]) for r in probed)
+    out = ["## How long each decaying state keeps what it holds", "",
+           "Per layer and head of the trained model, on a fresh sequence: the share of the state a token's write keeps "
+           "across the context's pairs (2 x pairs tokens, the product of the decays; median over positions), and the "
+           "mean decay per token in brackets; with one decay per feature, their geometric mean. A head that is to "
+           "answer the first query from the first pair must keep most of it. \"-\": a layer without a decay.", "",
+           "| model | n | pairs | width | accuracy | " + " | ".join(f"layer {i + 1}" for i in range(depth)) + " |",
+           "|---" * (depth + 5) + "|"]
+    for r in probed:
+        cells = ["-" if heads is None else " / ".join(f"{h['kept']:.2f} ({h['alpha']:.3f})" for h in heads)
+                 for heads in r["memory"]["layers"]]
+        cells += ["-"] * (depth - len(cells))
+        out.append(f"| {LABELS.get(r['model'], r['model'])} | {r['length']:,} | {r['pairs']} | {r['width']} | "
+                   f"{r['accuracy']:.1%} | " + " | ".join(cells) + " |")
+    return out + [""]
+
+
 def render(rows: list[dict], meta: dict) -> str:
     out = ["# Multi-query associative recall (MQAR)", "", f"Command: `{meta['command']}`.", "",
            f"Machine: {meta['machine']}"
@@ -282,6 +306,7 @@ def render(rows: list[dict], meta: dict) -> str:
         out.append("")
     out += render_thresholds(rows, models)
     out += render_lookup(rows)
+    out += render_memory(rows)
     resumed = [f"{LABELS.get(r['model'], r['model'])} at n = {r['length']:,}, {r['pairs']} pairs, width {r['width']}: "
                f"step {', '.join(map(str, r['resumed_at']))}" for r in rows if r.get("resumed_at")]
     if resumed:
@@ -328,6 +353,49 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.tight_layout(rect=(0, 0.06 * ((len(labels) + 2) // 3), 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def probe_saved(preset_path: Path, output_dir: Path, models=None, log=print) -> dict:
+    """Read where each trained model looks up and how long its states keep what they hold (`lookup_attention`,
+    `memory_spans`) from the models the finished stages saved (`<output_dir>/models/<stage>`, not committed), with
+    the same batches as a stage's own reading, without training again: for stages recorded before a reading existed.
+    Writes `probes.json` and `probes.md` beside the report; a stage whose model is not on this machine is listed as
+    such. Returns {stage: probe}."""
+    from transformers import AutoModelForCausalLM
+
+    import hf_linear_attn  # noqa: F401  (registers the families with the Auto classes)
+
+    from .training import lookup_attention, memory_spans
+
+    preset = load_preset(preset_path)
+    whole, _ = plan(preset, models)
+    records = load_records(Path(output_dir))
+    probes, rows, missing = {}, [], []
+    for stage in whole:
+        record, folder = records.get(stage.key), Path(output_dir) / "models" / stage.key
+        if record is None:
+            continue
+        if not (folder / "config.json").is_file():
+            missing.append(stage.key)
+            continue
+        a = record["args"]
+        task = {"length": a["length"], "pairs": a["pairs"], "num_keys": a["num_keys"], "num_values": a["num_values"]}
+        model = AutoModelForCausalLM.from_pretrained(folder)
+        probes[stage.key] = {
+            "lookup": lookup_attention(model, task, a["batch_size"], LOOKUP_BATCHES, a["seed"] + 20_000),
+            "memory": memory_spans(model, task, a["batch_size"], a["seed"] + 30_000)}
+        log(f"{stage.key}: probed")
+        row = summarise({stage.key: record})[0]
+        rows.append({**row, **{k: v for k, v in probes[stage.key].items() if v}})
+    write_atomic(Path(output_dir) / "probes.json", json.dumps(probes, indent=1))
+    text = ["# Readings of the saved models", "",
+            f"Command: `python scripts/recall.py --preset {Path(preset_path).stem} --output_dir {output_dir} "
+            "--probe_saved`. Each finished stage's trained model, as it saved it, read on the batches its stage's "
+            "own reading uses (no training). Stages whose model is not on the machine that wrote this: "
+            + (", ".join(missing) if missing else "none") + ".", "",
+            *render_lookup(rows), *render_memory(rows)]
+    write_atomic(Path(output_dir) / "probes.md", "\n".join(text))
+    return probes
 
 
 def run(preset_path: Path, output_dir: Path, models=None, dry_run=False, report_only=False, argv=None,

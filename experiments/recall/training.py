@@ -68,6 +68,48 @@ def lookup_attention(model, task: dict, batch_size: int, batches: int, seed: int
             "queries": queries}
 
 
+@torch.no_grad()
+def memory_spans(model, task: dict, batch_size: int, seed: int) -> dict | None:
+    """How long each decayed state keeps what it holds: on a fresh MQAR batch, each layer's and head's per-token
+    decay alpha_t (the layer's own ``per_token_inputs``: RetNet's fixed rates, GLA's gate, Gated DeltaNet's or KDA's;
+    one alpha per feature averaged in the log, the geometric mean), as the mean alpha and the median share of the state
+    kept across the context's pairs (2 x pairs tokens: what a pair written first still has at the first query). None
+    for a model without a decaying layer. {"layers": [[{"alpha", "kept"} per head] or None per layer], "span"}."""
+    layers = getattr(getattr(model, "transformer", None), "h", None) or []
+    attentions = [getattr(block, "attn", None) for block in layers]
+    decayed = [a is not None and getattr(a, "state_decay", None) is not None for a in attentions]
+    if not any(decayed):
+        return None
+    span = 2 * task["pairs"]
+    inputs, hooks = {}, []
+    for i, attn in enumerate(attentions):
+        if decayed[i]:  # the layer's input, from which it computes its decay
+            hooks.append(attn.register_forward_pre_hook(lambda m, args, kwargs, i=i: inputs.__setitem__(i, args[0]
+                                                        if args else kwargs["hidden_states"]), with_kwargs=True))
+    was_training = model.training
+    model.eval()
+    try:
+        ids, _ = mqar_batch(batch_size, generator=torch.Generator().manual_seed(seed), **task)
+        model(input_ids=ids.to(next(model.parameters()).device))
+    finally:
+        model.train(was_training)
+        for hook in hooks:
+            hook.remove()
+    out = []
+    for i, attn in enumerate(attentions):
+        if not decayed[i]:
+            out.append(None)
+            continue
+        log_decay = attn.per_token_inputs(inputs[i])["log_decay"].float().cpu()
+        if log_decay.dim() == 4:  # (B or 1, H, n or 1, g): the geometric mean over features
+            log_decay = log_decay.mean(-1)
+        log_decay = log_decay.expand(ids.shape[0], -1, ids.shape[1])  # (B, H, n)
+        kept = log_decay.unfold(2, span, 1).sum(-1).exp()  # (B, H, windows)
+        out.append([{"alpha": log_decay[:, h].exp().mean().item(), "kept": kept[:, h].median().item()}
+                    for h in range(log_decay.shape[1])])
+    return {"layers": out, "span": span}
+
+
 def train_mqar(model, task: dict, steps: int, batch_size: int, optim: dict, seed: int, log_every: int,
                eval_batches: int, checkpointing=None, precision: str = "float32") -> dict:
     """Train on fresh MQAR batches for `steps`; the loss curve every `log_every` steps; then the held-out score.

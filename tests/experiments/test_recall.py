@@ -252,6 +252,27 @@ def test_the_lookup_reading_of_real_decoders():
         assert lookup_attention(build_recall_model(name, Dims(32, 1, 2, 64), 64, vocab), task, 2, 1, seed=3) is None
 
 
+def test_the_memory_reading_gives_each_heads_decay_and_what_a_write_keeps_across_the_pairs():
+    """RetNet's fixed rates, known in closed form: alpha is head h's rate 1 - 2^(-5-h) and a write keeps rate^(2 x
+    pairs) across the context's pairs; a model without a decay gets no reading; Gated DeltaNet's and KDA's gates give a
+    decay in (0, 1) per head, every layer."""
+    from experiments.recall.training import memory_spans
+
+    task = {"length": 64, "pairs": 8, "num_keys": 32, "num_values": 32}
+    vocab = mqar_vocab_size(32, 32)
+    torch.manual_seed(0)
+    reading = memory_spans(build_recall_model("linear_gpt2_decay", Dims(32, 2, 2, 64), 64, vocab), task, 2, seed=1)
+    assert reading["span"] == 16
+    for heads in reading["layers"]:
+        rates = [1 - 2.0 ** (-5 - h) for h in range(2)]
+        assert [h["alpha"] for h in heads] == pytest.approx(rates)
+        assert [h["kept"] for h in heads] == pytest.approx([r ** 16 for r in rates])
+    assert memory_spans(build_recall_model("linear_gpt2_conv", Dims(32, 2, 2, 64), 64, vocab), task, 2, seed=1) is None
+    for name in ("linear_gpt2_gated_delta_conv", "linear_gpt2_kda_conv"):
+        layers = memory_spans(build_recall_model(name, Dims(32, 2, 2, 64), 64, vocab), task, 2, seed=1)["layers"]
+        assert len(layers) == 2 and all(0 < h["kept"] < h["alpha"] < 1 for heads in layers for h in heads)
+
+
 @pytest.mark.slow
 def test_softmax_learns_recall_with_few_pairs_and_the_score_counts_only_queries():
     """The pipeline can learn (an honest check that a zero from another model is a finding): GPT-2, 2 layers, at
@@ -287,6 +308,15 @@ def test_the_script_runs_the_smoke_preset_resumes_and_rerenders(tmp_path):
     assert probed == {"linear_gpt2", "linear_gpt2_hedgehog"}
     assert "## Where the lookup is" in (tmp_path / "results.md").read_text()
     assert (tmp_path / "models" / "mqar-n32-p4-w32" / "reformer_lsh" / "config.json").is_file()
+    # the saved models, read again without training (--probe_saved): the same readings as the stages' own
+    probe = subprocess.run(command + ["--probe_saved"], capture_output=True, text=True, cwd=REPO_ROOT, timeout=600)
+    assert probe.returncode == 0, probe.stderr[-3000:]
+    probes = json.loads((tmp_path / "probes.json").read_text())
+    records = json.loads((tmp_path / "records.json").read_text())
+    assert set(probes) == set(records)
+    for key, record in records.items():
+        assert probes[key]["lookup"] == record["metrics"]["lookup"]
+    assert "## Where the lookup is" in (tmp_path / "probes.md").read_text()
     again = subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT, timeout=600)
     assert again.returncode == 0 and again.stdout.count("finished earlier, reused") == 10
     report = (tmp_path / "results.md").read_text()
