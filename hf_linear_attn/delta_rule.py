@@ -124,7 +124,8 @@ def _products(a: torch.Tensor, b: torch.Tensor, cumulative: torch.Tensor | None)
     if cumulative.shape[-1] == 1:
         return _decayed_scores(a, b, cumulative)
     # one decay per feature: GLA's matmul around the chunk's middle where the chunk's decay allows it, else C x C x d
-    scores = _split_scores(a, b, cumulative)
+    # (always under torch.export, which cannot trace the split's check of the data; its one chunk is quadratic anyway)
+    scores = None if torch.compiler.is_exporting() else _split_scores(a, b, cumulative)
     return _decayed_scores(a, b, cumulative) if scores is None else scores
 
 

@@ -76,7 +76,7 @@ def states_of(cache):
 
 
 @pytest.mark.parametrize("variant", [
-    "linear-elu", "linear-window", "linear-gated", "linear-conv", "linear-delta-conv",
+    "linear-elu", "linear-window", "linear-gated", "linear-conv", "linear-delta-conv", "linear-kda-conv",
     pytest.param("linear-favor", marks=pytest.mark.slow),
     pytest.param("linear-hedgehog", marks=pytest.mark.slow),
 ])
