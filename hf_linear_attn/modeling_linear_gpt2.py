@@ -353,10 +353,8 @@ class LinearGPT2Attention(GPT2StyleAttention):
         State (S,); rollback tail: the unit keys, the values, beta and log alpha (both 0 at pads; log alpha 0
         without a decay)."""
         q, k = delta_rule_qk(q, k)
-        if log_decay is not None and log_decay.dim() == 4:  # KDA: one per key feature
-            decay = log_decay.expand(*beta.shape, log_decay.shape[-1])
-        else:
-            decay = (log_decay if log_decay is not None else beta.new_zeros(())).expand_as(beta)
+        decay = beta.new_zeros(()) if log_decay is None else log_decay
+        decay = decay.expand(*beta.shape, *decay.shape[3:])  # (B, H, n), or (B, H, n, d_k) for KDA's gate
         if key_mask is not None:  # a pad writes nothing, erases nothing and leaves the state undecayed
             real = key_mask[:, None, :].bool()
             beta = torch.where(real, beta, 0.0)

@@ -117,16 +117,31 @@ def stage_runner(output_dir: Path | None, log=print, device: str = "cpu"):
     return run_stage
 
 
+def task_of(args: dict) -> dict:
+    """The MQAR task of a stage's arguments."""
+    return {key: args[key] for key in ("length", "pairs", "num_keys", "num_values")}
+
+
+def read_trained(model, args: dict) -> dict:
+    """A trained model's readings, on batches of their own seeds: where it looks up (`lookup_attention`) and how long
+    its states keep what they hold (`memory_spans`). The stage records them; --probe_saved reads a saved model again."""
+    from .training import lookup_attention, memory_spans
+
+    task = task_of(args)
+    return {"lookup": lookup_attention(model, task, args["batch_size"], LOOKUP_BATCHES, args["seed"] + 20_000),
+            "memory": memory_spans(model, task, args["batch_size"], args["seed"] + 30_000)}
+
+
 def run_mqar_stage(stage: Stage, checkpointing=None, device: str = "cpu", save_to: Path | None = None) -> dict:
     """One MQAR stage on `device` (the batches are drawn on the CPU, so every device sees the same sequences; a GPU
     stage's record names the GPU), with where the trained model looks up (`lookup_attention`); the model is saved to
     `save_to` where given (not committed: a later probe reads it without training again)."""
     import torch
 
-    from .training import lookup_attention, memory_spans, train_mqar
+    from .training import train_mqar
 
     a = stage.args
-    task = {"length": a["length"], "pairs": a["pairs"], "num_keys": a["num_keys"], "num_values": a["num_values"]}
+    task = task_of(a)
     vocab = mqar_vocab_size(a["num_keys"], a["num_values"])
     # the stage's data, as a digest: the first training batch (a different generator state means other data)
     ids, _ = mqar_batch(2, generator=torch.Generator().manual_seed(a["seed"]), **task)
@@ -137,8 +152,7 @@ def run_mqar_stage(stage: Stage, checkpointing=None, device: str = "cpu", save_t
                          a["eval_batches"], checkpointing=checkpointing, precision=a.get("precision", "float32"))
     metrics["state_bytes"] = decoding_state_bytes(model, a["length"], vocab)
     metrics["parameters"] = sum(p.numel() for p in model.parameters())
-    metrics["lookup"] = lookup_attention(model, task, a["batch_size"], LOOKUP_BATCHES, a["seed"] + 20_000)
-    metrics["memory"] = memory_spans(model, task, a["batch_size"], a["seed"] + 30_000)
+    metrics.update(read_trained(model, a))
     if save_to is not None:
         model.save_pretrained(save_to)
     if device != "cpu":  # CPU records (all of them before --device) name no device
@@ -220,6 +234,19 @@ def render_thresholds(rows: list[dict], models: list[str], threshold: float = 0.
     return out
 
 
+def _layer_header(depth: int, extra: list[str] = ()) -> list[str]:
+    """The header of a per-layer table of trained models."""
+    columns = ["model", "n", "pairs", "width", "accuracy", *(f"layer {i + 1}" for i in range(depth)), *extra]
+    return ["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
+
+
+def _layer_row(r: dict, cells: list[str], depth: int, extra: list[str] = ()) -> str:
+    """A model's row of such a table: its stage, then one cell per layer ("-" past its depth), then ``extra``."""
+    cells = [*cells, *["-"] * (depth - len(cells)), *extra]
+    return (f"| {LABELS.get(r['model'], r['model'])} | {r['length']:,} | {r['pairs']} | {r['width']} | "
+            f"{r['accuracy']:.1%} | " + " | ".join(cells) + " |")
+
+
 def render_lookup(rows: list[dict]) -> list[str]:
     """Where each trained model looks up (stages recorded with `lookup_attention`'s reading): per layer, the head with
     the most attention weight on the queried pair; and, for the stages recorded with it, the head with the largest
@@ -228,8 +255,7 @@ def render_lookup(rows: list[dict]) -> list[str]:
     if not probed:
         return []
     depth = max(len(r["lookup"]["layers"]) for r in probed)
-    header = ["| model | n | pairs | width | accuracy | " + " | ".join(f"layer {i + 1}" for i in range(depth))
-              + " | even weights |", "|---" * (depth + 6) + "|"]
+    header = _layer_header(depth, ["even weights"])
 
     def table(key: str) -> list[str]:
         lines = []
@@ -238,9 +264,7 @@ def render_lookup(rows: list[dict]) -> list[str]:
             for heads in r["lookup"][key]:
                 best = max(range(len(heads)), key=heads.__getitem__)
                 cells.append(f"{heads[best]:.1%} (head {best + 1} of {len(heads)})")
-            cells += ["-"] * (depth - len(cells))
-            lines.append(f"| {LABELS.get(r['model'], r['model'])} | {r['length']:,} | {r['pairs']} | {r['width']} | "
-                         f"{r['accuracy']:.1%} | " + " | ".join(cells) + f" | {r['lookup']['uniform']:.1%} |")
+            lines.append(_layer_row(r, cells, depth, [f"{r['lookup']['uniform']:.1%}"]))
         return header + lines if lines else []
 
     out = ["## Where the lookup is: attention on the queried pair", "",
@@ -269,14 +293,11 @@ def render_memory(rows: list[dict]) -> list[str]:
            "across the context's pairs (2 x pairs tokens, the product of the decays; median over positions), and the "
            "mean decay per token in brackets; with one decay per feature, their geometric mean. A head that is to "
            "answer the first query from the first pair must keep most of it. \"-\": a layer without a decay.", "",
-           "| model | n | pairs | width | accuracy | " + " | ".join(f"layer {i + 1}" for i in range(depth)) + " |",
-           "|---" * (depth + 5) + "|"]
+           *_layer_header(depth)]
     for r in probed:
         cells = ["-" if heads is None else " / ".join(f"{h['kept']:.2f} ({h['alpha']:.3f})" for h in heads)
                  for heads in r["memory"]["layers"]]
-        cells += ["-"] * (depth - len(cells))
-        out.append(f"| {LABELS.get(r['model'], r['model'])} | {r['length']:,} | {r['pairs']} | {r['width']} | "
-                   f"{r['accuracy']:.1%} | " + " | ".join(cells) + " |")
+        out.append(_layer_row(r, cells, depth))
     return out + [""]
 
 
@@ -365,8 +386,6 @@ def probe_saved(preset_path: Path, output_dir: Path, models=None, log=print) -> 
 
     import hf_linear_attn  # noqa: F401  (registers the families with the Auto classes)
 
-    from .training import lookup_attention, memory_spans
-
     preset = load_preset(preset_path)
     whole, _ = plan(preset, models)
     records = load_records(Path(output_dir))
@@ -378,12 +397,7 @@ def probe_saved(preset_path: Path, output_dir: Path, models=None, log=print) -> 
         if not (folder / "config.json").is_file():
             missing.append(stage.key)
             continue
-        a = record["args"]
-        task = {"length": a["length"], "pairs": a["pairs"], "num_keys": a["num_keys"], "num_values": a["num_values"]}
-        model = AutoModelForCausalLM.from_pretrained(folder)
-        probes[stage.key] = {
-            "lookup": lookup_attention(model, task, a["batch_size"], LOOKUP_BATCHES, a["seed"] + 20_000),
-            "memory": memory_spans(model, task, a["batch_size"], a["seed"] + 30_000)}
+        probes[stage.key] = read_trained(AutoModelForCausalLM.from_pretrained(folder), record["args"])
         log(f"{stage.key}: probed")
         row = summarise({stage.key: record})[0]
         rows.append({**row, **{k: v for k, v in probes[stage.key].items() if v}})
