@@ -80,6 +80,21 @@ def check_state_update(config) -> None:
             f"state_decay={config.state_decay!r}: set state_update='delta' and state_decay='gated' for KDA's gate, or "
             "leave delta_gate at 'head'."
         )
+    dt_range = config.delta_gate_dt_range
+    if dt_range is not None:
+        if (update, config.state_decay) != ("delta", "gated"):
+            raise ValueError(
+                f"delta_gate_dt_range={dt_range!r} starts the delta rule's gate, but state_update={update!r} and "
+                f"state_decay={config.state_decay!r}: set state_update='delta' and state_decay='gated', or leave "
+                "delta_gate_dt_range at None."
+            )
+        if (not isinstance(dt_range, (list, tuple)) or len(dt_range) != 2
+                or any(isinstance(x, bool) or not isinstance(x, (int, float)) for x in dt_range)
+                or not 0 < dt_range[0] <= dt_range[1]):
+            raise ValueError(
+                f"delta_gate_dt_range must be [dt_min, dt_max] with 0 < dt_min <= dt_max (Mamba-2's: [0.001, 0.1]; "
+                f"[1e-4, 1e-3] starts every head near a decay of 1), got {dt_range!r}."
+            )
     if update not in STATE_UPDATES:
         raise ValueError(f"state_update must be 'add' (linear attention's sum) or 'delta' (DeltaNet's delta rule), got "
                          f"{update!r}.")
@@ -207,6 +222,12 @@ class LinearGPT2Config(GPT2StyleConfig):
             key feature, `S_t = (I - beta_t k_t k_t^T) Diag(alpha_t) S_{t-1} + beta_t k_t v_t^T`, its logits from a
             low-rank projection `x_t W_down W_up` (`attn.delta_gate.f_proj`, rank the head size) and a `dt_bias` per
             head and feature, as fla's KDA layer computes it.
+        delta_gate_dt_range (`list[float]`, *optional*): where the delta rule's gate starts, `[dt_min, dt_max]`: its
+            time step dt is drawn log-uniform from this range per head (and feature), and with A in [1, 16] the
+            per-token decay starts near `exp(-A dt)`. None: Mamba-2's and fla's `[0.001, 0.1]`, decays from 0.20 to
+            0.999 at the start. A smaller range starts every head nearer 1, a long memory (`[1e-4, 1e-3]`: 0.984 to
+            0.9999). Init only: a checkpoint's trained gate is loaded as saved. Only with `state_update="delta"` and
+            `state_decay="gated"`.
         conv_size (`int`, defaults to 4): the convolution's width K (fla's `conv_size`), at least 2.
         short_conv_on_full_attention (`bool`, defaults to `False`): the same convolution on q, k, v of the
             `full_attention` layers too (their own weights, before the softmax attention), so that `layer_types` all
@@ -234,6 +255,7 @@ class LinearGPT2Config(GPT2StyleConfig):
     short_conv_on_full_attention: bool = False
     state_update: str = "add"
     delta_gate: str = "head"
+    delta_gate_dt_range: list[float | int] | None = None
 
     default_auto_map = build_auto_map("linear_gpt2", "LinearGPT2", DECODER_HEADS)
 

@@ -45,6 +45,8 @@ import torch
 from .decayed_linear_attention import _decayed_scores, _split_scores
 from .linear_attention import _no_autocast
 
+MAMBA2_DT_RANGE = (0.001, 0.1)  # the gate's time step at init, Mamba-2's and fla's dt_min, dt_max
+
 
 def delta_rule_qk(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """DeltaNet's query and key map (fla's defaults ``qk_activation="silu"``, ``qk_norm="l2"``): SiLU, then unit
@@ -225,12 +227,15 @@ class DeltaRuleGate(torch.nn.Module):
       x W_down W_up (``f_proj``, rank d_k, no biases, as fla's KDA), ``dt_bias`` one per head and feature. Output
       (B, H, n, d_k).
 
-    A in [1, 16] and dt in [0.001, 0.1] at init (:func:`delta_rule_gate_init`): memories from about 1 to 1,000 tokens
-    at the start. Parameter names are fla's."""
+    A in [1, 16] and dt log-uniform in ``dt_range`` at init (:func:`delta_rule_gate_init`); Mamba-2's [0.001, 0.1]
+    starts a head's per-token decay anywhere from 0.20 to 0.999, memories from about 1 to 1,000 tokens. Parameter
+    names are fla's."""
 
-    def __init__(self, hidden_size: int, num_heads: int, head_dim: int | None = None):
+    def __init__(self, hidden_size: int, num_heads: int, head_dim: int | None = None,
+                 dt_range: tuple[float, float] = MAMBA2_DT_RANGE):
         super().__init__()
         self.head_dim = head_dim
+        self.dt_range = tuple(dt_range)  # read by the init, not a weight
         if head_dim is None:
             self.a_proj = torch.nn.Linear(hidden_size, num_heads, bias=False)
         else:
@@ -248,11 +253,13 @@ class DeltaRuleGate(torch.nn.Module):
         return log_decay[..., 0] if self.head_dim is None else log_decay
 
 
-def delta_rule_gate_init(num_heads: int, generator: torch.Generator | None = None,
-                         features: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def delta_rule_gate_init(num_heads: int, generator: torch.Generator | None = None, features: int = 1,
+                         dt_range: tuple[float, float] = MAMBA2_DT_RANGE) -> tuple[torch.Tensor, torch.Tensor]:
     """(A_log (H), dt_bias (H * features)) as Mamba-2 and fla's GatedDeltaNet and KDA start them: A ~ U(1, 16) per
-    head, dt log-uniform in [0.001, 0.1] (at least 1e-4) per head and feature, dt_bias its inverse softplus."""
+    head, dt log-uniform in ``dt_range`` (theirs: [0.001, 0.1]) per head and feature, dt_bias its inverse softplus.
+    At init the per-token decay is about exp(-A dt) (the gate's projection starts near 0). (Mamba-2 also floors dt
+    at 1e-4, a no-op: a log-uniform draw never falls below its range.)"""
     a = torch.empty(num_heads).uniform_(1, 16, generator=generator)
-    low, high = math.log(0.001), math.log(0.1)
-    dt = torch.exp(low + (high - low) * torch.rand(num_heads * features, generator=generator)).clamp(min=1e-4)
+    low, high = math.log(dt_range[0]), math.log(dt_range[1])
+    dt = torch.exp(low + (high - low) * torch.rand(num_heads * features, generator=generator))
     return a.log(), dt + torch.log(-torch.expm1(-dt))

@@ -118,7 +118,9 @@ class LinearGPT2Attention(GPT2StyleAttention):
                 self.decay_rates = list(config.decay_rates or retnet_decay_rates(self.num_heads))
             elif self.state_decay == "gated":
                 per_feature = self.head_dim if config.delta_gate == "feature" else None
-                self.delta_gate = DeltaRuleGate(self.embed_dim, self.num_heads, per_feature)
+                self.delta_gate = DeltaRuleGate(self.embed_dim, self.num_heads, per_feature,
+                                                **({"dt_range": config.delta_gate_dt_range}
+                                                   if config.delta_gate_dt_range is not None else {}))
             self.cache_layer_class = DeltaRuleStateLayer
             if config.use_short_conv:
                 self._add_short_conv(config)

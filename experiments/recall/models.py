@@ -48,6 +48,12 @@ LINEAR_VARIANTS = {
     # and with Kimi Delta Attention's gate, one decay per key feature
     "linear_gpt2_kda_conv": {"state_update": "delta", "state_decay": "gated", "delta_gate": "feature",
                              "use_short_conv": True},
+    # both gates started near 1 (dt in [1e-4, 1e-3], per-token decays 0.984-0.9999) instead of Mamba-2's [0.001, 0.1]
+    # (0.20-0.999): at Mamba-2's start a head may forget a write within a few tokens, and the lookup may never reach it
+    "linear_gpt2_gated_delta_long_conv": {"state_update": "delta", "state_decay": "gated", "use_short_conv": True,
+                                          "delta_gate_dt_range": [1e-4, 1e-3]},
+    "linear_gpt2_kda_long_conv": {"state_update": "delta", "state_decay": "gated", "delta_gate": "feature",
+                                  "use_short_conv": True, "delta_gate_dt_range": [1e-4, 1e-3]},
     "linear_gpt2_window_conv": lambda dims, n: {
         "attention_window": min(64, n), "linear_attention_chunk_size": min(64, n), "use_short_conv": True,
         "attention_window_factor_init": math.log(dims.hidden_size // dims.num_heads)},
@@ -80,6 +86,8 @@ LABELS = {"gpt2_sdpa": "GPT-2 (softmax)", "reformer_lsh": "Reformer (LSH)", "lin
           "linear_gpt2_delta_conv": "linear_gpt2, delta rule (DeltaNet), short conv",
           "linear_gpt2_gated_delta_conv": "linear_gpt2, gated delta rule (Gated DeltaNet), short conv",
           "linear_gpt2_kda_conv": "linear_gpt2, delta rule gated per key feature (KDA), short conv",
+          "linear_gpt2_gated_delta_long_conv": "linear_gpt2, Gated DeltaNet, gate started near 1, short conv",
+          "linear_gpt2_kda_long_conv": "linear_gpt2, KDA, gate started near 1, short conv",
           "gpt2_conv": "GPT-2 (softmax), short conv",
           "linear_gpt2_hybrid_conv": "linear_gpt2, softmax layer 1 + linear, short conv",
           "linear_gpt2_hybrid_last_conv": "linear_gpt2, linear + softmax layer 2, short conv"}

@@ -7,6 +7,8 @@ matrix (helpers.DECODER_VARIANTS / CONV_VARIANTS: linear-delta, linear-delta-con
 linear-kda-conv) covers
 the cache, padding, rollback, beam search, export and checkpoints."""
 
+import math
+
 import pytest
 import torch
 from helpers import DECODER_VARIANTS, causal_lm, random_ids
@@ -84,6 +86,10 @@ def test_the_rule_changes_what_the_model_computes():
     ({"delta_gate": "channel"}, "delta_gate must be 'head'"),
     ({"delta_gate": "feature"}, "set state_update='delta' and state_decay='gated'"),
     ({"state_update": "delta", "state_decay": "fixed", "delta_gate": "feature"}, "state_decay='fixed'"),
+    ({"delta_gate_dt_range": [1e-4, 1e-3]}, "starts the delta rule's gate, but state_update='add'"),
+    ({"state_update": "delta", "state_decay": "fixed", "delta_gate_dt_range": [1e-4, 1e-3]}, "state_decay='fixed'"),
+    *[({"state_update": "delta", "state_decay": "gated", "delta_gate_dt_range": bad}, "0 < dt_min <= dt_max")
+      for bad in ([1e-3, 1e-4], [0, 1e-3], [1e-3])],
 ])
 def test_bad_delta_configs_are_refused_with_the_fix(options, message):
     with pytest.raises(ValueError, match=message):
@@ -130,6 +136,37 @@ def test_gated_deltanet_fades_the_state_by_its_gate_and_starts_as_mamba2():
     fixed = causal_lm("linear-delta", state_decay="fixed").transformer.h[0].attn
     assert fixed.decay_rates == retnet_decay_rates(4) and not hasattr(fixed, "delta_gate")
     assert fixed.per_token_inputs(x)["log_decay"].exp().flatten().tolist() == pytest.approx(retnet_decay_rates(4))
+
+
+@pytest.mark.parametrize("variant", ["linear-gated-delta-conv", "linear-kda-conv"])
+def test_the_gate_starts_where_delta_gate_dt_range_says_and_loads_as_trained(variant, tmp_path):
+    """delta_gate_dt_range: dt = softplus(dt_bias) drawn in the range (default: Mamba-2's, the same draws as naming
+    [0.001, 0.1]), so [1e-4, 1e-3] starts every head's decay in [exp(-16e-3), exp(-1e-4)]; a checkpoint keeps the trained
+    gate, not a new draw, and the range travels in its config."""
+    from transformers import AutoModelForCausalLM
+
+    default, named = causal_lm(variant), causal_lm(variant, delta_gate_dt_range=[0.001, 0.1])
+    for (name, a), b in zip(default.state_dict().items(), named.state_dict().values()):
+        assert torch.equal(a, b), name
+    long = causal_lm(variant, delta_gate_dt_range=[1e-4, 1e-3])
+    x = torch.zeros(1, 3, 32)  # the gate's start without the input's part: alpha = exp(-A dt)
+    for layer, start in zip(long.transformer.h, default.transformer.h):
+        dt = torch.nn.functional.softplus(layer.attn.delta_gate.dt_bias)
+        assert ((dt >= 1e-4 * (1 - 1e-4)) & (dt <= 1e-3 * (1 + 1e-4))).all() and dt.std() > 0
+        with torch.no_grad():
+            alpha = layer.attn.per_token_inputs(x)["log_decay"].exp()
+            alpha_default = start.attn.per_token_inputs(x)["log_decay"].exp()
+        assert alpha.min() >= math.exp(-16e-3) - 1e-6 and alpha.max() <= math.exp(-1e-4) + 1e-6
+        assert alpha_default.min() < 0.9  # Mamba-2's range starts some heads short
+    with torch.no_grad():
+        for layer in long.transformer.h:
+            layer.attn.delta_gate.dt_bias.add_(1.0)  # "trained" away from any draw
+    long.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert loaded.config.delta_gate_dt_range == [1e-4, 1e-3]
+    for layer, saved in zip(loaded.transformer.h, long.transformer.h):
+        assert torch.equal(layer.attn.delta_gate.dt_bias, saved.attn.delta_gate.dt_bias)
+        assert torch.equal(layer.attn.delta_gate.A_log, saved.attn.delta_gate.A_log)
 
 
 def test_kdas_gate_is_per_key_feature_and_starts_as_flas():
