@@ -49,7 +49,8 @@ def init_added_weights(module: nn.Module, config) -> None:
     """Init of ``module`` if it is a part this package adds: a feature map (:func:`init_feature_map`), Linformer's E / F
     (:func:`init_linformer_projection` by ``config.linformer_init``), a window factor (its config's start,
     ``attention_window_factor_init``: 0 by default, g = 1), a short convolution (PyTorch's Conv1d default) or Gated
-    DeltaNet's gate (:func:`~.delta_rule.delta_rule_gate_init`, from its ``dt_range``); any other module is left alone."""
+    DeltaNet's gate (:func:`~.delta_rule.delta_rule_gate_init`, from its ``dt_range``); any other module is left
+    alone."""
     init_feature_map(module)
     if isinstance(module, LinformerProjection):
         init_linformer_projection(module, config.linformer_init, config.initializer_range)

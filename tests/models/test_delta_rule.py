@@ -141,8 +141,8 @@ def test_gated_deltanet_fades_the_state_by_its_gate_and_starts_as_mamba2():
 @pytest.mark.parametrize("variant", ["linear-gated-delta-conv", "linear-kda-conv"])
 def test_the_gate_starts_where_delta_gate_dt_range_says_and_loads_as_trained(variant, tmp_path):
     """delta_gate_dt_range: dt = softplus(dt_bias) drawn in the range (default: Mamba-2's, the same draws as naming
-    [0.001, 0.1]), so [1e-4, 1e-3] starts every head's decay in [exp(-16e-3), exp(-1e-4)]; a checkpoint keeps the trained
-    gate, not a new draw, and the range travels in its config."""
+    [0.001, 0.1]), so [1e-4, 1e-3] starts every head's decay in [exp(-16e-3), exp(-1e-4)]; a checkpoint keeps the
+    trained gate, not a new draw, and the range travels in its config."""
     from transformers import AutoModelForCausalLM
 
     default, named = causal_lm(variant), causal_lm(variant, delta_gate_dt_range=[0.001, 0.1])
