@@ -132,6 +132,24 @@ def read_trained(model, args: dict) -> dict:
             "memory": memory_spans(model, task, args["batch_size"], args["seed"] + 30_000)}
 
 
+def initial_model(args: dict, device: str = "cpu"):
+    """A stage's model as it starts, before any step: the stage's seed, then the build (the same weights on every
+    CPU, so a probe can read a finished stage's start again)."""
+    import torch
+
+    torch.manual_seed(args["seed"])
+    vocab = mqar_vocab_size(args["num_keys"], args["num_values"])
+    return build_recall_model(args["model"], Dims(**args["dims"]), args["length"], vocab).to(device)
+
+
+def initial_memory(model, args: dict) -> dict | None:
+    """`memory_spans` of a model at its start, on the batch the trained model's reading uses: where each decaying
+    head began (a head that starts forgetting within a few tokens may never learn to hold a pair)."""
+    from .training import memory_spans
+
+    return memory_spans(model, task_of(args), args["batch_size"], args["seed"] + 30_000)
+
+
 def run_mqar_stage(stage: Stage, checkpointing=None, device: str = "cpu", save_to: Path | None = None) -> dict:
     """One MQAR stage on `device` (the batches are drawn on the CPU, so every device sees the same sequences; a GPU
     stage's record names the GPU), with where the trained model looks up (`lookup_attention`); the model is saved to
@@ -146,13 +164,15 @@ def run_mqar_stage(stage: Stage, checkpointing=None, device: str = "cpu", save_t
     # the stage's data, as a digest: the first training batch (a different generator state means other data)
     ids, _ = mqar_batch(2, generator=torch.Generator().manual_seed(a["seed"]), **task)
     stage.digests = {"first_batch_sum": int(ids.sum())}
-    torch.manual_seed(a["seed"])
-    model = build_recall_model(a["model"], Dims(**a["dims"]), a["length"], vocab).to(device)
+    model = initial_model(a, device)
+    start = initial_memory(model, a)  # reads only: no random draw, so training sees the same model and batches
     metrics = train_mqar(model, task, a["steps"], a["batch_size"], a["optimizer"], a["seed"], a["log_every"],
                          a["eval_batches"], checkpointing=checkpointing, precision=a.get("precision", "float32"))
     metrics["state_bytes"] = decoding_state_bytes(model, a["length"], vocab)
     metrics["parameters"] = sum(p.numel() for p in model.parameters())
     metrics.update(read_trained(model, a))
+    if start is not None:
+        metrics["memory_init"] = start
     if save_to is not None:
         model.save_pretrained(save_to)
     if device != "cpu":  # CPU records (all of them before --device) name no device
@@ -171,7 +191,7 @@ def summarise(records: dict) -> list[dict]:
                      "steps_per_second": m["steps_per_second"],
                      **({"resumed_at": m["resumed_at"]} if m.get("resumed_at") else {}),
                      **({"lookup": m["lookup"]} if m.get("lookup") else {}),
-                     **({"memory": m["memory"]} if m.get("memory") else {})})
+                     **{key: m[key] for key in ("memory", "memory_init") if m.get(key)}})
     return sorted(rows, key=lambda r: (r["length"], r["width"], r["model"], r["pairs"]))
 
 
@@ -283,22 +303,32 @@ def render_lookup(rows: list[dict]) -> list[str]:
 
 
 def render_memory(rows: list[dict]) -> list[str]:
-    """How long each decayed state keeps what it holds (stages recorded with `memory_spans`' reading)."""
+    """How long each decayed state keeps what it holds (stages recorded with `memory_spans`' reading), trained and,
+    where recorded or probed, at the start."""
     probed = [r for r in rows if r.get("memory")]
     if not probed:
         return []
     depth = max(len(r["memory"]["layers"]) for r in probed)
+
+    def table(key):
+        lines = _layer_header(depth)
+        for r in (r for r in rows if r.get(key)):
+            cells = ["-" if heads is None else " / ".join(f"{h['kept']:.2f} ({h['alpha']:.3f})" for h in heads)
+                     for heads in r[key]["layers"]]
+            lines.append(_layer_row(r, cells, depth))
+        return lines
+
     out = ["## How long each decaying state keeps what it holds", "",
            "Per layer and head of the trained model, on a fresh sequence: the share of the state a token's write keeps "
            "across the context's pairs (2 x pairs tokens, the product of the decays; median over positions), and the "
            "mean decay per token in brackets; with one decay per feature, their geometric mean. A head that is to "
            "answer the first query from the first pair must keep most of it. \"-\": a layer without a decay.", "",
-           *_layer_header(depth)]
-    for r in probed:
-        cells = ["-" if heads is None else " / ".join(f"{h['kept']:.2f} ({h['alpha']:.3f})" for h in heads)
-                 for heads in r["memory"]["layers"]]
-        out.append(_layer_row(r, cells, depth))
-    return out + [""]
+           *table("memory"), ""]
+    if any(r.get("memory_init") for r in rows):
+        out += ["The same at the start, the model as its stage's seed built it, before any step (accuracy: the "
+                "trained model's). A head the gate's init starts forgetting within a few tokens gets almost no "
+                "gradient from a pair 2 x pairs tokens back.", "", *table("memory_init"), ""]
+    return out
 
 
 def render(rows: list[dict], meta: dict) -> str:
@@ -378,10 +408,10 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def probe_saved(preset_path: Path, output_dir: Path, models=None, log=print) -> dict:
     """Read where each trained model looks up and how long its states keep what they hold (`lookup_attention`,
-    `memory_spans`) from the models the finished stages saved (`<output_dir>/models/<stage>`, not committed), with
-    the same batches as a stage's own reading, without training again: for stages recorded before a reading existed.
-    Writes `probes.json` and `probes.md` beside the report; a stage whose model is not on this machine is listed as
-    such. Returns {stage: probe}."""
+    `memory_spans`; the latter also at the start, rebuilt from the stage's seed) from the models the finished stages
+    saved (`<output_dir>/models/<stage>`, not committed), with the same batches as a stage's own reading, without
+    training again: for stages recorded before a reading existed. Writes `probes.json` and `probes.md` beside the
+    report; a stage whose model is not on this machine is listed as such. Returns {stage: probe}."""
     from transformers import AutoModelForCausalLM
 
     import hf_linear_attn  # noqa: F401  (registers the families with the Auto classes)
@@ -397,7 +427,8 @@ def probe_saved(preset_path: Path, output_dir: Path, models=None, log=print) -> 
         if not (folder / "config.json").is_file():
             missing.append(stage.key)
             continue
-        probes[stage.key] = read_trained(AutoModelForCausalLM.from_pretrained(folder), record["args"])
+        probes[stage.key] = {**read_trained(AutoModelForCausalLM.from_pretrained(folder), record["args"]),
+                             "memory_init": initial_memory(initial_model(record["args"]), record["args"])}
         log(f"{stage.key}: probed")
         row = summarise({stage.key: record})[0]
         rows.append({**row, **{k: v for k, v in probes[stage.key].items() if v}})

@@ -273,6 +273,33 @@ def test_the_memory_reading_gives_each_heads_decay_and_what_a_write_keeps_across
         assert len(layers) == 2 and all(0 < h["kept"] < h["alpha"] < 1 for heads in layers for h in heads)
 
 
+def test_a_stage_records_where_each_gate_started_without_changing_its_training():
+    """memory_init: the decays of the model as the stage's seed builds it, read before the first step; reading them
+    draws nothing, so the stage trains exactly the weights a run without the reading would (trained here beside it),
+    and the start's reading differs from the trained one. The report shows both tables."""
+    from experiments.long_range.stages import Stage
+    from experiments.recall.runner import initial_memory, initial_model, render_memory, run_mqar_stage, summarise
+    from experiments.recall.training import train_mqar
+
+    args = {"model": "linear_gpt2_gated_delta_long_conv", "length": 32, "pairs": 4, "width": 32,
+            "dims": {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "intermediate_size": 64},
+            "num_keys": 16, "num_values": 16, "steps": 6, "batch_size": 4, "seed": 3, "log_every": 3,
+            "eval_batches": 1, "optimizer": {"lr": 0.05, "weight_decay": 0.1, "warmup_fraction": 0.1}}
+    stage = Stage("mqar-n32-p4-w32/linear_gpt2_gated_delta_long_conv", "mqar", args)
+    metrics = run_mqar_stage(stage)
+    start = initial_memory(initial_model(args), args)
+    assert metrics["memory_init"] == start and metrics["memory_init"] != metrics["memory"]
+    assert all(h["alpha"] > 0.98 for heads in start["layers"] for h in heads)  # the gate started near 1
+    alone = initial_model(args)
+    task = {key: args[key] for key in ("length", "pairs", "num_keys", "num_values")}
+    reference = train_mqar(alone, task, args["steps"], args["batch_size"], args["optimizer"], args["seed"],
+                           args["log_every"], args["eval_batches"])
+    assert reference["eval_loss"] == metrics["eval_loss"]
+    row = summarise({stage.key: {"args": args, "metrics": metrics}})[0]
+    text = "\n".join(render_memory([row]))
+    assert "The same at the start" in text and f"{start['layers'][1][0]['alpha']:.3f}" in text
+
+
 @pytest.mark.slow
 def test_softmax_learns_recall_with_few_pairs_and_the_score_counts_only_queries():
     """The pipeline can learn (an honest check that a zero from another model is a finding): GPT-2, 2 layers, at
