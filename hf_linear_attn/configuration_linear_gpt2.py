@@ -10,6 +10,7 @@ from .sliding_window_attention import check_window_factor_init, check_window_opt
 STATE_DECAYS = ("fixed", "gated")
 STATE_UPDATES = ("add", "delta")
 DELTA_GATES = ("head", "feature")
+DELTA_OUTPUT_NORMS = ("rms", "rms_gated")
 
 
 def retnet_decay_rates(num_heads: int) -> list[float]:
@@ -95,6 +96,15 @@ def check_state_update(config) -> None:
                 f"delta_gate_dt_range must be [dt_min, dt_max] with 0 < dt_min <= dt_max (Mamba-2's: [0.001, 0.1]; "
                 f"[1e-4, 1e-3] starts every head near a decay of 1), got {dt_range!r}."
             )
+    norm = config.delta_output_norm
+    if norm is not None and norm not in DELTA_OUTPUT_NORMS:
+        raise ValueError(f"delta_output_norm must be None, 'rms' (RMSNorm per head) or 'rms_gated' (RMSNorm times an "
+                         f"output gate), got {norm!r}.")
+    if norm is not None and update != "delta":
+        raise ValueError(
+            f"delta_output_norm={norm!r} normalises the delta rule's output, but state_update={update!r}: set "
+            "state_update='delta', or leave delta_output_norm at None."
+        )
     if update not in STATE_UPDATES:
         raise ValueError(f"state_update must be 'add' (linear attention's sum) or 'delta' (DeltaNet's delta rule), got "
                          f"{update!r}.")
@@ -228,6 +238,12 @@ class LinearGPT2Config(GPT2StyleConfig):
             0.999 at the start. A smaller range starts every head nearer 1, a long memory (`[1e-4, 1e-3]`: 0.984 to
             0.9999). Init only: a checkpoint's trained gate is loaded as saved. Only with `state_update="delta"` and
             `state_decay="gated"`.
+        delta_output_norm (`str`, *optional*): what fla's delta-rule layers put between the rule's output and the
+            output projection (their `o_norm`, `attn.o_norm`): `"rms"` RMSNorm over each head's output (one weight of
+            head size; fla's DeltaNet), `"rms_gated"` the same times an output gate from the layer's input
+            (`attn.o_norm.g_proj`): `silu(x W_g)` (fla's Gated DeltaNet, and DeltaNet with `use_gate`), or with
+            `delta_gate="feature"` KDA's `sigmoid(x W_down W_up + b)` of rank the head size. None: neither, as before.
+            The state and the cache are unchanged. Only with `state_update="delta"`.
         conv_size (`int`, defaults to 4): the convolution's width K (fla's `conv_size`), at least 2.
         short_conv_on_full_attention (`bool`, defaults to `False`): the same convolution on q, k, v of the
             `full_attention` layers too (their own weights, before the softmax attention), so that `layer_types` all
@@ -256,6 +272,7 @@ class LinearGPT2Config(GPT2StyleConfig):
     state_update: str = "add"
     delta_gate: str = "head"
     delta_gate_dt_range: list[float | int] | None = None
+    delta_output_norm: str | None = None
 
     default_auto_map = build_auto_map("linear_gpt2", "LinearGPT2", DECODER_HEADS)
 

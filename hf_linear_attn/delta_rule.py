@@ -253,6 +253,40 @@ class DeltaRuleGate(torch.nn.Module):
         return log_decay[..., 0] if self.head_dim is None else log_decay
 
 
+class DeltaRuleOutputNorm(torch.nn.Module):
+    """What fla's DeltaNet, Gated DeltaNet and KDA layers put between the rule's output and ``o_proj`` (their
+    ``o_norm``): RMSNorm over each head's output, one weight of head size shared by the heads, and with ``gate``,
+    times an output gate from the layer's input (``g_proj``):
+
+    * ``"swish"``: silu(x W_g), W_g hidden x hidden without a bias (fla's ``FusedRMSNormGated`` as Gated DeltaNet, and
+      DeltaNet with ``use_gate``, build it);
+    * ``"sigmoid"``: sigmoid(x W_down W_up + b), rank the head size, a bias on the second (fla's KDA).
+
+    In float32, as fla's fused norm computes it; the result in the output's dtype. The state is untouched: a cache,
+    rollback and export see the same state as without it."""
+
+    def __init__(self, hidden_size: int, num_heads: int, head_dim: int, gate: str | None, eps: float):
+        super().__init__()
+        self.num_heads, self.eps, self.gate = num_heads, eps, gate
+        self.weight = torch.nn.Parameter(torch.ones(head_dim))
+        if gate == "swish":
+            self.g_proj = torch.nn.Linear(hidden_size, hidden_size, bias=False)
+        elif gate == "sigmoid":
+            self.g_proj = torch.nn.Sequential(torch.nn.Linear(hidden_size, head_dim, bias=False),
+                                              torch.nn.Linear(head_dim, hidden_size, bias=True))
+        elif gate is not None:
+            raise ValueError(f"gate must be None, 'swish' or 'sigmoid', got {gate!r}")
+
+    def forward(self, output: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        """output (B, H, n, d_v) of the rule, hidden_states (B, n, D) the layer's input -> (B, H, n, d_v)."""
+        o = output.float()
+        o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
+        if self.gate is not None:
+            g = self.g_proj(hidden_states).float().unflatten(-1, (self.num_heads, -1)).transpose(1, 2)
+            o = o * (torch.nn.functional.silu(g) if self.gate == "swish" else torch.sigmoid(g))
+        return o.to(output.dtype)
+
+
 def delta_rule_gate_init(num_heads: int, generator: torch.Generator | None = None, features: int = 1,
                          dt_range: tuple[float, float] = MAMBA2_DT_RANGE) -> tuple[torch.Tensor, torch.Tensor]:
     """(A_log (H), dt_bias (H * features)) as Mamba-2 and fla's GatedDeltaNet and KDA start them: A ~ U(1, 16) per

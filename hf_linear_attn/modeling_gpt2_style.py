@@ -92,6 +92,11 @@ class GPT2StyleAttention(nn.Module):
         gate of gated linear attention (``log_decay``)."""
         return {}
 
+    def normalize_output(self, output: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The heads' output (B, H, n, d) before they merge into ``c_proj``, given the layer's input: as is by
+        default; the delta rule's output norm and gate (``delta_output_norm``)."""
+        return output
+
     def short_conv(self, qkv, key_mask, buffer):
         """Token mixing of q, k, v, fused as ``c_attn`` returns them (B, n, 3 D), before the heads split, continuing
         from ``buffer`` (None: no earlier token); called where ``has_short_conv``. Returns (q, k, v fused (B, n, 3 D),
@@ -131,7 +136,7 @@ class GPT2StyleAttention(nn.Module):
         if self.has_short_conv:
             state = None if state is None else (*state, buffer)
             tail = None if tail is None else (*tail, conv_inputs)
-        output = output.transpose(1, 2).reshape(hidden_states.shape)
+        output = self.normalize_output(output, hidden_states).transpose(1, 2).reshape(hidden_states.shape)
         return self.resid_dropout(self.c_proj(output)), weights, state, tail
 
 

@@ -15,7 +15,8 @@ from .decayed_linear_attention import (
     decayed_linear_attention_weights,
     recurrent_decayed_linear_attention_step,
 )
-from .delta_rule import DeltaRuleGate, causal_delta_rule, delta_rule_qk, delta_rule_weights, naive_delta_rule
+from .delta_rule import (DeltaRuleGate, DeltaRuleOutputNorm, causal_delta_rule, delta_rule_qk, delta_rule_weights,
+                         naive_delta_rule)
 from .feature_maps import build_feature_map
 from .linear_attention import (
     causal_linear_attention,
@@ -87,6 +88,9 @@ class LinearGPT2Attention(GPT2StyleAttention):
 
     def __init__(self, config: LinearGPT2Config, layer_idx: int):
         super().__init__(config, layer_idx)
+        # the delta rule's output norm and gate (delta_output_norm); an instance attribute, so that a module assigned
+        # later is what attribute lookup finds (a class attribute would shadow nn.Module's submodule lookup)
+        self.o_norm = None
         self.eps = config.linear_attention_eps
         self.chunk_size = config.linear_attention_chunk_size
         # A hybrid schedule's "full_attention" layer is GPT-2's softmax attention with a key/value cache: the same
@@ -114,13 +118,18 @@ class LinearGPT2Attention(GPT2StyleAttention):
             # a decay: RetNet's fixed rates per head, or a gate from the input, Gated DeltaNet's per head or KDA's
             # per key feature (delta_gate)
             self.state_decay = config.state_decay
+            per_feature_gate = self.state_decay == "gated" and config.delta_gate == "feature"
             if self.state_decay == "fixed":
                 self.decay_rates = list(config.decay_rates or retnet_decay_rates(self.num_heads))
             elif self.state_decay == "gated":
-                per_feature = self.head_dim if config.delta_gate == "feature" else None
+                per_feature = self.head_dim if per_feature_gate else None
                 self.delta_gate = DeltaRuleGate(self.embed_dim, self.num_heads, per_feature,
                                                 **({"dt_range": config.delta_gate_dt_range}
                                                    if config.delta_gate_dt_range is not None else {}))
+            if config.delta_output_norm is not None:  # fla's o_norm: RMSNorm per head, and an output gate
+                gate = None if config.delta_output_norm == "rms" else "sigmoid" if per_feature_gate else "swish"
+                self.o_norm = DeltaRuleOutputNorm(self.embed_dim, self.num_heads, self.head_dim, gate,
+                                                  config.layer_norm_epsilon)
             self.cache_layer_class = DeltaRuleStateLayer
             if config.use_short_conv:
                 self._add_short_conv(config)
@@ -178,6 +187,9 @@ class LinearGPT2Attention(GPT2StyleAttention):
         weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])
         mixed, buffer = causal_short_convolution(inputs, weight, buffer)
         return mixed, buffer, inputs
+
+    def normalize_output(self, output, hidden_states):
+        return output if self.o_norm is None else self.o_norm(output, hidden_states)
 
     def per_token_inputs(self, hidden_states):
         """log a_t of the decayed state: (1, H, 1, 1) fixed rates, or the gate (B, H, n, m) from ``hidden_states``;

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from transformers import initialization as init
 
-from .delta_rule import DeltaRuleGate, delta_rule_gate_init
+from .delta_rule import DeltaRuleGate, DeltaRuleOutputNorm, delta_rule_gate_init
 from .feature_maps import FavorFeatureMap, HedgehogFeatureMap, identity_weight, orthogonal_gaussian_matrix
 from .linformer_projection import (
     STRUCTURED_INITS, LinformerProjection, multiscale_matrix, pooling_matrix, xavier_bound,
@@ -49,8 +49,8 @@ def init_added_weights(module: nn.Module, config) -> None:
     """Init of ``module`` if it is a part this package adds: a feature map (:func:`init_feature_map`), Linformer's E / F
     (:func:`init_linformer_projection` by ``config.linformer_init``), a window factor (its config's start,
     ``attention_window_factor_init``: 0 by default, g = 1), a short convolution (PyTorch's Conv1d default) or Gated
-    DeltaNet's gate (:func:`~.delta_rule.delta_rule_gate_init`, from its ``dt_range``); any other module is left
-    alone."""
+    DeltaNet's gate (:func:`~.delta_rule.delta_rule_gate_init`, from its ``dt_range``) and its output norm (ones); any
+    other module is left alone."""
     init_feature_map(module)
     if isinstance(module, LinformerProjection):
         init_linformer_projection(module, config.linformer_init, config.initializer_range)
@@ -61,6 +61,8 @@ def init_added_weights(module: nn.Module, config) -> None:
                                               dt_range=module.dt_range)
         init.copy_(module.A_log, a_log.to(module.A_log.device))
         init.copy_(module.dt_bias, dt_bias.to(module.dt_bias.device))
+    elif isinstance(module, DeltaRuleOutputNorm):  # RMSNorm's start, a weight of ones (its g_proj: a Linear's)
+        init.ones_(module.weight)
     elif isinstance(module, ShortConvolution):
         # PyTorch's own Conv1d init, U(-1/sqrt(K), 1/sqrt(K)), which mamba_ssm's convolutions keep too (its init
         # touches only Linear and Embedding). It replaces transformers' generic N(0, initializer_range) for any

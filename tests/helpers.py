@@ -122,10 +122,11 @@ CONV_VARIANTS = {
         **{**TINY_DECODER, "use_short_conv": True, "state_update": "delta", "state_decay": "gated",
            "linear_attention_chunk_size": 4, **kw}
     ),
-    # Kimi Delta Attention: the delta rule with a gate per key feature (delta_gate="feature"), and the convolution
+    # Kimi Delta Attention: the delta rule with a gate per key feature (delta_gate="feature"), the convolution, and
+    # the output norm and sigmoid gate fla's KDA layer has
     "linear-kda-conv": lambda **kw: LinearGPT2Config(
         **{**TINY_DECODER, "use_short_conv": True, "state_update": "delta", "state_decay": "gated",
-           "delta_gate": "feature", "linear_attention_chunk_size": 4, **kw}
+           "delta_gate": "feature", "delta_output_norm": "rms_gated", "linear_attention_chunk_size": 4, **kw}
     ),
     "linear-hybrid-conv": lambda **kw: LinearGPT2Config(
         **{**TINY_DECODER, "use_short_conv": True, "layer_types": ["full_attention", "linear_attention"],

@@ -17,9 +17,15 @@ from hf_linear_attn import DeltaRuleStateLayer, LinearGPT2Config
 from hf_linear_attn.configuration_linear_gpt2 import retnet_decay_rates
 
 
-@pytest.mark.parametrize("variant", ["linear-delta", "linear-gated-delta-conv", "linear-kda-conv"])
-def test_each_layer_applies_the_rule_to_its_own_q_k_v_step_sizes_and_gates(variant):
-    model = causal_lm(variant)
+@pytest.mark.parametrize("variant,overrides", [
+    ("linear-delta", {}), ("linear-gated-delta-conv", {}), ("linear-kda-conv", {}),  # KDA's: with its output gate
+    ("linear-delta", {"delta_output_norm": "rms"}), ("linear-gated-delta-conv", {"delta_output_norm": "rms_gated"}),
+])
+def test_each_layer_applies_the_rule_to_its_own_q_k_v_step_sizes_and_gates(variant, overrides):
+    """The layer against the rule written out in float64, then fla's o_norm where configured: RMSNorm per head
+    (weights perturbed from ones, so a dropped weight fails), times silu(x W_g) (Gated DeltaNet's output gate) or
+    KDA's sigmoid(x W_down W_up + b)."""
+    model = causal_lm(variant, **overrides)
     attn = model.transformer.h[1].attn
     x = torch.randn(2, 11, 32, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -52,6 +58,19 @@ def test_each_layer_applies_the_rule_to_its_own_q_k_v_step_sizes_and_gates(varia
                 s = (torch.eye(8, dtype=torch.float64) - step * kt @ kt.T) @ torch.diag(alpha[b, h, t]) @ s
                 s = s + step * kt @ v[b, h, t][None]
                 y[b, h, t] = s.T @ q[b, h, t]
+    norm = attn.o_norm
+    assert (norm is None) == (model.config.delta_output_norm is None)
+    if norm is not None:
+        with torch.no_grad():
+            norm.weight.add_(0.3 * torch.randn(8, generator=torch.Generator().manual_seed(1)))
+            got = attn(x)[0]
+            y = y / (y.pow(2).mean(-1, keepdim=True) + model.config.layer_norm_epsilon).sqrt() * norm.weight.double()
+            if model.config.delta_output_norm == "rms_gated":
+                if variant == "linear-kda-conv":
+                    g = torch.sigmoid(norm.g_proj[1](norm.g_proj[0](x)).double())
+                else:
+                    g = torch.nn.functional.silu(norm.g_proj(x).double())
+                y = y * g.view(2, 11, 4, 8).transpose(1, 2)
     want = attn.c_proj(y.transpose(1, 2).reshape(2, 11, 32).float())
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
@@ -86,6 +105,8 @@ def test_the_rule_changes_what_the_model_computes():
     ({"delta_gate": "channel"}, "delta_gate must be 'head'"),
     ({"delta_gate": "feature"}, "set state_update='delta' and state_decay='gated'"),
     ({"state_update": "delta", "state_decay": "fixed", "delta_gate": "feature"}, "state_decay='fixed'"),
+    ({"delta_output_norm": "rms"}, "normalises the delta rule's output, but state_update='add'"),
+    ({"state_update": "delta", "delta_output_norm": "layer"}, "delta_output_norm must be None, 'rms'"),
     ({"delta_gate_dt_range": [1e-4, 1e-3]}, "starts the delta rule's gate, but state_update='add'"),
     ({"state_update": "delta", "state_decay": "fixed", "delta_gate_dt_range": [1e-4, 1e-3]}, "state_decay='fixed'"),
     *[({"state_update": "delta", "state_decay": "gated", "delta_gate_dt_range": bad}, "0 < dt_min <= dt_max")
@@ -171,11 +192,17 @@ def test_the_gate_starts_where_delta_gate_dt_range_says_and_loads_as_trained(var
 
 def test_kdas_gate_is_per_key_feature_and_starts_as_flas():
     """delta_gate="feature": f_proj (hidden -> head size -> heads x head size, no biases), A_log per head, dt_bias per
-    head and feature, A in [1, 16] and softplus(dt_bias) in [0.001, 0.1] at init; the cache is Gated DeltaNet's."""
+    head and feature (and, in this variant, fla's KDA output norm and gate, started at ones and a zero bias), A in
+    [1, 16] and softplus(dt_bias) in [0.001, 0.1] at init; the cache is Gated DeltaNet's."""
     model = causal_lm("linear-kda-conv")
     extra = set(model.state_dict()) - set(causal_lm("linear-delta-conv").state_dict())
-    assert extra == {f"transformer.h.{i}.attn.delta_gate.{name}" for i in range(2)
-                     for name in ("f_proj.0.weight", "f_proj.1.weight", "A_log", "dt_bias")}
+    assert extra == {f"transformer.h.{i}.attn.{name}" for i in range(2)
+                     for name in ("delta_gate.f_proj.0.weight", "delta_gate.f_proj.1.weight", "delta_gate.A_log",
+                                  "delta_gate.dt_bias", "o_norm.weight", "o_norm.g_proj.0.weight",
+                                  "o_norm.g_proj.1.weight", "o_norm.g_proj.1.bias")}
+    norm = model.transformer.h[0].attn.o_norm  # fla's KDA output gate: low rank (the head size), with a bias
+    assert norm.g_proj[0].weight.shape == (8, 32) and norm.g_proj[1].weight.shape == (32, 8)
+    assert torch.equal(norm.weight, torch.ones(8)) and torch.equal(norm.g_proj[1].bias, torch.zeros(32))
     gate = model.transformer.h[0].attn.delta_gate
     assert gate.f_proj[0].weight.shape == (8, 32) and gate.f_proj[1].weight.shape == (32, 8)
     assert gate.A_log.shape == (4,) and gate.dt_bias.shape == (32,)

@@ -90,7 +90,10 @@ def test_torch_export_of_the_prompt_pass_serves_every_length_from_one_program(va
         for batch, n in ((2, 29), (1, 1), (3, 8), (2, 9), (3, 17), (1, 40)):
             logits, *state = exported(ids[:batch, :n], torch.ones(batch, n, dtype=torch.long))
             want = model(ids[:batch, :n], use_cache=True)
-            torch.testing.assert_close(logits, want.logits, atol=1e-5, rtol=1e-5)
+            # KDA's output norm divides each head's output by its rms, which magnifies the float32 rounding by which
+            # the exported kernel (the decayed products unsplit) and the eager one (split at the chunk's middle) differ
+            tolerance = 3e-5 if model.config.delta_output_norm else 1e-5
+            torch.testing.assert_close(logits, want.logits, atol=tolerance, rtol=tolerance)
             for got, expected in zip(state, states_of(want.past_key_values), strict=True):
                 # float32 sums of ~40 terms in two orders: an absolute bound relative to the state's largest entry
                 # (states reach ~60 here, so 1e-5 absolute on an entry near 0 is below their rounding)
