@@ -153,6 +153,34 @@ def _split_scores(q, k, b, causal=None):
     return torch.where(causal, scores, 0.0)  # where, not a product: an entry above the diagonal may be large
 
 
+def _blocked_scores(q, k, b, block: int = FEATURE_GATE_CHUNK):
+    """_decayed_scores for one decay per feature, exact and finite at any decay, without the C x C x m product: the
+    chunk cut into blocks of ``block`` positions. A query t after key block j (its last position e) takes the decay
+    from s in j as exp(b_t - b_e) exp(b_e - b_s), two factors <= 1 (the running log decay b never rises), so the
+    pairs across blocks are a matmul of q and k rescaled to each block's end (fla's chunked GLA splits the same way);
+    the pairs inside a block are :func:`_split_scores` of the block (a matmul around its middle: only a decay below
+    e^-5 per position overflows it), else, and under ``torch.export`` (which cannot trace that check of the data), the
+    block x block x m product. Chunks not a multiple of ``block``: the plain product."""
+    c = b.shape[-2]
+    if c <= block or c % block:
+        return _decayed_scores(q, k, b)
+    blocks = c // block
+    q_b, k_b, b_b = (t.unflatten(-2, (blocks, block)) for t in (q, k, b))  # (..., N, block, m)
+    end = b_b[..., -1:, :]  # (..., N, 1, g): the running log decay at each block's last position
+    keys = k_b * torch.exp(end - b_b)  # each key decayed to its block's end
+    # every query against every block's end; the exponent clamped at 0 where the query is not after the block (those
+    # pairs are dropped below), so nothing overflows
+    queries = q.unsqueeze(-3) * torch.exp((b.unsqueeze(-3) - end).clamp(max=0))  # (..., N, C, m)
+    across = torch.matmul(queries, keys.transpose(-1, -2))  # (..., N_keys, C, block)
+    after = (torch.arange(c, device=q.device) // block)[None, :] > torch.arange(blocks, device=q.device)[:, None]
+    across = torch.where(after[:, :, None], across, 0.0).movedim(-3, -2).flatten(-2)  # (..., C, C)
+    inside = None if torch.compiler.is_exporting() else _split_scores(q_b, k_b, b_b)  # (..., N, block, block)
+    if inside is None:
+        inside = _decayed_scores(q_b, k_b, b_b)
+    eye = torch.eye(blocks, dtype=inside.dtype, device=q.device)
+    return across + (inside.unsqueeze(-2) * eye[:, None, :, None]).flatten(-4, -3).flatten(-2)
+
+
 def _chunked_form(q, k, v1, log_decay, s0, c: int):
     """out_t = phi(q_t) [S_t, z_t] for every t and the final [S, z]: float32 (B, H, n, m) q, k, (B, H, n, d + 1) v1,
     (B, H, n, g) log a, (B, H, m, d + 1) initial state, chunks of c."""

@@ -12,6 +12,7 @@ from hf_linear_attn import (
     recurrent_decayed_linear_attention_step,
 )
 from hf_linear_attn.decayed_linear_attention import (
+    _blocked_scores,
     _decayed_scores,
     _pairwise_form,
     _split_scores,
@@ -84,6 +85,27 @@ def test_the_matmul_form_of_per_feature_gates_is_taken_only_where_its_factors_fi
     assert (scores is not None) == split
     if split:
         torch.testing.assert_close(scores, _decayed_scores(phi_q, phi_k, b), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("strength", [0.01, 3.0, 50.0])  # the chunk split holds / only each block's / neither
+@pytest.mark.parametrize("chunk", [64, 48, 20])  # 20: not a multiple of the block, the plain product
+def test_the_blocked_scores_equal_the_plain_product_values_and_gradients_at_any_decay(chunk, strength):
+    """The matmul across blocks (each key decayed to its block's end, each query from it) and the blocks' own pairs
+    give the C x C x m product's scores and gradients in float64, where the whole chunk decays far past what its
+    split can take (50 a position: e^-3,200 across a chunk of 64) and nothing overflows."""
+    phi_q, phi_k, _, log_decay = inputs(b=2, h=2, n=chunk, m=8, per_feature=True, strength=strength)
+    b = torch.cumsum(log_decay, dim=2).requires_grad_()
+    q, k = phi_q.clone().requires_grad_(), phi_k.clone().requires_grad_()
+    got, want = _blocked_scores(q, k, b, block=16), _decayed_scores(q, k, b)
+    assert torch.isfinite(got).all()
+    if chunk == 64:  # past the chunk's split at 3 and 50 a position: the case the blocks are for
+        assert (_split_scores(q, k, b) is None) == (strength > 1)
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-10)
+    weights = torch.randn(got.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    grads = [torch.autograd.grad((scores * weights).sum(), (q, k, b)) for scores in (got, want)]
+    for ours, plain in zip(*grads):
+        assert torch.isfinite(ours).all()
+        torch.testing.assert_close(ours, plain, atol=1e-10, rtol=1e-8)
 
 
 @pytest.mark.parametrize("per_feature", [False, True], ids=["per-head", "per-feature"])

@@ -88,6 +88,27 @@ def test_with_a_decay_the_chunked_form_equals_the_gated_update(chunk, decay):
         torch.testing.assert_close(*same, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("strength", [4.0, 12.0])  # past the chunk's split: each block's split holds / does not
+@pytest.mark.parametrize("chunk", [32, 64])
+def test_kdas_decay_in_chunks_of_blocks_equals_the_update_values_and_gradients(chunk, strength):
+    """Chunks of 32 and 64 (blocks of 16) where a chunk decays too strongly for one split, so its products come in
+    blocks: the outputs and state against the float64 update, the gradients against the recurrence's."""
+    q, k, v, beta = inputs(batch=1, heads=2, n=70)
+    log_decay = -strength * torch.rand(1, 2, 70, 8, generator=torch.Generator().manual_seed(2))
+    want_y, want_s = reference(q, k, v, beta, log_decay=log_decay)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, beta, log_decay)]
+    y, s = causal_delta_rule(*leaves[:4], chunk_size=chunk, log_decay=leaves[4])
+    torch.testing.assert_close(y.double(), want_y, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(s.double(), want_s, atol=2e-5, rtol=1e-5)
+    weights = torch.randn(y.shape, generator=torch.Generator().manual_seed(4))
+    ours = torch.autograd.grad((y * weights).sum() + s.sum(), leaves)
+    steps = [t.clone().requires_grad_() for t in (q, k, v, beta, log_decay)]
+    y_steps, s_steps = naive_delta_rule(*steps[:4], log_decay=steps[4])
+    theirs = torch.autograd.grad((y_steps * weights).sum() + s_steps.sum(), steps)
+    for got, want in zip(ours, theirs):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
 def test_a_decay_of_the_wrong_shape_is_refused_with_the_shapes_that_work():
     q, k, v, beta = inputs()
     with pytest.raises(ValueError, match=r"\(batch, heads, n, d_k\) \(one per key feature, KDA\)"):
