@@ -158,9 +158,10 @@ def _blocked_scores(q, k, b, block: int = FEATURE_GATE_CHUNK):
     chunk cut into blocks of ``block`` positions. A query t after key block j (its last position e) takes the decay
     from s in j as exp(b_t - b_e) exp(b_e - b_s), two factors <= 1 (the running log decay b never rises), so the
     pairs across blocks are a matmul of q and k rescaled to each block's end (fla's chunked GLA splits the same way);
-    the pairs inside a block are :func:`_split_scores` of the block (a matmul around its middle: only a decay below
-    e^-5 per position overflows it), else, and under ``torch.export`` (which cannot trace that check of the data), the
-    block x block x m product. Chunks not a multiple of ``block``: the plain product."""
+    the pairs inside a block are :func:`_split_scores` of the block (a matmul around its middle) where its decay
+    allows, else the same way in blocks a quarter as long, down to blocks of 4 or fewer, whose pairs take the block x
+    block x m product: C x 4 x m floats per chunk, not C x C x m. Chunks not a multiple of ``block``: the plain
+    product. (Not under ``torch.export``: its checks read the data and the chunk's length.)"""
     c = b.shape[-2]
     if c <= block or c % block:
         return _decayed_scores(q, k, b)
@@ -174,9 +175,9 @@ def _blocked_scores(q, k, b, block: int = FEATURE_GATE_CHUNK):
     across = torch.matmul(queries, keys.transpose(-1, -2))  # (..., N_keys, C, block)
     after = (torch.arange(c, device=q.device) // block)[None, :] > torch.arange(blocks, device=q.device)[:, None]
     across = torch.where(after[:, :, None], across, 0.0).movedim(-3, -2).flatten(-2)  # (..., C, C)
-    inside = None if torch.compiler.is_exporting() else _split_scores(q_b, k_b, b_b)  # (..., N, block, block)
+    inside = _split_scores(q_b, k_b, b_b)  # (..., N, block, block)
     if inside is None:
-        inside = _decayed_scores(q_b, k_b, b_b)
+        inside = _blocked_scores(q_b, k_b, b_b, block // 4) if block >= 8 else _decayed_scores(q_b, k_b, b_b)
     eye = torch.eye(blocks, dtype=inside.dtype, device=q.device)
     return across + (inside.unsqueeze(-2) * eye[:, None, :, None]).flatten(-4, -3).flatten(-2)
 

@@ -125,11 +125,14 @@ def _products(a: torch.Tensor, b: torch.Tensor, cumulative: torch.Tensor | None)
         return (a @ b.transpose(-1, -2)).tril()
     if cumulative.shape[-1] == 1:
         return _decayed_scores(a, b, cumulative)
-    # one decay per feature: GLA's matmul around the chunk's middle where the chunk's decay allows it, else in blocks
-    # (always under torch.export, which cannot trace the split's check of the data). The blocks, not the C x C x d_k
-    # product: at Kimi Delta Attention's start some heads decay by e^-1.6 a token, too strong for the split of a chunk
-    # of 64, and the product made a training step of the MQAR stage 4 s where the blocks make it about 1 s
-    scores = None if torch.compiler.is_exporting() else _split_scores(a, b, cumulative)
+    # one decay per feature: GLA's matmul around the chunk's middle where the chunk's decay allows it, else in blocks.
+    # The blocks, not the C x C x d_k product: a KDA gate that forgets fast on some features fails the split of a
+    # chunk of 64, and the product then made a training step of the MQAR stage (n = 256, batch 32) about 15 s (one
+    # AVX2 thread, the other core busy). Under torch.export, which cannot trace the checks of the data, the product
+    # (its one chunk is quadratic anyway)
+    if torch.compiler.is_exporting():
+        return _decayed_scores(a, b, cumulative)
+    scores = _split_scores(a, b, cumulative)
     return _blocked_scores(a, b, cumulative) if scores is None else scores
 
 
