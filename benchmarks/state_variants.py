@@ -1,6 +1,7 @@
 """The causal attention kernels of the linear decoder's variants side by side (issue 41, item 4): plain linear
-attention, a sliding window + linear, a fixed decay (RetNet), a per-feature gate (GLA), the delta rule (DeltaNet) and
-Gated DeltaNet (the delta rule with a decay per head and token), and softmax (SDPA, causal).
+attention, a sliding window + linear, a fixed decay (RetNet), a per-feature gate (GLA), the delta rule (DeltaNet),
+Gated DeltaNet (the delta rule with a decay per head and token), Kimi Delta Attention (the delta rule with a decay per
+key feature), and softmax (SDPA, causal).
 
 One attention call on heads (B 1, H 12, d 64, elu + 1 features), float32, forward and forward + backward, at each n:
 median of ``--repeats`` after a warm-up, methods interleaved per n; the float32 matmul peak and the CPU's model and
@@ -20,13 +21,13 @@ import torch.nn.functional as F
 
 from benchmarks.measuring import describe_hardware, describe_machine, hardware_text, median_seconds, write_json
 from hf_linear_attn.decayed_linear_attention import causal_decayed_linear_attention
-from hf_linear_attn.delta_rule import causal_delta_rule, delta_rule_qk
+from hf_linear_attn.delta_rule import causal_delta_rule, delta_rule_gate_init, delta_rule_qk
 from hf_linear_attn.linear_attention import causal_linear_attention
 from hf_linear_attn.sliding_window_attention import causal_sliding_window_attention
 
 H, D, WINDOW = 12, 64, 64
 METHODS = ("softmax (SDPA)", "linear", "window 64 + linear", "fixed decay", "gated (per feature)", "delta rule",
-           "gated delta rule")
+           "gated delta rule", "KDA (delta rule, per feature)")
 # the decayed kernels' two forms side by side (the columns above call form "auto": choose_decayed_form's pick)
 FORM_METHODS = ("fixed decay, all chunks", "fixed decay, scan", "gated, all chunks", "gated, scan")
 
@@ -39,18 +40,23 @@ def inputs(n: int, grad: bool, seed: int = 0):
     # the delta rule's writing strength beta in (0, 1) and Gated DeltaNet's decay (one per head and token)
     beta = torch.sigmoid(torch.randn(1, H, n, generator=g))
     head_gate = F.logsigmoid(torch.randn(1, H, n, generator=g) + 4)
-    leaves = [q, k, v, gate, beta, head_gate]
+    # KDA's decay per key feature as its gate starts (Mamba-2's A and dt): up to e^-1.6 a token, so some chunks of 64
+    # decay past one matmul split and take the blocks
+    a_log, dt_bias = delta_rule_gate_init(H, g, features=D)
+    logits = dt_bias.view(1, 1, H, D) + 0.5 * torch.randn(1, n, H, D, generator=g)
+    feature_gate = (-a_log.exp().view(1, 1, H, 1) * F.softplus(logits)).transpose(1, 2)  # (1, H, n, D)
+    leaves = [q, k, v, gate, beta, head_gate, feature_gate]
     return [t.requires_grad_(grad) for t in leaves], log_rates
 
 
-def call(method: str, q, k, v, gate, beta, head_gate, log_rates):
+def call(method: str, q, k, v, gate, beta, head_gate, feature_gate, log_rates):
     """One attention call; features (elu + 1; the delta rule's SiLU and unit length) inside, as the model computes
     them."""
     if method == "softmax (SDPA)":
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    if method in ("delta rule", "gated delta rule"):
+    if method in ("delta rule", "gated delta rule", "KDA (delta rule, per feature)"):
         q_unit, k_unit = delta_rule_qk(q, k)
-        log_decay = head_gate if method == "gated delta rule" else None
+        log_decay = {"gated delta rule": head_gate, "delta rule": None}.get(method, feature_gate)
         return causal_delta_rule(q_unit, k_unit, v, beta, log_decay=log_decay)[0]
     phi_q, phi_k = F.elu(q) + 1, F.elu(k) + 1
     if method == "linear":
@@ -65,10 +71,10 @@ def call(method: str, q, k, v, gate, beta, head_gate, log_rates):
 
 
 def measure(n: int, method: str, backward: bool, repeats: int) -> float:
-    (q, k, v, gate, beta, head_gate), log_rates = inputs(n, backward)
+    (q, k, v, gate, beta, head_gate, feature_gate), log_rates = inputs(n, backward)
 
     def run():
-        out = call(method, q, k, v, gate, beta, head_gate, log_rates)
+        out = call(method, q, k, v, gate, beta, head_gate, feature_gate, log_rates)
         if backward:
             out.sum().backward()
     if not backward:
@@ -84,7 +90,7 @@ def render(result: dict) -> str:
         f"Machine: {result['machine']}; {hardware_text(result['hardware'])}. B 1, H 12, d 64, float32, elu + 1 "
         f"features; window {WINDOW}; fixed decay RetNet's rates; gate GLA's form (one per feature, log sigmoid / 16); "
         f"the delta rule on SiLU'd unit-length q, k (no normaliser), beta a sigmoid, Gated DeltaNet's decay one per "
-        f"head and token. "
+        f"head and token, KDA's one per key feature as its gate starts (Mamba-2's A and dt). "
         f"Median of {result['repeats']} after a warm-up. Command: `{result['command']}`.",
         "",
     ]
