@@ -127,9 +127,9 @@ def _products(a: torch.Tensor, b: torch.Tensor, cumulative: torch.Tensor | None)
         return _decayed_scores(a, b, cumulative)
     # one decay per feature: GLA's matmul around the chunk's middle where the chunk's decay allows it, else in blocks.
     # The blocks, not the C x C x d_k product: a KDA gate that forgets fast on some features fails the split of a
-    # chunk of 64, and the product then made a training step of the MQAR stage (n = 256, batch 32) about 15 s (one
-    # AVX2 thread, the other core busy). Under torch.export, which cannot trace the checks of the data, the product
-    # (its one chunk is quadratic anyway)
+    # chunk of 64, and the product's (B, H, N, C, C, d_k) tensors then made KDA's MQAR stage (n = 256, batch 32) too
+    # slow to finish. Under torch.export, which cannot trace the checks of the data, the product (its one chunk is
+    # quadratic anyway)
     if torch.compiler.is_exporting():
         return _decayed_scores(a, b, cumulative)
     scores = _split_scores(a, b, cumulative)
