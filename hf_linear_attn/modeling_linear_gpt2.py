@@ -15,8 +15,8 @@ from .decayed_linear_attention import (
     decayed_linear_attention_weights,
     recurrent_decayed_linear_attention_step,
 )
-from .delta_rule import (DeltaRuleGate, DeltaRuleOutputNorm, causal_delta_rule, delta_rule_qk, delta_rule_weights,
-                         naive_delta_rule)
+from .delta_rule import (MAMBA2_DT_RANGE, DeltaRuleGate, DeltaRuleOutputNorm, causal_delta_rule, delta_rule_qk,
+                         delta_rule_weights, naive_delta_rule)
 from .feature_maps import build_feature_map
 from .linear_attention import (
     causal_linear_attention,
@@ -124,8 +124,7 @@ class LinearGPT2Attention(GPT2StyleAttention):
             elif self.state_decay == "gated":
                 per_feature = self.head_dim if per_feature_gate else None
                 self.delta_gate = DeltaRuleGate(self.embed_dim, self.num_heads, per_feature,
-                                                **({"dt_range": config.delta_gate_dt_range}
-                                                   if config.delta_gate_dt_range is not None else {}))
+                                                config.delta_gate_dt_range or MAMBA2_DT_RANGE)
             if config.delta_output_norm is not None:  # fla's o_norm: RMSNorm per head, and an output gate
                 gate = None if config.delta_output_norm == "rms" else "sigmoid" if per_feature_gate else "swish"
                 self.o_norm = DeltaRuleOutputNorm(self.embed_dim, self.num_heads, self.head_dim, gate,

@@ -125,11 +125,10 @@ def task_of(args: dict) -> dict:
 def read_trained(model, args: dict) -> dict:
     """A trained model's readings, on batches of their own seeds: where it looks up (`lookup_attention`) and how long
     its states keep what they hold (`memory_spans`). The stage records them; --probe_saved reads a saved model again."""
-    from .training import lookup_attention, memory_spans
+    from .training import lookup_attention
 
-    task = task_of(args)
-    return {"lookup": lookup_attention(model, task, args["batch_size"], LOOKUP_BATCHES, args["seed"] + 20_000),
-            "memory": memory_spans(model, task, args["batch_size"], args["seed"] + 30_000)}
+    return {"lookup": lookup_attention(model, task_of(args), args["batch_size"], LOOKUP_BATCHES, args["seed"] + 20_000),
+            "memory": memory_reading(model, args)}
 
 
 def initial_model(args: dict, device: str = "cpu"):
@@ -142,9 +141,10 @@ def initial_model(args: dict, device: str = "cpu"):
     return build_recall_model(args["model"], Dims(**args["dims"]), args["length"], vocab).to(device)
 
 
-def initial_memory(model, args: dict) -> dict | None:
-    """`memory_spans` of a model at its start, on the batch the trained model's reading uses: where each decaying
-    head began (a head that starts forgetting within a few tokens may never learn to hold a pair)."""
+def memory_reading(model, args: dict) -> dict | None:
+    """`memory_spans` of a stage's model on the stage's reading batch: of the trained model (`read_trained`), and of
+    the model at its start, where each decaying head began (a head that starts forgetting within a few tokens may
+    never learn to hold a pair)."""
     from .training import memory_spans
 
     return memory_spans(model, task_of(args), args["batch_size"], args["seed"] + 30_000)
@@ -165,7 +165,7 @@ def run_mqar_stage(stage: Stage, checkpointing=None, device: str = "cpu", save_t
     ids, _ = mqar_batch(2, generator=torch.Generator().manual_seed(a["seed"]), **task)
     stage.digests = {"first_batch_sum": int(ids.sum())}
     model = initial_model(a, device)
-    start = initial_memory(model, a)  # reads only: no random draw, so training sees the same model and batches
+    start = memory_reading(model, a)  # reads only: no random draw, so training sees the same model and batches
     metrics = train_mqar(model, task, a["steps"], a["batch_size"], a["optimizer"], a["seed"], a["log_every"],
                          a["eval_batches"], checkpointing=checkpointing, precision=a.get("precision", "float32"))
     metrics["state_bytes"] = decoding_state_bytes(model, a["length"], vocab)
@@ -428,7 +428,7 @@ def probe_saved(preset_path: Path, output_dir: Path, models=None, log=print) -> 
             missing.append(stage.key)
             continue
         probes[stage.key] = {**read_trained(AutoModelForCausalLM.from_pretrained(folder), record["args"]),
-                             "memory_init": initial_memory(initial_model(record["args"]), record["args"])}
+                             "memory_init": memory_reading(initial_model(record["args"]), record["args"])}
         log(f"{stage.key}: probed")
         row = summarise({stage.key: record})[0]
         rows.append({**row, **{k: v for k, v in probes[stage.key].items() if v}})

@@ -278,7 +278,8 @@ def test_a_stage_records_where_each_gate_started_without_changing_its_training()
     draws nothing, so the stage trains exactly the weights a run without the reading would (trained here beside it),
     and the start's reading differs from the trained one. The report shows both tables."""
     from experiments.long_range.stages import Stage
-    from experiments.recall.runner import initial_memory, initial_model, render_memory, run_mqar_stage, summarise
+    from experiments.recall.runner import (initial_model, memory_reading, render_memory, run_mqar_stage, summarise,
+                                          task_of)
     from experiments.recall.training import train_mqar
 
     args = {"model": "linear_gpt2_gated_delta_long_conv", "length": 32, "pairs": 4, "width": 32,
@@ -287,12 +288,11 @@ def test_a_stage_records_where_each_gate_started_without_changing_its_training()
             "eval_batches": 1, "optimizer": {"lr": 0.05, "weight_decay": 0.1, "warmup_fraction": 0.1}}
     stage = Stage("mqar-n32-p4-w32/linear_gpt2_gated_delta_long_conv", "mqar", args)
     metrics = run_mqar_stage(stage)
-    start = initial_memory(initial_model(args), args)
+    start = memory_reading(initial_model(args), args)
     assert metrics["memory_init"] == start and metrics["memory_init"] != metrics["memory"]
     assert all(h["alpha"] > 0.98 for heads in start["layers"] for h in heads)  # the gate started near 1
     alone = initial_model(args)
-    task = {key: args[key] for key in ("length", "pairs", "num_keys", "num_values")}
-    reference = train_mqar(alone, task, args["steps"], args["batch_size"], args["optimizer"], args["seed"],
+    reference = train_mqar(alone, task_of(args), args["steps"], args["batch_size"], args["optimizer"], args["seed"],
                            args["log_every"], args["eval_batches"])
     assert reference["eval_loss"] == metrics["eval_loss"]
     row = summarise({stage.key: {"args": args, "metrics": metrics}})[0]
