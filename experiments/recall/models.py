@@ -54,6 +54,9 @@ LINEAR_VARIANTS = {
                                           "delta_gate_dt_range": [1e-4, 1e-3]},
     "linear_gpt2_kda_long_conv": {"state_update": "delta", "state_decay": "gated", "delta_gate": "feature",
                                   "use_short_conv": True, "delta_gate_dt_range": [1e-4, 1e-3]},
+    # Gated DeltaNet as fla ships its layer (use_gate=True): RMSNorm per head on the rule's output, times silu(x W_g)
+    "linear_gpt2_gated_delta_norm_conv": {"state_update": "delta", "state_decay": "gated", "use_short_conv": True,
+                                          "delta_output_norm": "rms_gated"},
     "linear_gpt2_window_conv": lambda dims, n: {
         "attention_window": min(64, n), "linear_attention_chunk_size": min(64, n), "use_short_conv": True,
         "attention_window_factor_init": math.log(dims.hidden_size // dims.num_heads)},
@@ -88,6 +91,7 @@ LABELS = {"gpt2_sdpa": "GPT-2 (softmax)", "reformer_lsh": "Reformer (LSH)", "lin
           "linear_gpt2_kda_conv": "linear_gpt2, delta rule gated per key feature (KDA), short conv",
           "linear_gpt2_gated_delta_long_conv": "linear_gpt2, Gated DeltaNet, gate started near 1, short conv",
           "linear_gpt2_kda_long_conv": "linear_gpt2, KDA, gate started near 1, short conv",
+          "linear_gpt2_gated_delta_norm_conv": "linear_gpt2, Gated DeltaNet, fla's output norm and gate, short conv",
           "gpt2_conv": "GPT-2 (softmax), short conv",
           "linear_gpt2_hybrid_conv": "linear_gpt2, softmax layer 1 + linear, short conv",
           "linear_gpt2_hybrid_last_conv": "linear_gpt2, linear + softmax layer 2, short conv"}
