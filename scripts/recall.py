@@ -82,7 +82,8 @@ def main(argv=None):
     except UsageError as error:
         sys.exit(f"error: {error}")
     if not args.dry_run:
-        print(f"wrote {output_dir}/results.md, results.json, {task}.png")
+        losses = ", mqar_loss.png" if task == "mqar" and (Path(output_dir) / "mqar_loss.png").is_file() else ""
+        print(f"wrote {output_dir}/results.md, results.json, {task}.png{losses}")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ plan and listed in the report. A preset with "checkpoint_every" saves each stage
 """
 
 import json
+import math
 import shlex
 import sys
 import time
@@ -188,7 +189,8 @@ def summarise(records: dict) -> list[dict]:
         a, m = record["args"], record["metrics"]
         rows.append({"model": a["model"], "length": a["length"], "pairs": a["pairs"], "width": a["width"],
                      "accuracy": m["eval_accuracy"], "state_bytes": m.get("state_bytes"), "loss": m["eval_loss"],
-                     "steps_per_second": m["steps_per_second"],
+                     "steps_per_second": m["steps_per_second"], "num_values": a["num_values"],
+                     **({"loss_curve": m["loss_curve"]} if m.get("loss_curve") else {}),
                      **({"resumed_at": m["resumed_at"]} if m.get("resumed_at") else {}),
                      **({"lookup": m["lookup"]} if m.get("lookup") else {}),
                      **{key: m[key] for key in ("memory", "memory_init") if m.get(key)}})
@@ -331,6 +333,48 @@ def render_memory(rows: list[dict]) -> list[str]:
     return out
 
 
+def lookup_began(row: dict) -> int | None:
+    """The first logged step whose mean training loss is below ln(pairs): about the loss of a model that knows the
+    answer is one of the context's pair values but picks among them at chance. MQAR's plateau sits above it, at
+    ln(value tokens) (chance among every value; the failed stages here stay there); below it the lookup has begun to
+    work. None if the loss never got there."""
+    bar = math.log(min(row["pairs"], row["num_values"]))
+    return next((step for step, loss in row.get("loss_curve", []) if loss < bar), None)
+
+
+def render_plateau(rows: list[dict], points: int = 8) -> list[str]:
+    """Per cell (n, pairs, width) that more than one model has finished: each model's training loss at evenly spaced
+    logged steps and the step at which its lookup began to work (`lookup_began`), so a model that fails can be told
+    from one that learns later."""
+    cells = sorted({(r["length"], r["pairs"], r["width"]) for r in rows if r.get("loss_curve")})
+    out = []
+    for n, p, width in cells:
+        group = [r for r in rows if (r["length"], r["pairs"], r["width"]) == (n, p, width) and r.get("loss_curve")]
+        if len(group) < 2:
+            continue
+        logged = sorted({int(step) for r in group for step, _ in r["loss_curve"]})
+        marks = sorted({logged[math.ceil(len(logged) * (i + 1) / points) - 1] for i in range(points)})
+        if not out:
+            out += ["## When each model left the plateau", "",
+                    "Training loss (mean over the logged window) at evenly spaced steps. The plateau is ln(value "
+                    "tokens), chance among every value; ln(pairs) is about the loss of picking one of the context's "
+                    "pair values at chance, so the last column, the first logged step below it, is where the lookup "
+                    "began to work. A model that never got there may fail or may only need more steps: compare where "
+                    "the others began.", ""]
+        out += [f"n = {n:,}, {p} pairs, width {width} (plateau ln {group[0]['num_values']} = "
+                f"{math.log(group[0]['num_values']):.2f}; ln {p} = {math.log(p):.2f}):", "",
+                "| model | accuracy | " + " | ".join(f"step {s:,}" for s in marks) + f" | below ln {p} from |",
+                "|---" * (len(marks) + 3) + "|"]
+        for r in sorted(group, key=lambda r: (lookup_began(r) is None, lookup_began(r) or 0, r["model"])):
+            curve = dict((int(step), loss) for step, loss in r["loss_curve"])
+            began = lookup_began(r)
+            out.append(f"| {LABELS.get(r['model'], r['model'])} | {r['accuracy']:.1%} | "
+                       + " | ".join(f"{curve[s]:.2f}" if s in curve else "-" for s in marks)
+                       + f" | {f'step {began:,}' if began is not None else 'never'} |")
+        out.append("")
+    return out
+
+
 def render(rows: list[dict], meta: dict) -> str:
     out = ["# Multi-query associative recall (MQAR)", "", f"Command: `{meta['command']}`.", "",
            f"Machine: {meta['machine']}"
@@ -356,6 +400,7 @@ def render(rows: list[dict], meta: dict) -> str:
                            + f" | {held if held is not None else 'none'} |")
         out.append("")
     out += render_thresholds(rows, models)
+    out += render_plateau(rows)
     out += render_lookup(rows)
     out += render_memory(rows)
     resumed = [f"{LABELS.get(r['model'], r['model'])} at n = {r['length']:,}, {r['pairs']} pairs, width {r['width']}: "
@@ -365,8 +410,9 @@ def render(rows: list[dict], meta: dict) -> str:
                 + "; ".join(resumed) + ".", ""]
     if meta.get("left_out"):
         out += ["Left out (the pairs do not fit the length): " + "; ".join(meta["left_out"]) + ".", ""]
-    out.append("Plot: mqar.png (accuracy against decoding-state bytes, one panel per length and pair count). Records "
-               "of every stage: records.json.")
+    out.append("Plot: mqar.png (accuracy against decoding-state bytes, one panel per length and pair count)"
+               + ("; mqar_loss.png (training loss against steps, the plateau table's cells)" if render_plateau(rows)
+                  else "") + ". Records of every stage: records.json.")
     return "\n".join(out) + "\n"
 
 
@@ -404,6 +450,39 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.tight_layout(rect=(0, 0.06 * ((len(labels) + 2) // 3), 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_losses(rows: list[dict], path: Path) -> bool:
+    """Training loss against steps, one panel per cell that more than one model has finished (the plateau table's
+    cells); False (and no file) when there is none."""
+    cells = sorted({(r["length"], r["pairs"], r["width"]) for r in rows if r.get("loss_curve")})
+    cells = [c for c in cells if sum((r["length"], r["pairs"], r["width"]) == c and bool(r.get("loss_curve"))
+                                     for r in rows) > 1]
+    if not cells:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    most = max(sum((r["length"], r["pairs"], r["width"]) == c and bool(r.get("loss_curve")) for r in rows)
+               for c in cells)
+    # each panel's legend below it, off the curves: the figure grows with the longest legend
+    fig, axes = plt.subplots(1, len(cells), figsize=(5 * len(cells), 3.2 + 0.16 * most), squeeze=False)
+    for ax, (n, p, width) in zip(axes[0], cells):
+        group = [r for r in rows if (r["length"], r["pairs"], r["width"]) == (n, p, width) and r.get("loss_curve")]
+        for r in group:
+            ax.plot(*zip(*r["loss_curve"]), label=f"{LABELS.get(r['model'], r['model'])} ({r['accuracy']:.0%})",
+                    linewidth=1)
+        ax.axhline(math.log(group[0]["num_values"]), color="grey", linestyle=":", linewidth=1)
+        ax.set_title(f"n = {n}, {p} pairs, width {width}")
+        ax.set_xlabel("step")
+        ax.set_ylabel("training loss")
+        ax.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.2), frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
 
 
 def probe_saved(preset_path: Path, output_dir: Path, models=None, log=print) -> dict:
@@ -482,7 +561,10 @@ def run(preset_path: Path, output_dir: Path, models=None, dry_run=False, report_
                       f"scored on {preset['eval_batches']} batches from another seed"
                       + ("; training forward under bfloat16 autocast (float32 weights), scored in float32"
                          if preset.get("precision") == "bf16" else "") + ".")}
-    write_atomic(output_dir / "results.json", json.dumps({"meta": meta, "rows": rows}, indent=1))
+    # the loss curves stay in records.json (80 points a stage); the report's plateau table reads them from the rows
+    compact = [{key: value for key, value in r.items() if key != "loss_curve"} for r in rows]
+    write_atomic(output_dir / "results.json", json.dumps({"meta": meta, "rows": compact}, indent=1))
     write_atomic(output_dir / "results.md", render(rows, meta))
     plot(rows, output_dir / "mqar.png")
+    plot_losses(rows, output_dir / "mqar_loss.png")
     return {"meta": meta, "rows": rows}

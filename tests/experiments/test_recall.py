@@ -15,7 +15,8 @@ from experiments.recall.models import build_recall_model, decoding_state_bytes
 from benchmarks.measuring import describe_machine
 from experiments.long_range.stages import checkpoint_file, stage_file
 from experiments.recall import training as recall_training
-from experiments.recall.runner import load_preset, plan, render_thresholds, run, state_threshold
+from experiments.recall.runner import (load_preset, lookup_began, plan, render_plateau, render_thresholds, run,
+                                      state_threshold)
 from experiments.recall.tasks import check_mqar_batch, mqar_batch, mqar_vocab_size
 from hf_linear_attn.training.errors import UsageError
 
@@ -101,6 +102,31 @@ def test_the_state_at_which_a_model_falls_below_90_percent_is_read_from_its_widt
     assert "| rises | 16 KiB, 32 KiB, 64 KiB | 32 KiB | 16 KiB |" in table
     assert "| never | 16 KiB, 32 KiB | none measured | 32 KiB |" in table
     assert "| once |" not in table
+
+
+def test_the_plateau_table_gives_the_step_each_loss_first_fell_below_ln_pairs():
+    # curves logged every 100 steps: "late" crosses ln 64 = 4.159 between 400 and 500, "stuck" stays at ln 128
+    def row(model, losses, width=64):
+        return {"model": model, "length": 256, "pairs": 64, "width": width, "num_values": 128, "accuracy": 0.5,
+                "loss_curve": [[100 * (i + 1), loss] for i, loss in enumerate(losses)]}
+
+    late = row("late", [4.85, 4.8, 4.5, 4.17, 4.15, 1.0, 0.5, 0.1])
+    stuck = row("stuck", [4.85] * 8)
+    early = row("early", [4.85, 4.0, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1])
+    alone = row("alone", [4.0] * 8, width=128)  # the only model of its cell: no table for it
+    expected = {"early": 200, "late": 500, "stuck": None}
+    for r in (late, stuck, early):
+        bar = math.log(64)
+        assert lookup_began(r) == next((s for s, loss in r["loss_curve"] if loss < bar), None) == expected[r["model"]]
+    text = "\n".join(render_plateau([stuck, late, alone, early]))
+    body = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| model")]
+    assert [line.split(" | ")[0][2:] for line in body] == ["early", "late", "stuck"]  # ordered by when they began
+    assert body[0].endswith("| step 200 |") and body[1].endswith("| step 500 |") and body[2].endswith("| never |")
+    assert "width 128" not in text and "ln 64 = 4.16" in text
+    # eight evenly spaced logged steps, each with the loss logged there
+    header = next(line for line in text.splitlines() if line.startswith("| model"))
+    assert header.count("| step ") == 8 and "| 4.17 |" in body[1]
+    assert render_plateau([late]) == []
 
 
 def test_decoding_state_bytes_constant_for_recurrent_models_and_growing_for_softmax():
