@@ -355,7 +355,7 @@ def render_plateau(rows: list[dict], points: int = 8) -> list[str]:
         logged = sorted({int(step) for r in group for step, _ in r["loss_curve"]})
         marks = sorted({logged[math.ceil(len(logged) * (i + 1) / points) - 1] for i in range(points)})
         if not out:
-            out += ["## When each model left the plateau", "",
+            out += ["## When each lookup began", "",
                     "Training loss (mean over the logged window) at evenly spaced steps. The plateau is ln(value "
                     "tokens), chance among every value; ln(pairs) is about the loss of picking one of the context's "
                     "pair values at chance, so the last column, the first logged step below it, is where the lookup "
