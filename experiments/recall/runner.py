@@ -342,16 +342,22 @@ def lookup_began(row: dict) -> int | None:
     return next((step for step, loss in row.get("loss_curve", []) if loss < bar), None)
 
 
+def loss_cells(rows: list[dict]) -> dict:
+    """{(n, pairs, width): the rows with a loss curve} for the cells where more than one model has one: the cells the
+    lookup table and mqar_loss.png compare."""
+    cells = {}
+    for r in rows:
+        if r.get("loss_curve"):
+            cells.setdefault((r["length"], r["pairs"], r["width"]), []).append(r)
+    return {cell: group for cell, group in sorted(cells.items()) if len(group) > 1}
+
+
 def render_plateau(rows: list[dict], points: int = 8) -> list[str]:
     """Per cell (n, pairs, width) that more than one model has finished: each model's training loss at evenly spaced
     logged steps and the step at which its lookup began to work (`lookup_began`), so a model that fails can be told
     from one that learns later."""
-    cells = sorted({(r["length"], r["pairs"], r["width"]) for r in rows if r.get("loss_curve")})
     out = []
-    for n, p, width in cells:
-        group = [r for r in rows if (r["length"], r["pairs"], r["width"]) == (n, p, width) and r.get("loss_curve")]
-        if len(group) < 2:
-            continue
+    for (n, p, width), group in loss_cells(rows).items():
         logged = sorted({int(step) for r in group for step, _ in r["loss_curve"]})
         marks = sorted({logged[math.ceil(len(logged) * (i + 1) / points) - 1] for i in range(points)})
         if not out:
@@ -411,8 +417,8 @@ def render(rows: list[dict], meta: dict) -> str:
     if meta.get("left_out"):
         out += ["Left out (the pairs do not fit the length): " + "; ".join(meta["left_out"]) + ".", ""]
     out.append("Plot: mqar.png (accuracy against decoding-state bytes, one panel per length and pair count)"
-               + ("; mqar_loss.png (training loss against steps, the plateau table's cells)" if render_plateau(rows)
-                  else "") + ". Records of every stage: records.json.")
+               + ("; mqar_loss.png (training loss against steps, the cells of the table of when each lookup began)"
+                  if loss_cells(rows) else "") + ". Records of every stage: records.json.")
     return "\n".join(out) + "\n"
 
 
@@ -453,24 +459,21 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def plot_losses(rows: list[dict], path: Path) -> bool:
-    """Training loss against steps, one panel per cell that more than one model has finished (the plateau table's
-    cells); False (and no file) when there is none."""
-    cells = sorted({(r["length"], r["pairs"], r["width"]) for r in rows if r.get("loss_curve")})
-    cells = [c for c in cells if sum((r["length"], r["pairs"], r["width"]) == c and bool(r.get("loss_curve"))
-                                     for r in rows) > 1]
+    """Training loss against steps, one panel per cell of `loss_cells` (the lookup table's); False, and no file, when
+    there is none."""
+    cells = loss_cells(rows)
     if not cells:
+        path.unlink(missing_ok=True)  # a plot left from an earlier report would no longer match it
         return False
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    most = max(sum((r["length"], r["pairs"], r["width"]) == c and bool(r.get("loss_curve")) for r in rows)
-               for c in cells)
+    most = max(len(group) for group in cells.values())
     # each panel's legend below it, off the curves: the figure grows with the longest legend
     fig, axes = plt.subplots(1, len(cells), figsize=(5 * len(cells), 3.2 + 0.16 * most), squeeze=False)
-    for ax, (n, p, width) in zip(axes[0], cells):
-        group = [r for r in rows if (r["length"], r["pairs"], r["width"]) == (n, p, width) and r.get("loss_curve")]
+    for ax, ((n, p, width), group) in zip(axes[0], cells.items()):
         for r in group:
             ax.plot(*zip(*r["loss_curve"]), label=f"{LABELS.get(r['model'], r['model'])} ({r['accuracy']:.0%})",
                     linewidth=1)
@@ -561,7 +564,7 @@ def run(preset_path: Path, output_dir: Path, models=None, dry_run=False, report_
                       f"scored on {preset['eval_batches']} batches from another seed"
                       + ("; training forward under bfloat16 autocast (float32 weights), scored in float32"
                          if preset.get("precision") == "bf16" else "") + ".")}
-    # the loss curves stay in records.json (80 points a stage); the report's plateau table reads them from the rows
+    # the loss curves stay in records.json (80 points a stage); the report's lookup table reads them from the rows
     compact = [{key: value for key, value in r.items() if key != "loss_curve"} for r in rows]
     write_atomic(output_dir / "results.json", json.dumps({"meta": meta, "rows": compact}, indent=1))
     write_atomic(output_dir / "results.md", render(rows, meta))

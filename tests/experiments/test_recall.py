@@ -15,8 +15,8 @@ from experiments.recall.models import build_recall_model, decoding_state_bytes
 from benchmarks.measuring import describe_machine
 from experiments.long_range.stages import checkpoint_file, stage_file
 from experiments.recall import training as recall_training
-from experiments.recall.runner import (load_preset, lookup_began, plan, render_plateau, render_thresholds, run,
-                                      state_threshold)
+from experiments.recall.runner import (load_preset, lookup_began, plan, plot_losses, render_plateau, render_thresholds,
+                                      run, state_threshold)
 from experiments.recall.tasks import check_mqar_batch, mqar_batch, mqar_vocab_size
 from hf_linear_attn.training.errors import UsageError
 
@@ -104,7 +104,7 @@ def test_the_state_at_which_a_model_falls_below_90_percent_is_read_from_its_widt
     assert "| once |" not in table
 
 
-def test_the_plateau_table_gives_the_step_each_loss_first_fell_below_ln_pairs():
+def test_the_plateau_table_gives_the_step_each_loss_first_fell_below_ln_pairs(tmp_path):
     # curves logged every 100 steps: "late" crosses ln 64 = 4.159 between 400 and 500, "stuck" stays at ln 128
     def row(model, losses, width=64):
         return {"model": model, "length": 256, "pairs": 64, "width": width, "num_values": 128, "accuracy": 0.5,
@@ -127,6 +127,10 @@ def test_the_plateau_table_gives_the_step_each_loss_first_fell_below_ln_pairs():
     header = next(line for line in text.splitlines() if line.startswith("| model"))
     assert header.count("| step ") == 8 and "| 4.17 |" in body[1]
     assert render_plateau([late]) == []
+    # the plot: written for a cell of two or more, and an old one removed when no cell has two
+    plot = tmp_path / "mqar_loss.png"
+    assert plot_losses([late, stuck, alone], plot) and plot.stat().st_size > 1000
+    assert not plot_losses([late, alone], plot) and not plot.exists()
 
 
 def test_decoding_state_bytes_constant_for_recurrent_models_and_growing_for_softmax():
