@@ -352,7 +352,7 @@ def loss_cells(rows: list[dict]) -> dict:
     return {cell: group for cell, group in sorted(cells.items()) if len(group) > 1}
 
 
-def render_plateau(rows: list[dict], points: int = 8) -> list[str]:
+def render_lookup_began(rows: list[dict], points: int = 8) -> list[str]:
     """Per cell (n, pairs, width) that more than one model has finished: each model's training loss at evenly spaced
     logged steps and the step at which its lookup began to work (`lookup_began`), so a model that fails can be told
     from one that learns later."""
@@ -371,9 +371,9 @@ def render_plateau(rows: list[dict], points: int = 8) -> list[str]:
                 f"{math.log(group[0]['num_values']):.2f}; ln {p} = {math.log(p):.2f}):", "",
                 "| model | accuracy | " + " | ".join(f"step {s:,}" for s in marks) + f" | below ln {p} from |",
                 "|---" * (len(marks) + 3) + "|"]
-        for r in sorted(group, key=lambda r: (lookup_began(r) is None, lookup_began(r) or 0, r["model"])):
+        began_at = [(lookup_began(r), r) for r in group]
+        for began, r in sorted(began_at, key=lambda t: (t[0] is None, t[0] or 0, t[1]["model"])):
             curve = dict((int(step), loss) for step, loss in r["loss_curve"])
-            began = lookup_began(r)
             out.append(f"| {LABELS.get(r['model'], r['model'])} | {r['accuracy']:.1%} | "
                        + " | ".join(f"{curve[s]:.2f}" if s in curve else "-" for s in marks)
                        + f" | {f'step {began:,}' if began is not None else 'never'} |")
@@ -406,7 +406,7 @@ def render(rows: list[dict], meta: dict) -> str:
                            + f" | {held if held is not None else 'none'} |")
         out.append("")
     out += render_thresholds(rows, models)
-    out += render_plateau(rows)
+    out += render_lookup_began(rows)
     out += render_lookup(rows)
     out += render_memory(rows)
     resumed = [f"{LABELS.get(r['model'], r['model'])} at n = {r['length']:,}, {r['pairs']} pairs, width {r['width']}: "

@@ -15,8 +15,8 @@ from experiments.recall.models import build_recall_model, decoding_state_bytes
 from benchmarks.measuring import describe_machine
 from experiments.long_range.stages import checkpoint_file, stage_file
 from experiments.recall import training as recall_training
-from experiments.recall.runner import (load_preset, lookup_began, plan, plot_losses, render_plateau, render_thresholds,
-                                      run, state_threshold)
+from experiments.recall.runner import (load_preset, lookup_began, plan, plot_losses, render_lookup_began,
+                                      render_thresholds, run, state_threshold)
 from experiments.recall.tasks import check_mqar_batch, mqar_batch, mqar_vocab_size
 from hf_linear_attn.training.errors import UsageError
 
@@ -118,7 +118,7 @@ def test_the_plateau_table_gives_the_step_each_loss_first_fell_below_ln_pairs(tm
     for r in (late, stuck, early):
         bar = math.log(64)
         assert lookup_began(r) == next((s for s, loss in r["loss_curve"] if loss < bar), None) == expected[r["model"]]
-    text = "\n".join(render_plateau([stuck, late, alone, early]))
+    text = "\n".join(render_lookup_began([stuck, late, alone, early]))
     body = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| model")]
     assert [line.split(" | ")[0][2:] for line in body] == ["early", "late", "stuck"]  # ordered by when they began
     assert body[0].endswith("| step 200 |") and body[1].endswith("| step 500 |") and body[2].endswith("| never |")
@@ -126,7 +126,7 @@ def test_the_plateau_table_gives_the_step_each_loss_first_fell_below_ln_pairs(tm
     # eight evenly spaced logged steps, each with the loss logged there
     header = next(line for line in text.splitlines() if line.startswith("| model"))
     assert header.count("| step ") == 8 and "| 4.17 |" in body[1]
-    assert render_plateau([late]) == []
+    assert render_lookup_began([late]) == []
     # the plot: written for a cell of two or more, and an old one removed when no cell has two
     plot = tmp_path / "mqar_loss.png"
     assert plot_losses([late, stuck, alone], plot) and plot.stat().st_size > 1000
