@@ -8,6 +8,7 @@ the capacity probe: how many of MQAR's pairs one layer's state holds when nothin
     python scripts/recall.py --preset cpu --output_dir results/recall/cpu --report_only          # tables so far
     python scripts/recall.py --preset cpu --output_dir results/recall/cpu --models linear_gpt2 --pairs 64  # a slice
     python scripts/recall.py --preset cpu --output_dir results/recall/cpu --widths 128      # a slice by model width
+    python scripts/recall.py --preset delta-n64-lr3e-3 --seed 1 --output_dir results/recall/delta-n64-lr3e-3-seed1
     python scripts/recall.py --preset passkey-smoke --output_dir /tmp/passkey-smoke    # passkey, every code path
     python scripts/recall.py --preset passkey-cpu --estimate      # a probe of a few steps: the preset's hours here
     python scripts/recall.py --preset capacity --output_dir results/recall/capacity   # the state alone, ~1 h
@@ -42,6 +43,8 @@ def main(argv=None):
                                                                            "finished stage")
     parser.add_argument("--widths", nargs="+", type=int, metavar="W", help="MQAR: only these model widths (of the "
                                                                             "preset's)")
+    parser.add_argument("--seed", type=int, help="MQAR presets: train and score at this seed instead of the preset's "
+                        "(other initial weights and training sequences); give each seed its own --output_dir")
     parser.add_argument("--device", default="cpu", help="MQAR presets: where the stages train, cpu (default) or cuda; "
                         "the record names the GPU")
     parser.add_argument("--dry_run", action="store_true", help="print every stage and its arguments, run nothing")
@@ -72,13 +75,16 @@ def main(argv=None):
             return
         if args.device != "cpu" and task != "mqar":
             raise UsageError(f"--device applies to MQAR presets only: leave it out for this {task} preset")
+        if args.seed is not None and task != "mqar":
+            raise UsageError(f"--seed applies to MQAR presets only: a {task} preset names its seed in its file")
         if (args.pairs or args.widths) and task != "mqar":
             raise UsageError("--pairs and --widths choose MQAR settings; a passkey or capacity preset has neither "
                              "(use --models)")
         {"passkey": passkey_runner, "capacity": capacity_runner}.get(task, runner).run(
             preset, output_dir, args.models, args.dry_run, args.report_only,
             argv=sys.argv[1:] if argv is None else argv, log=lambda s: print(s, flush=True),
-            **({"pairs": args.pairs, "widths": args.widths, "device": args.device} if task == "mqar" else {}))
+            **({"pairs": args.pairs, "widths": args.widths, "device": args.device, "seed": args.seed}
+               if task == "mqar" else {}))
     except UsageError as error:
         sys.exit(f"error: {error}")
     if not args.dry_run:

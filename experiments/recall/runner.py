@@ -526,13 +526,19 @@ def probe_saved(preset_path: Path, output_dir: Path, models=None, log=print) -> 
 
 
 def run(preset_path: Path, output_dir: Path, models=None, dry_run=False, report_only=False, argv=None,
-        log=print, pairs=None, widths=None, device="cpu") -> dict:
+        log=print, pairs=None, widths=None, device="cpu", seed=None) -> dict:
     """Run the preset's stages (only `models` / `pairs` / `widths` where given: a slice) and report every finished
     stage of the whole preset, so a slice run adds its rows to the committed table instead of replacing it with the
-    slice's. `device`: where the stages train ("cuda" needs a GPU)."""
+    slice's. `device`: where the stages train ("cuda" needs a GPU). `seed`: the preset's grid at another seed (other
+    initial weights and training sequences; each seed in its own output_dir, whose records refuse a finished stage
+    run with other arguments)."""
     from benchmarks.measuring import hardware_of_records
 
     preset = load_preset(preset_path)
+    if seed is not None:
+        if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+            raise UsageError(f"--seed {seed!r}: give a whole number >= 0")
+        preset = {**preset, "seed": seed}
     stages, _ = plan(preset, models, pairs, widths)
     whole, left_out = plan(preset)
     if dry_run:

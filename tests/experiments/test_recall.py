@@ -524,3 +524,17 @@ def test_every_committed_recall_preset_loads_and_plans(name):
     else:
         stages, _ = plan(load_preset(path))
     assert stages
+
+
+def test_seed_runs_the_preset_grid_at_another_seed_and_is_refused_where_it_has_no_meaning(tmp_path):
+    preset = REPO_ROOT / "configs" / "recall" / "smoke.json"
+    lines = []
+    run(preset, tmp_path, dry_run=True, seed=5, log=lines.append, argv=[])
+    args = [json.loads(line.split(": ", 1)[1]) for line in lines[:-1]]
+    assert len(args) == 10 and {a["seed"] for a in args} == {5} != {load_preset(preset)["seed"]}
+    for bad in (-1, True, 1.5):
+        with pytest.raises(UsageError, match="--seed"):
+            run(preset, tmp_path, seed=bad, log=lambda s: None, argv=[])
+    passkey = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "recall.py"), "--preset", "passkey-smoke",
+                              "--seed", "1", "--dry_run"], capture_output=True, text=True, timeout=300)
+    assert passkey.returncode != 0 and "--seed applies to MQAR presets only" in passkey.stderr
