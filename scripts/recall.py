@@ -9,6 +9,8 @@ the capacity probe: how many of MQAR's pairs one layer's state holds when nothin
     python scripts/recall.py --preset cpu --output_dir results/recall/cpu --models linear_gpt2 --pairs 64  # a slice
     python scripts/recall.py --preset cpu --output_dir results/recall/cpu --widths 128      # a slice by model width
     python scripts/recall.py --preset delta-n64-lr3e-3 --seed 1 --output_dir results/recall/delta-n64-lr3e-3-seed1
+    python scripts/recall.py --combine results/recall/delta-n64 results/recall/delta-n64-seed1 \
+        results/recall/delta-n64-seed2 --output_dir results/recall/delta-n64-seeds   # one table across the seeds
     python scripts/recall.py --preset passkey-smoke --output_dir /tmp/passkey-smoke    # passkey, every code path
     python scripts/recall.py --preset passkey-cpu --estimate      # a probe of a few steps: the preset's hours here
     python scripts/recall.py --preset capacity --output_dir results/recall/capacity   # the state alone, ~1 h
@@ -27,7 +29,7 @@ from pathlib import Path
 import _checkout  # noqa: F401  (experiments/ is beside scripts/, outside the package)
 
 from experiments import find_preset
-from experiments.recall import capacity_runner, passkey_runner, preset_task, runner
+from experiments.recall import capacity_runner, passkey_runner, preset_task, runner, seeds
 from hf_linear_attn.training.errors import UsageError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,6 +47,9 @@ def main(argv=None):
                                                                             "preset's)")
     parser.add_argument("--seed", type=int, help="MQAR presets: train and score at this seed instead of the preset's "
                         "(other initial weights and training sequences); give each seed its own --output_dir")
+    parser.add_argument("--combine", nargs="+", metavar="DIR", help="run nothing: one table of the MQAR runs in these "
+                        "folders (one seed each, --seed) into --output_dir: each setting's accuracy per seed, mean, "
+                        "spread, and how many seeds learnt the lookup")
     parser.add_argument("--device", default="cpu", help="MQAR presets: where the stages train, cpu (default) or cuda; "
                         "the record names the GPU")
     parser.add_argument("--dry_run", action="store_true", help="print every stage and its arguments, run nothing")
@@ -57,6 +62,12 @@ def main(argv=None):
                                                                 "and project the preset's hours on this machine")
     args = parser.parse_args(argv)
     try:
+        if args.combine:
+            if not args.output_dir:
+                raise UsageError("--combine writes its table into --output_dir: name one (a folder of its own)")
+            seeds.run([Path(d) for d in args.combine], Path(args.output_dir), sys.argv[1:] if argv is None else argv)
+            print(f"wrote {args.output_dir}/results.md, results.json")
+            return
         preset = find_preset(args.preset, REPO / "configs" / "recall")
         task = preset_task(preset)
         if args.estimate:

@@ -1,0 +1,123 @@
+"""MQAR across seeds (scripts/recall.py --combine): one table from the folders of runs that differ only in their seed.
+
+One seed cannot rank two rules whose training sits on a plateau: at lr 1e-2 the delta rule and Gated DeltaNet each
+learnt the lookup at one seed of three (docs/recall.md). Each seed runs into its own folder (`--seed`), and this
+module reads their records, groups the stages whose arguments agree in everything but the seed, and writes each
+group's accuracy per seed, mean and spread, how many seeds learnt the lookup, and when. Stages that differ in more
+than the seed (another learning rate, say) are separate rows, labelled by what differs.
+"""
+
+import json
+import shlex
+import statistics
+import time
+from pathlib import Path
+
+from experiments.long_range.stages import load_records, stage_machines, write_atomic
+from hf_linear_attn.training.errors import UsageError
+
+from .models import LABELS
+from .runner import lookup_began, summarise
+
+LEARNT = 0.9  # a seed "learnt" the lookup at this accuracy or above: the bar of issue 42's state table
+
+
+def _setting(args: dict) -> str:
+    """A stage's arguments without its seed, as a key: stages with equal keys differ only in the seed."""
+    return json.dumps({k: v for k, v in args.items() if k != "seed"}, sort_keys=True)
+
+
+def combine(folders: list[Path]) -> list[dict]:
+    """One row per setting (every stage argument but the seed) found in the folders' records: its model, cell and
+    learning rate, and per seed the accuracy, eval loss, the folder and the first step below ln(pairs). Refuses a
+    folder without records and a seed recorded twice for one setting."""
+    if len(folders) < 2:
+        raise UsageError("--combine reads two or more run folders (one per seed): name them all")
+    groups = {}
+    for folder in folders:
+        folder = Path(folder)
+        records = load_records(folder)
+        if not records:
+            raise UsageError(f"{folder}: no finished MQAR stages (no records.json, no stages/): run its preset there "
+                             "first, or name another folder")
+        for key, record in records.items():
+            if record.get("kind") != "mqar":
+                raise UsageError(f"{folder}: stage {key} is not an MQAR stage: --combine reads MQAR runs only")
+            seed = record["args"]["seed"]
+            group = groups.setdefault(_setting(record["args"]), {"record": record, "seeds": {}})
+            if seed in group["seeds"]:
+                raise UsageError(f"{key} at seed {seed} is in both {group['seeds'][seed]['folder']} and {folder}: "
+                                 "name each seed's folder once")
+            row = summarise({key: record})[0]
+            group["seeds"][seed] = {"accuracy": row["accuracy"], "loss": row["loss"], "folder": str(folder),
+                                    "began": lookup_began(row), "machine": record.get("machine"),
+                                    "hardware": record.get("hardware")}
+    rows = []
+    for group in groups.values():
+        a = group["record"]["args"]
+        rows.append({"model": a["model"], "length": a["length"], "pairs": a["pairs"], "width": a["width"],
+                     "lr": a["optimizer"]["lr"], "steps": a["steps"],
+                     "seeds": {seed: group["seeds"][seed] for seed in sorted(group["seeds"])}})
+    return sorted(rows, key=lambda r: (r["length"], r["pairs"], r["width"], r["model"], -r["lr"], r["steps"]))
+
+
+def _percent(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def render(rows: list[dict], meta: dict) -> str:
+    """The report: per cell (n, pairs, width), a row per model and learning rate (and step budget, where those
+    differ): each seed's accuracy with the step its loss first fell below ln(pairs), mean ± standard deviation over
+    the seeds, and how many seeds reached 90%."""
+    out = ["# MQAR across seeds", "",
+           f"Command: `{meta['command']}`  ",
+           f"Machine: {meta['machine']}  ",
+           f"Folders (one run each): {', '.join(meta['folders'])}", "",
+           "Each row is one setting (every stage argument equal but the seed) and each seed column a run of it; a "
+           "cell reads accuracy on the queried values (the step at which the training loss first fell below "
+           "ln(pairs), when the lookup began; \"never\" if it did not). Mean ± standard deviation over the seeds "
+           f"run; learnt: seeds at {LEARNT:.0%} or above.", ""]
+    for cell in sorted({(r["length"], r["pairs"], r["width"]) for r in rows}):
+        group = [r for r in rows if (r["length"], r["pairs"], r["width"]) == cell]
+        seeds = sorted({s for r in group for s in r["seeds"]})
+        many_lrs = len({r["lr"] for r in group}) > 1
+        many_steps = len({r["steps"] for r in group}) > 1
+        extra = (["lr"] if many_lrs else []) + (["steps"] if many_steps else [])
+        out += [f"## n = {cell[0]:,}, {cell[1]} pairs, width {cell[2]}"
+                + ("" if many_lrs else f" (lr {group[0]['lr']:g})"), "",
+                "| model | " + "".join(f"{e} | " for e in extra) + "".join(f"seed {s} | " for s in seeds)
+                + "mean ± sd | learnt |",
+                "|---|" + "---:|" * (len(extra) + len(seeds) + 2)]
+        for r in group:
+            cells = []
+            for s in seeds:
+                got = r["seeds"].get(s)
+                began = "never" if got is None or got["began"] is None else f"{got['began']:,}"
+                cells.append("" if got is None else f"{_percent(got['accuracy'])} ({began})")
+            accuracies = [got["accuracy"] for got in r["seeds"].values()]
+            spread = f" ± {100 * statistics.stdev(accuracies):.1f}" if len(accuracies) > 1 else " (1 seed)"
+            learnt = sum(a >= LEARNT for a in accuracies)
+            out.append(f"| {LABELS.get(r['model'], r['model'])} | "
+                       + "".join(f"{v} | " for v in ([f"{r['lr']:g}"] if many_lrs else [])
+                                 + ([f"{r['steps']:,}"] if many_steps else []))
+                       + "".join(f"{c} | " for c in cells)
+                       + f"{100 * statistics.mean(accuracies):.1f}{spread} | {learnt} of {len(accuracies)} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def run(folders: list[Path], output_dir: Path, argv: list[str]) -> dict:
+    """Combine the folders' records and write results.md and results.json into output_dir."""
+    from benchmarks.measuring import describe_machine, hardware_of_records
+
+    rows = combine(folders)
+    runs = [got for r in rows for got in r["seeds"].values()]
+    # the machines the stages ran on (each record keeps its own), not the one combining them
+    meta = {"command": "python scripts/recall.py " + shlex.join(argv), "folders": [str(f) for f in folders],
+            "machine": "; ".join([stage_machines(dict(enumerate(runs)), describe_machine()),
+                                  *hardware_of_records(runs)]),
+            "date": time.strftime("%Y-%m-%d")}
+    output_dir = Path(output_dir)
+    write_atomic(output_dir / "results.json", json.dumps({"meta": meta, "rows": rows}, indent=1))
+    write_atomic(output_dir / "results.md", render(rows, meta))
+    return {"meta": meta, "rows": rows}
