@@ -27,6 +27,17 @@ def _setting(args: dict) -> str:
     return json.dumps({k: v for k, v in args.items() if k != "seed"}, sort_keys=True)
 
 
+def _flat(args: dict, prefix: str = "") -> dict:
+    """{"optimizer.lr": 0.01, "steps": 2000, ...}: nested arguments on one level, to name what settings differ in."""
+    flat = {}
+    for key, value in args.items():
+        if isinstance(value, dict):
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
 def combine(folders: list[Path]) -> list[dict]:
     """One row per setting (every stage argument but the seed) found in the folders' records: its model, cell and
     learning rate, and per seed the accuracy, eval loss, the folder and the first step below ln(pairs). Refuses a
@@ -57,8 +68,14 @@ def combine(folders: list[Path]) -> list[dict]:
         a = group["record"]["args"]
         rows.append({"model": a["model"], "length": a["length"], "pairs": a["pairs"], "width": a["width"],
                      "lr": a["optimizer"]["lr"], "steps": a["steps"],
+                     "setting": {k: v for k, v in _flat(a).items() if k not in ("seed", "model", "length", "pairs",
+                                                                                  "width")},
                      "seeds": {seed: group["seeds"][seed] for seed in sorted(group["seeds"])}})
     return sorted(rows, key=lambda r: (r["length"], r["pairs"], r["width"], r["model"], -r["lr"], r["steps"]))
+
+
+def _value(value) -> str:
+    return f"{value:g}" if isinstance(value, float) else f"{value:,}" if isinstance(value, int) else str(value)
 
 
 def _percent(x: float) -> str:
@@ -66,9 +83,10 @@ def _percent(x: float) -> str:
 
 
 def render(rows: list[dict], meta: dict) -> str:
-    """The report: per cell (n, pairs, width), a row per model and learning rate (and step budget, where those
-    differ): each seed's accuracy with the step its loss first fell below ln(pairs), mean ± standard deviation over
-    the seeds, and how many seeds reached 90%."""
+    """The report: per cell (n, pairs, width), a row per model and setting (a column for each argument the cell's
+    settings differ in besides the model, such as the learning rate): each seed's accuracy with the step its loss
+    first fell below ln(pairs), mean ± standard deviation over the seeds, how many seeds began the lookup and how
+    many reached 90%."""
     out = ["# MQAR across seeds", "",
            f"Command: `{meta['command']}`  ",
            f"Machine: {meta['machine']}  ",
@@ -76,18 +94,20 @@ def render(rows: list[dict], meta: dict) -> str:
            "Each row is one setting (every stage argument equal but the seed) and each seed column a run of it; a "
            "cell reads accuracy on the queried values (the step at which the training loss first fell below "
            "ln(pairs), when the lookup began; \"never\" if it did not). Mean ± standard deviation over the seeds "
-           f"run; learnt: seeds at {LEARNT:.0%} or above.", ""]
+           "run; lookup began: seeds whose training loss got below ln(pairs); learnt: seeds at "
+           f"{LEARNT:.0%} or above.", ""]
     for cell in sorted({(r["length"], r["pairs"], r["width"]) for r in rows}):
         group = [r for r in rows if (r["length"], r["pairs"], r["width"]) == cell]
         seeds = sorted({s for r in group for s in r["seeds"]})
-        many_lrs = len({r["lr"] for r in group}) > 1
-        many_steps = len({r["steps"] for r in group}) > 1
-        extra = (["lr"] if many_lrs else []) + (["steps"] if many_steps else [])
+        # what the settings of this cell differ in besides the model (the learning rate, say): a column each
+        keys = sorted({k for r in group for k in r["setting"]})
+        extra = [k for k in keys if len({json.dumps(r["setting"].get(k)) for r in group}) > 1]
+        many_lrs = "optimizer.lr" in extra
         out += [f"## n = {cell[0]:,}, {cell[1]} pairs, width {cell[2]}"
                 + ("" if many_lrs else f" (lr {group[0]['lr']:g})"), "",
                 "| model | " + "".join(f"{e} | " for e in extra) + "".join(f"seed {s} | " for s in seeds)
-                + "mean ± sd | learnt |",
-                "|---|" + "---:|" * (len(extra) + len(seeds) + 2)]
+                + "mean ± sd | lookup began | learnt |",
+                "|---|" + "---:|" * (len(extra) + len(seeds) + 3)]
         for r in group:
             cells = []
             for s in seeds:
@@ -97,11 +117,12 @@ def render(rows: list[dict], meta: dict) -> str:
             accuracies = [got["accuracy"] for got in r["seeds"].values()]
             spread = f" ± {100 * statistics.stdev(accuracies):.1f}" if len(accuracies) > 1 else " (1 seed)"
             learnt = sum(a >= LEARNT for a in accuracies)
+            started = sum(got["began"] is not None for got in r["seeds"].values())
             out.append(f"| {LABELS.get(r['model'], r['model'])} | "
-                       + "".join(f"{v} | " for v in ([f"{r['lr']:g}"] if many_lrs else [])
-                                 + ([f"{r['steps']:,}"] if many_steps else []))
+                       + "".join(f"{_value(r['setting'].get(k))} | " for k in extra)
                        + "".join(f"{c} | " for c in cells)
-                       + f"{100 * statistics.mean(accuracies):.1f}{spread} | {learnt} of {len(accuracies)} |")
+                       + f"{100 * statistics.mean(accuracies):.1f}{spread} | {started} of {len(accuracies)} | "
+                       f"{learnt} of {len(accuracies)} |")
         out.append("")
     return "\n".join(out)
 

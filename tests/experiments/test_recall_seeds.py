@@ -53,8 +53,11 @@ def test_seeds_of_one_preset_combine_into_one_row_per_setting_with_each_seeds_ow
     accuracies = [linear["seeds"][s]["accuracy"] for s in ("0", "1", "2")]
     line = next(x for x in report.splitlines() if x.startswith("| linear_gpt2 (elu+1) | 0.003 |"))
     assert "95.0% (4) |" in line and "never" in line  # seed 1 began at step 4, the others never
-    assert f"| {100 * statistics.mean(accuracies):.1f} ± {100 * statistics.stdev(accuracies):.1f} | 1 of 3 |" in line
-    assert "| linear_gpt2 (elu+1) | 0.01 |" in report and "(1 seed) | 0 of 1 |" in report
+    mean, sd = 100 * statistics.mean(accuracies), 100 * statistics.stdev(accuracies)
+    assert f"| {mean:.1f} ± {sd:.1f} | 1 of 3 | 1 of 3 |" in line
+    # what the cell's settings differ in gets a column
+    assert "| model | optimizer.lr | seed 0 | seed 1 | seed 2 | mean ± sd | lookup began | learnt |" in report
+    assert "| linear_gpt2 (elu+1) | 0.01 |" in report and "(1 seed) | 0 of 1 | 0 of 1 |" in report
     assert report.split("Machine: ")[1].startswith(describe_machine())  # the machine the stages ran on
 
     with pytest.raises(UsageError, match="two or more run folders"):
