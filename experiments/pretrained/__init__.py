@@ -26,6 +26,7 @@ on where the last sitting stopped.
 import importlib.util
 import json
 import os
+import re
 import shlex
 import signal
 import statistics
@@ -305,13 +306,26 @@ def _average_and_noise(entry: dict, baseline: dict, tasks: list[str]):
 
 
 def _load_note(loads: dict) -> str:
-    """Whether other work shared the cores: the 5-minute load average when each stage ended, against the cores."""
+    """Whether other work shared the cores: the 5-minute load average when each stage ended, against the threads the
+    stage ran with (`{"load": x, "threads": t}`; a bare number, as older runs wrote, against every core: their stages
+    ran one thread per core). A stage of one thread beside another job's ends at a load of about 2 on 2 cores, which
+    the cores alone would not tell apart from a stage of two threads on idle cores."""
     if not loads:
         return "load not recorded"
     cores = os.cpu_count() or 1
-    low, high = min(loads.values()), max(loads.values())
-    shared = "shared with other work" if high > cores + 0.5 else "otherwise idle"
-    return f"{shared} (5-minute load average {low:.1f}-{high:.1f} at the stages' ends, {cores} cores)"
+    entries = [(x["load"], x["threads"]) if isinstance(x, dict) else (x, cores) for x in loads.values()]
+    low, high = min(load for load, _ in entries), max(load for load, _ in entries)
+    shared = "shared with other work" if any(load > threads + 0.5 for load, threads in entries) else "otherwise idle"
+    threads = sorted({t for _, t in entries})
+    return (f"{shared} (5-minute load average {low:.1f}-{high:.1f} at the stages' ends, {cores} cores, "
+            f"{'/'.join(map(str, threads))} torch thread{'s' if threads != [1] else ''} a stage)")
+
+
+def stage_threads(record: dict | None) -> int:
+    """The torch threads a stage ran with, from its record's machine line ("..., 1 torch threads, ..."); every core
+    where the record does not say."""
+    match = re.search(r"(\d+) torch threads", (record or {}).get("machine", ""))
+    return int(match.group(1)) if match else (os.cpu_count() or 1)
 
 
 def _cell(cell: dict, exact_match=None) -> str:
@@ -588,7 +602,9 @@ def run(preset_path: Path, root: Path, output_dir=None, seeds=None, tasks=None, 
                 "source": str(preset["source"].get("package", source)), "seeds": seeds_used, "majority": majority,
                 "seconds": sum(r.get("seconds", 0.0) for r in records.values()), "stages": len(whole),
                 "stages_done": len(records), "failed": failed, "cpu_features": cpu_features(),
-                "loads": {name: load for name, load in loads.items() if name in records}, "written": time.strftime("%Y-%m-%d %H:%M:%S")}
+                "loads": {name: {"load": load, "threads": stage_threads(records[name])}
+                          for name, load in loads.items() if name in records},
+                "written": time.strftime("%Y-%m-%d %H:%M:%S")}
         markdown = render_markdown(preset_name, preset, results, meta)
         for folder in [output_dir] + ([Path(results_dir)] if results_dir and keeps_committed(results_dir) else []):
             folder.mkdir(parents=True, exist_ok=True)

@@ -603,6 +603,22 @@ def test_the_machine_line_names_each_presets_arithmetic_and_config_changes():
     assert _finetune_recipe(mixed) == "fine-tuning in bf16 autocast (IMDB; float32 for the other tasks)"
 
 
+def test_the_cores_line_weighs_each_stages_load_against_the_threads_it_ran_with(monkeypatch):
+    """A fine-tune of one torch thread beside another job ends at a load of about 2 on 2 cores: the cores line said
+    "otherwise idle" for it, as for a stage of two threads on idle cores."""
+    from experiments.pretrained import _load_note, stage_threads
+
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    assert stage_threads({"machine": "AMD EPYC, 2 cores, 1 torch threads, torch 2.13.0+cpu"}) == 1
+    assert stage_threads({"machine": "a machine that does not say"}) == stage_threads(None) == 2
+    beside = _load_note({"a": {"load": 2.0, "threads": 1}, "b": {"load": 1.1, "threads": 1}})
+    assert beside.startswith("shared with other work (5-minute load average 1.1-2.0") and "1 torch thread a" in beside
+    assert _load_note({"a": {"load": 2.1, "threads": 2}}).startswith("otherwise idle")
+    assert _load_note({"a": 2.1, "b": 1.9}).startswith("otherwise idle")  # older runs: a bare load, every core a stage
+    assert _load_note({"a": 3.0}).startswith("shared with other work")
+    assert _load_note({}) == "load not recorded"
+
+
 def test_qqp_is_scored_by_its_accuracy_though_its_metric_writes_an_f1(tmp_path):
     """GLUE's QQP metric writes eval_f1 beside eval_accuracy; the table read any eval_f1 as question answering and
     the run's report failed (KeyError 'eval_exact_match') after the first QQP fine-tune."""
