@@ -584,7 +584,9 @@ def run(preset_path: Path, root: Path, output_dir=None, seeds=None, tasks=None, 
     archive = load_records(records_file) if records_file and Path(records_file).is_file() else {}
     output_dir.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit("stopped (SIGTERM); rerun the same command to continue"))
-    command = "python scripts/pretrained.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    # the command that runs what the table covers: a rerun of the report (--report_only) is the same table
+    command = "python scripts/pretrained.py " + shlex.join(
+        a for a in (sys.argv[1:] if argv is None else argv) if a not in ("--report_only", "--plot_only"))
     seeds_used = list(dict.fromkeys([*preset["seeds"], *(seeds or [])]))  # the report's: the preset's and any more
     # every stage the report covers: the slice's, and the preset's others at those seeds, finished earlier or not
     whole = plan(preset, source, output_dir, root, seeds_used) if (seeds or tasks or models) else stages

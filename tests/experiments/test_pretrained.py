@@ -351,6 +351,10 @@ def test_a_slice_run_adds_its_scores_to_the_whole_presets_table_instead_of_repla
     third = pretrained.run(tmp_path / "p.json", REPO_ROOT, seeds=[42], **common)
     assert ran == [redone] and third["meta"]["stages_done"] == 5
     assert "not rewriting" not in capsys.readouterr().out
+    # the table rewritten by --report_only names the command that runs what it covers, without --report_only
+    again = pretrained.run(tmp_path / "p.json", REPO_ROOT, report_only=True, **{
+        **common, "argv": ["--preset", "p.json", "--seeds", "1", "--report_only"]})
+    assert again["meta"]["command"] == "python scripts/pretrained.py --preset p.json --seeds 1" and ran == [redone]
 
 
 @needs_data  # the preset's data files are checked when it is read, and the majority class is read from them
