@@ -139,6 +139,9 @@ def run(folders: list[Path], output_dir: Path, argv: list[str]) -> dict:
                                   *hardware_of_records(runs)]),
             "date": time.strftime("%Y-%m-%d")}
     output_dir = Path(output_dir)
-    write_atomic(output_dir / "results.json", json.dumps({"meta": meta, "rows": rows}, indent=1))
+    # each seed's hardware is in the machine line (and its folder's records), not repeated per row
+    compact = [{**r, "seeds": {s: {k: v for k, v in got.items() if k != "hardware"} for s, got in r["seeds"].items()}}
+               for r in rows]
+    write_atomic(output_dir / "results.json", json.dumps({"meta": meta, "rows": compact}, indent=1))
     write_atomic(output_dir / "results.md", render(rows, meta))
     return {"meta": meta, "rows": rows}
