@@ -38,6 +38,12 @@ def _flat(args: dict, prefix: str = "") -> dict:
     return flat
 
 
+def _longest(memory: dict) -> list:
+    """Per layer, the share of a write its longest-keeping head keeps across the pairs (`memory_spans`' reading);
+    None for a layer without a decay."""
+    return [None if heads is None else max(h["kept"] for h in heads) for heads in memory["layers"]]
+
+
 def combine(folders: list[Path]) -> list[dict]:
     """One row per setting (every stage argument but the seed) found in the folders' records: its model, cell and
     learning rate, and per seed the accuracy, eval loss, the folder and the first step below ln(pairs). Refuses a
@@ -62,7 +68,8 @@ def combine(folders: list[Path]) -> list[dict]:
             row = summarise({key: record})[0]
             group["seeds"][seed] = {"accuracy": row["accuracy"], "loss": row["loss"], "folder": str(folder),
                                     "began": lookup_began(row), "machine": record.get("machine"),
-                                    "hardware": record.get("hardware")}
+                                    "hardware": record.get("hardware"),
+                                    **{key: _longest(row[key]) for key in ("memory", "memory_init") if row.get(key)}}
     rows = []
     for group in groups.values():
         a = group["record"]["args"]
@@ -124,7 +131,29 @@ def render(rows: list[dict], meta: dict) -> str:
                        + f"{100 * statistics.mean(accuracies):.1f}{spread} | {started} of {len(accuracies)} | "
                        f"{learnt} of {len(accuracies)} |")
         out.append("")
-    return "\n".join(out)
+    return "\n".join(out + render_memory(rows))
+
+
+def render_memory(rows: list[dict]) -> list[str]:
+    """Per decaying model and seed: what each layer's longest-keeping head keeps of a write across the pairs, at the
+    start and trained: whether a seed's gates stayed open or closed beside whether it learnt."""
+    runs = [(r, s, got) for r in rows for s, got in r["seeds"].items() if got.get("memory")]
+    if not runs:
+        return []
+    depth = max(len(got["memory"]) for _, _, got in runs)
+    out = ["## How long the states keep a write, per seed", "",
+           "Per layer, the share of a token's write its longest-keeping head keeps across the context's pairs (2 x "
+           "pairs tokens; the runs' own reading, \"How long each decaying state keeps what it holds\" in each folder's "
+           "report), as the seed built the model -> trained.", "",
+           "| n | pairs | width | model | lr | seed | accuracy | " + " | ".join(f"layer {i + 1}" for i in range(depth))
+           + " |", "|---|---|---|---|---:|---:|---:|" + "---|" * depth]
+    for r, s, got in runs:
+        start = got.get("memory_init") or [None] * depth
+        cells = ["-" if after is None else (f"{before:.2f} -> " if before is not None else "") + f"{after:.2f}"
+                 for before, after in zip(start, got["memory"])]
+        out.append(f"| {r['length']:,} | {r['pairs']} | {r['width']} | {LABELS.get(r['model'], r['model'])} | "
+                   f"{r['lr']:g} | {s} | {_percent(got['accuracy'])} | " + " | ".join(cells) + " |")
+    return out + [""]
 
 
 def run(folders: list[Path], output_dir: Path, argv: list[str]) -> dict:

@@ -21,7 +21,8 @@ SMOKE = REPO_ROOT / "configs" / "recall" / "smoke.json"
 def test_seeds_of_one_preset_combine_into_one_row_per_setting_with_each_seeds_own_figures(tmp_path):
     folders = {seed: tmp_path / f"seed{seed}" for seed in (0, 1, 2)}
     for seed, folder in folders.items():
-        run(SMOKE, folder, models=["linear_gpt2", "gpt2_sdpa"], pairs=[2], seed=seed, log=lambda s: None, argv=[])
+        run(SMOKE, folder, models=["linear_gpt2", "gpt2_sdpa", "linear_gpt2_gated_delta_conv"], pairs=[2], seed=seed,
+            log=lambda s: None, argv=[])
     # another learning rate: the same cells, a row of its own
     faster = json.loads(SMOKE.read_text())
     faster["optimizer"]["lr"] = 0.01
@@ -41,7 +42,8 @@ def test_seeds_of_one_preset_combine_into_one_row_per_setting_with_each_seeds_ow
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads((tmp_path / "seeds" / "results.json").read_text())["rows"]
     assert [(r["model"], r["lr"], sorted(r["seeds"])) for r in rows] == [
-        ("gpt2_sdpa", 0.003, ["0", "1", "2"]), ("linear_gpt2", 0.01, ["0"]), ("linear_gpt2", 0.003, ["0", "1", "2"])]
+        ("gpt2_sdpa", 0.003, ["0", "1", "2"]), ("linear_gpt2", 0.01, ["0"]), ("linear_gpt2", 0.003, ["0", "1", "2"]),
+        ("linear_gpt2_gated_delta_conv", 0.003, ["0", "1", "2"])]
     for row in rows:
         for seed, got in row["seeds"].items():
             folder = tmp_path / "faster" if row["lr"] == 0.01 else folders[int(seed)]
@@ -59,6 +61,15 @@ def test_seeds_of_one_preset_combine_into_one_row_per_setting_with_each_seeds_ow
     assert "| model | optimizer.lr | seed 0 | seed 1 | seed 2 | mean ± sd | lookup began | learnt |" in report
     assert "| linear_gpt2 (elu+1) | 0.01 |" in report and "(1 seed) | 0 of 1 | 0 of 1 |" in report
     assert report.split("Machine: ")[1].startswith(describe_machine())  # the machine the stages ran on
+
+    # the gated rule's states: per layer, the longest-keeping head's share of a write, at the start -> trained
+    gated = [line for line in report.splitlines() if line.startswith("| 32 | 2 | 32 | linear_gpt2, gated delta")]
+    assert len(gated) == 3
+    for seed, line in enumerate(gated):
+        metrics = load_records(folders[seed])["mqar-n32-p2-w32/linear_gpt2_gated_delta_conv"]["metrics"]
+        kept = [max(h["kept"] for h in metrics[key]["layers"][0]) for key in ("memory_init", "memory")]
+        assert line.endswith(f"| {seed} | {100 * metrics['eval_accuracy']:.1f}% | {kept[0]:.2f} -> {kept[1]:.2f} |")
+    assert "linear_gpt2 (elu+1) | 0.003 | 0 |" not in report  # no decay, no row
 
     with pytest.raises(UsageError, match="two or more run folders"):
         combine([folders[0]])
