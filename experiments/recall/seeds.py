@@ -22,11 +22,6 @@ from .runner import lookup_began, summarise
 LEARNT = 0.9  # a seed "learnt" the lookup at this accuracy or above: the bar of issue 42's state table
 
 
-def _setting(args: dict) -> str:
-    """A stage's arguments without its seed, as a key: stages with equal keys differ only in the seed."""
-    return json.dumps({k: v for k, v in args.items() if k != "seed"}, sort_keys=True)
-
-
 def _flat(args: dict, prefix: str = "") -> dict:
     """{"optimizer.lr": 0.01, "steps": 2000, ...}: nested arguments on one level, to name what settings differ in."""
     flat = {}
@@ -60,8 +55,11 @@ def combine(folders: list[Path]) -> list[dict]:
         for key, record in records.items():
             if record.get("kind") != "mqar":
                 raise UsageError(f"{folder}: stage {key} is not an MQAR stage: --combine reads MQAR runs only")
-            seed = record["args"]["seed"]
-            group = groups.setdefault(_setting(record["args"]), {"record": record, "seeds": {}})
+            seed, flat = record["args"]["seed"], _flat(record["args"])
+            # stages whose arguments agree in all but the seed are one setting
+            setting = {k: v for k, v in flat.items() if k != "seed"}
+            group = groups.setdefault(json.dumps(setting, sort_keys=True), {"record": record, "setting": setting,
+                                                                           "seeds": {}})
             if seed in group["seeds"]:
                 raise UsageError(f"{key} at seed {seed} is in both {group['seeds'][seed]['folder']} and {folder}: "
                                  "name each seed's folder once")
@@ -69,24 +67,21 @@ def combine(folders: list[Path]) -> list[dict]:
             group["seeds"][seed] = {"accuracy": row["accuracy"], "loss": row["loss"], "folder": str(folder),
                                     "began": lookup_began(row), "machine": record.get("machine"),
                                     "hardware": record.get("hardware"),
-                                    **{key: _longest(row[key]) for key in ("memory", "memory_init") if row.get(key)}}
+                                    **{reading: _longest(row[reading]) for reading in ("memory", "memory_init")
+                                       if row.get(reading)}}
     rows = []
     for group in groups.values():
         a = group["record"]["args"]
         rows.append({"model": a["model"], "length": a["length"], "pairs": a["pairs"], "width": a["width"],
                      "lr": a["optimizer"]["lr"], "steps": a["steps"],
-                     "setting": {k: v for k, v in _flat(a).items() if k not in ("seed", "model", "length", "pairs",
-                                                                                  "width")},
+                     "setting": {k: v for k, v in group["setting"].items()
+                                 if k not in ("model", "length", "pairs", "width")},
                      "seeds": {seed: group["seeds"][seed] for seed in sorted(group["seeds"])}})
     return sorted(rows, key=lambda r: (r["length"], r["pairs"], r["width"], r["model"], -r["lr"], r["steps"]))
 
 
 def _value(value) -> str:
     return f"{value:g}" if isinstance(value, float) else f"{value:,}" if isinstance(value, int) else str(value)
-
-
-def _percent(x: float) -> str:
-    return f"{100 * x:.1f}%"
 
 
 def render(rows: list[dict], meta: dict) -> str:
@@ -120,7 +115,7 @@ def render(rows: list[dict], meta: dict) -> str:
             for s in seeds:
                 got = r["seeds"].get(s)
                 began = "never" if got is None or got["began"] is None else f"{got['began']:,}"
-                cells.append("" if got is None else f"{_percent(got['accuracy'])} ({began})")
+                cells.append("" if got is None else f"{got['accuracy']:.1%} ({began})")
             accuracies = [got["accuracy"] for got in r["seeds"].values()]
             spread = f" ± {100 * statistics.stdev(accuracies):.1f}" if len(accuracies) > 1 else " (1 seed)"
             learnt = sum(a >= LEARNT for a in accuracies)
@@ -152,7 +147,7 @@ def render_memory(rows: list[dict]) -> list[str]:
         cells = ["-" if after is None else (f"{before:.2f} -> " if before is not None else "") + f"{after:.2f}"
                  for before, after in zip(start, got["memory"])]
         out.append(f"| {r['length']:,} | {r['pairs']} | {r['width']} | {LABELS.get(r['model'], r['model'])} | "
-                   f"{r['lr']:g} | {s} | {_percent(got['accuracy'])} | " + " | ".join(cells) + " |")
+                   f"{r['lr']:g} | {s} | {got['accuracy']:.1%} | " + " | ".join(cells) + " |")
     return out + [""]
 
 
