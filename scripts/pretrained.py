@@ -13,6 +13,8 @@ majority class (or trivial baseline) and its spread over seeds (docs/pretrained.
     python scripts/pretrained.py --report_only          # the table from the stages finished so far
     python scripts/pretrained.py --preset qa --results_dir results/pretrained/qa   # cloze QA / next sentence;
                                                         # a fresh clone goes on from results/pretrained/qa/records.json
+    python scripts/pretrained.py --combine results/pretrained/cpu results/pretrained/cpu-sst2-seed2 \
+        --results_dir results/pretrained/cpu-seeds   # the seeds of several folders, joined per task
 
 Rerunning the same command reuses every finished stage (same arguments and inputs) and goes on with the rest.
 """
@@ -25,14 +27,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]  # the checkout: presets' paths are relative to it
 sys.path.insert(0, str(ROOT))  # experiments/ lives beside scripts/, outside the installed package
 
-from experiments.pretrained import TASK_ORDER, load_preset, plot, run  # noqa: E402
+from experiments.pretrained import TASK_ORDER, load_preset, plot, run, seeds  # noqa: E402
 from experiments.pretrained.reproduction_api import find_preset  # noqa: E402
 from hf_linear_attn.training.errors import UsageError  # noqa: E402
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="cpu", help="a preset of configs/pretrained/ or a JSON file")
+    parser.add_argument("--preset", help="a preset of configs/pretrained/ or a JSON file (default: cpu; with "
+                                         "--combine, the one the folders name)")
     parser.add_argument("--output_dir", help="default: the preset's (outputs/pretrained/NAME)")
     parser.add_argument("--results_dir", help="also write results.md / results.json here (the committed copy, e.g. "
                                               "results/pretrained/cpu), with records.json: the finished "
@@ -45,12 +48,22 @@ def main(argv=None):
     parser.add_argument("--max_stages", type=int, help="run at most N new stages, then write the table and stop")
     parser.add_argument("--dry_run", action="store_true", help="print the stages' commands and stop")
     parser.add_argument("--report_only", action="store_true", help="run nothing: the table of finished stages")
+    parser.add_argument("--combine", nargs="+", metavar="DIR",
+                        help="run nothing: join the seeds these results folders hold (one preset's) into one table "
+                             "per task, written into --results_dir (a folder of its own)")
     parser.add_argument("--plot_only", action="store_true",
                         help="run nothing: draw results.png from --results_dir's results.json (a table whose stages "
                              "have no records to rebuild it from)")
     args = parser.parse_args(argv)
     try:
-        preset = find_preset(args.preset, ROOT / "configs" / "pretrained")
+        if args.combine:
+            if not args.results_dir:
+                raise UsageError("--combine writes its table into --results_dir: name a folder of its own (e.g. "
+                                 "results/pretrained/cpu-seeds)")
+            print(seeds.run([Path(d) for d in args.combine], Path(args.results_dir), ROOT,
+                            sys.argv[1:] if argv is None else argv, args.preset))
+            return
+        preset = find_preset(args.preset or "cpu", ROOT / "configs" / "pretrained")
         if args.plot_only:
             if not args.results_dir or not (Path(args.results_dir) / "results.json").is_file():
                 raise UsageError("--plot_only draws from an existing results.json: pass --results_dir FOLDER, a "

@@ -306,6 +306,30 @@ def test_auto_precision_takes_the_bf16_path_exactly_where_bf16_is_native_and_pay
                                                                                          **kw)[0])
 
 
+def test_native_bf16_on_a_cpu_is_what_its_instruction_sets_say_not_onednns_emulation(monkeypatch):
+    """"auto" precision takes the bf16 path only where the CPU multiplies bf16 natively (AVX512-BF16 / AMX). oneDNN says
+    yes to bf16 on any AVX-512 CPU, which emulates it: on an Intel Xeon with AVX-512 alone the bf16 path ran 4x slower
+    than float32, and native_bf16 said yes there. The independent reference: /proc/cpuinfo's flags, as the training
+    precision reads them."""
+    import hf_linear_attn.linear_attention as la
+    from hf_linear_attn.training.accelerator import CPUINFO, cpu_has_native_bf16
+
+    la.native_bf16.cache_clear()
+    try:
+        if CPUINFO.is_file():
+            assert la.native_bf16("cpu") == cpu_has_native_bf16()
+        # an AVX-512 CPU without bf16 products, as the Xeon above: oneDNN's yes is not enough
+        monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
+        for avx512_bf16, amx, native in ((False, False, False), (True, False, True), (False, True, True)):
+            monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=avx512_bf16: v)
+            monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda v=amx: v)
+            la.native_bf16.cache_clear()
+            assert la.native_bf16("cpu") is native
+    finally:
+        monkeypatch.undo()
+        la.native_bf16.cache_clear()  # the machine's own answer again for the tests after this one
+
+
 def test_auto_precision_and_form_follow_the_device_and_the_table():
     from hf_linear_attn.linear_attention import CAUSAL_FORM_TABLE, choose_causal_form, native_bf16
 

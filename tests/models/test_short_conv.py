@@ -249,7 +249,9 @@ def test_a_softmax_layers_crop_rolls_keys_values_and_buffer_back_after_a_committ
     for layer, reference in zip(cache.layers, fresh.layers):
         assert layer.get_seq_length() == 9
         for got, want in zip(layer.state, reference.state, strict=True):
-            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+            # float32 keys from one-token steps against one 9-token forward: the matmuls block differently, so
+            # they round differently (1.6e-6 apart on an AVX-512 Xeon, 2026-12-07); a wrong rollback is O(1) off
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     logits = model(other, past_key_values=cache).logits
     torch.testing.assert_close(logits[:, -1], model(torch.cat([ids[:, :9], other], 1)).logits[:, -1],
                                atol=1e-5, rtol=1e-5)
