@@ -303,9 +303,8 @@ def native_bf16(device_type: str) -> bool:
     product against 0.06 s in float32, so the bf16 compute path would be thousands of times slower there. oneDNN's
     own answer (`_is_mkldnn_bf16_supported`) is not enough: it is yes on any AVX-512 CPU, where it emulates bf16
     products with float32 instructions. On an Intel Xeon with AVX-512 but neither AVX512-BF16 nor AMX (2026-12-07)
-    a 512 x 512 bf16 matmul ran at 30 GFLOP/s against 130 in float32 (one thread): the bf16 path would be 4x slower,
-    not faster, so the instruction sets themselves are asked too (torch's own CPU query, the flags /proc/cpuinfo
-    shows).
+    bf16 matmuls ran about 5x slower than float32 (docs/benchmarks.md), so the instruction sets themselves are asked
+    too (torch's own CPU query, the flags /proc/cpuinfo shows).
     """
     if device_type == "cpu":
         return _cpu_computes_bf16()

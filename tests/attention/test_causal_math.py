@@ -308,8 +308,8 @@ def test_auto_precision_takes_the_bf16_path_exactly_where_bf16_is_native_and_pay
 
 def test_native_bf16_on_a_cpu_is_what_its_instruction_sets_say_not_onednns_emulation(monkeypatch):
     """"auto" precision takes the bf16 path only where the CPU multiplies bf16 natively (AVX512-BF16 / AMX). oneDNN says
-    yes to bf16 on any AVX-512 CPU, which emulates it: on an Intel Xeon with AVX-512 alone the bf16 path ran 4x slower
-    than float32, and native_bf16 said yes there. The independent reference: /proc/cpuinfo's flags, as the training
+    yes to bf16 on any AVX-512 CPU, which emulates it: on an Intel Xeon with AVX-512 alone bf16 matmuls ran about 5x
+    slower than float32, and native_bf16 said yes there. The independent reference: /proc/cpuinfo's flags, as the training
     precision reads them."""
     import hf_linear_attn.linear_attention as la
     from hf_linear_attn.training.accelerator import CPUINFO, cpu_has_native_bf16
