@@ -2,6 +2,7 @@
 and what can be checked of them before any data is read or anything written."""
 
 import math
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -123,6 +124,13 @@ def check_arguments(args: FinetuneArguments, training: TrainingArguments) -> Non
     if training.fp16 and not torch.cuda.is_available():
         raise UsageError("--fp16 needs a GPU: on a CPU pass --bf16 (native on CPUs with AVX512-BF16 / AMX) or "
                          "leave it out")
+    if training.bf16 and not torch.cuda.is_available():
+        from .accelerator import cpu_has_native_bf16  # reads /proc/cpuinfo, as --mixed_precision auto does
+
+        if not cpu_has_native_bf16():  # not an error: bf16 numerics are what was asked for, only slowly
+            warnings.warn("--bf16 on a CPU without AVX512-BF16 or AMX: its bf16 products are emulated, about 5x "
+                          "slower than float32 on an AVX-512 CPU and far slower on an AVX2-only one "
+                          "(docs/benchmarks.md); leave --bf16 out to fine-tune in float32", stacklevel=2)
     if not 0.0 <= args.head_fraction <= 1.0:
         raise UsageError(f"--head_fraction must be between 0 and 1 (got {args.head_fraction}): the share of a long "
                             "text's tokens kept from its start")
