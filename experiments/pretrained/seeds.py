@@ -132,6 +132,8 @@ def render_markdown(models: dict, sources: list[dict], meta: dict, baseline: str
                 _, delta, noise = _average_and_noise({"tasks": {task: cell}}, {"tasks": {task: base}}, [task])
                 versus = f"{delta:+.2f} pt " + (f"(± {noise:.2f}: {'beyond' if abs(delta) > noise else 'within'})"
                                                 if noise is not None else "(noise unknown: one seed)")
+                if set(cell["seeds"]) != set(base["seeds"]):  # each mean over its own seeds: the paired gap is fairer
+                    versus += "; other seeds than the baseline's"
                 gap, sd, shared = paired_gap(cell, base)
                 if gap is not None:
                     paired = (f"{gap:+.2f}" + (f" ± {sd:.2f}" if sd is not None else "")
@@ -142,7 +144,8 @@ def render_markdown(models: dict, sources: list[dict], meta: dict, baseline: str
     lines += ["± is the standard deviation over seeds. Seed noise is twice the standard error of the difference of "
               "the two means, from their spreads (the preset's own tables use the same): a difference inside it is "
               "not a finding. The paired gap is the model's score minus the baseline's at each seed both ran, its "
-              "mean ± standard deviation.", "", "## Where the seeds ran", "",
+              "mean ± standard deviation: where the two ran other seeds, the difference of means also holds those "
+              "seeds' own luck, and the paired gap is the fairer figure.", "", "## Where the seeds ran", "",
               "| folder | machine | instruction sets | what it adds | its command |", "|---|---|---|---|---|"]
     for source in sources:
         added = _seed_list(source["added"]) or "nothing new"
