@@ -158,10 +158,14 @@ def run(folders: list[Path], output_dir: Path, argv: list[str]) -> dict:
     rows = combine(folders)
     runs = [got for r in rows for got in r["seeds"].values()]
     # the machines the stages ran on (each record keeps its own), not the one combining them
+    # grouped by machine, so that each one's instruction sets and matmul peaks stand beside its name
+    by_machine = {}
+    for got in runs:
+        by_machine.setdefault(got.get("machine"), []).append(got)
+    machines = ["; ".join([stage_machines(dict(enumerate(group)), describe_machine()), *hardware_of_records(group)])
+                for group in by_machine.values()]
     meta = {"command": "python scripts/recall.py " + shlex.join(argv), "folders": [str(f) for f in folders],
-            "machine": "; ".join([stage_machines(dict(enumerate(runs)), describe_machine()),
-                                  *hardware_of_records(runs)]),
-            "date": time.strftime("%Y-%m-%d")}
+            "machine": "; and on ".join(machines), "date": time.strftime("%Y-%m-%d")}
     output_dir = Path(output_dir)
     # each seed's hardware is in the machine line (and its folder's records), not repeated per row
     compact = [{**r, "seeds": {s: {k: v for k, v in got.items() if k != "hardware"} for s, got in r["seeds"].items()}}

@@ -33,6 +33,10 @@ def test_seeds_of_one_preset_combine_into_one_row_per_setting_with_each_seeds_ow
     records = json.loads((folders[1] / "records.json").read_text())
     learnt = records[key]["metrics"]
     learnt["eval_accuracy"], learnt["loss_curve"] = 0.95, [[2, 3.1], [4, 0.5], [6, 0.2]]
+    # and run on another machine: the report names each machine with its own instruction sets
+    records[key]["machine"] = "Another CPU, 2 cores"
+    records[key]["hardware"] = {"instruction_sets": ["avx2", "avx512f"],
+                                "matmul_peak_gflops": {"float32": 150.0, "bfloat16": 30.0}}
     (folders[1] / "records.json").write_text(json.dumps(records))
     stage_file(folders[1], key).write_text(json.dumps(records[key]))  # the stage's own file, which load_records reads
 
@@ -60,7 +64,9 @@ def test_seeds_of_one_preset_combine_into_one_row_per_setting_with_each_seeds_ow
     # what the cell's settings differ in gets a column
     assert "| model | optimizer.lr | seed 0 | seed 1 | seed 2 | mean ± sd | lookup began | learnt |" in report
     assert "| linear_gpt2 (elu+1) | 0.01 |" in report and "(1 seed) | 0 of 1 | 0 of 1 |" in report
-    assert report.split("Machine: ")[1].startswith(describe_machine())  # the machine the stages ran on
+    machines = report.split("Machine: ")[1].splitlines()[0]
+    assert machines.startswith(describe_machine())  # the machine the stages ran on
+    assert "; and on Another CPU, 2 cores; instruction sets avx2 avx512f; matmul peak 150.0 GFLOP/s float32" in machines
 
     # the gated rule's states: per layer, the longest-keeping head's share of a write, at the start -> trained
     gated = [line for line in report.splitlines() if line.startswith("| 32 | 2 | 32 | linear_gpt2, gated delta")]
