@@ -22,6 +22,21 @@ from .preset import (
     TASK_TITLES, ReproductionError, _flags, _merged_config, _read_json, finetune_seeds, project_root, resolve, slug,
 )
 
+def recorded_project(record: dict) -> str | None:
+    """The root of the checkout a stage record was written in: its "project", or for a record written before that
+    was kept, the folder above the scripts/ folder its command ran. Without it a record's paths inside that checkout
+    (the checkpoint installed in its .venv) matched only a checkout at the same path, so a run from a clone elsewhere
+    (a git worktree, CI's clone) took none of the committed records and could not rewrite their table."""
+    if record.get("project"):
+        return record["project"]
+    try:
+        words = shlex.split(record.get("command", ""))
+    except ValueError:
+        return None
+    scripts = [Path(word) for word in words if word.endswith(".py") and Path(word).parent.name == "scripts"]
+    return str(scripts[0].parent.parent) if scripts and scripts[0].is_absolute() else None
+
+
 @dataclass
 class Stage:
     """One subprocess of the reproduction: `script` with `argv`, finished when `folder / marker` exists. `root` is
@@ -49,11 +64,19 @@ class Stage:
     def pending_path(self) -> Path:
         return self.log_file(".pending.json")
 
-    def portable(self, argv: list[str], root: str | None = None) -> list[str]:
+    def portable(self, argv: list[str], root: str | None = None, project: str | None = None) -> list[str]:
         """argv with the run's output folder written as $OUTPUT_DIR, then the project root as $PROJECT (an installed
-        checkpoint inside the project's .venv, say): a moved results folder or checkout is still reused."""
+        checkpoint inside the project's .venv, say): a moved results folder or checkout is still reused. `project`:
+        the root of the checkout a record was written in, where it is not this one's (`recorded_project`)."""
         root = str(root or self.root)
-        return [arg.replace(root, "$OUTPUT_DIR").replace(str(self.project), "$PROJECT") for arg in argv]
+        projects = [str(self.project)] + ([str(project)] if project and str(project) != str(self.project) else [])
+        portable = []
+        for arg in argv:
+            arg = arg.replace(root, "$OUTPUT_DIR")
+            for folder in projects:
+                arg = arg.replace(folder, "$PROJECT")
+            portable.append(arg)
+        return portable
 
     def inputs(self, known: dict[str, str] | None = None) -> dict[str, str]:
         """A digest of every file the arguments name, keyed by the portable argument: config files, and the
@@ -82,7 +105,8 @@ class Stage:
         record = records.get(self.key)
         if record is None or "result" not in record:
             return None
-        if self.portable(record.get("argv", []), record.get("output_dir")) != self.portable(self.argv):
+        recorded = self.portable(record.get("argv", []), record.get("output_dir"), recorded_project(record))
+        if recorded != self.portable(self.argv):
             return None
         return record if record.get("inputs") == self.inputs(known) else None
 
@@ -93,7 +117,8 @@ class Stage:
         if not self.record_path.is_file():
             self.adopt()
         record = _read_json(self.record_path, "the stage record")
-        if self.portable(record.get("argv", []), record.get("output_dir")) != self.portable(self.argv):
+        if (self.portable(record.get("argv", []), record.get("output_dir"), recorded_project(record))
+                != self.portable(self.argv)):
             raise ReproductionError(
                 f"{self.folder} holds a finished run with other arguments than this preset's stage '{self.name}' "
                 f"(recorded: {shlex.join(record.get('argv', ['<none>']))}; now: {shlex.join(self.argv)}); remove "
@@ -113,7 +138,8 @@ class Stage:
         stopped between the two, or the script failed after writing it), from the record kept when it was launched.
         Without one nothing says what arguments made the result: an error."""
         pending = _read_json(self.pending_path, "the launch record") if self.pending_path.is_file() else None
-        if pending is None or self.portable(pending["argv"], pending["output_dir"]) != self.portable(self.argv):
+        if pending is None or (self.portable(pending["argv"], pending["output_dir"], recorded_project(pending))
+                               != self.portable(self.argv)):
             raise ReproductionError(
                 f"{self.folder} holds a result ({self.marker}) but no record of the stage that wrote it (stage.json), "
                 f"and no launch record of stage '{self.name}' with these arguments; remove the folder to rerun the "
@@ -288,8 +314,9 @@ def run_stage(stage: Stage, launcher: list[str]) -> tuple[dict, bool]:
     # seconds of earlier, interrupted attempts that this one resumes count towards the stage's wall time
     spent_file = stage.log_file(".seconds")
     earlier = float(spent_file.read_text()) if resumed and spent_file.is_file() else 0.0
-    record = {"argv": stage.argv, "inputs": inputs, "output_dir": str(stage.root), "resumed": resumed,
-              "command": shlex.join(command), "machine": describe_machine(), "hardware": describe_hardware()}
+    record = {"argv": stage.argv, "inputs": inputs, "output_dir": str(stage.root), "project": str(stage.project),
+              "resumed": resumed, "command": shlex.join(command), "machine": describe_machine(),
+              "hardware": describe_hardware()}
     _write_json(stage.pending_path, record)  # what a result found here without stage.json was made with
     started = time.perf_counter()
     try:

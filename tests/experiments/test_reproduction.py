@@ -287,6 +287,39 @@ def test_a_result_the_run_did_not_record_is_adopted_from_its_launch_record_or_re
     assert stage.finished() == record  # from stage.json now
 
 
+@pytest.mark.parametrize("kept", ["project", "command only"])
+def test_a_record_written_in_a_checkout_elsewhere_is_taken_by_a_clone_at_another_path(tmp_path, kept):
+    """A stage's arguments name paths inside the checkout (the checkpoint installed in its .venv): a record written in
+    /work/main must be taken by a clone at another path (a worktree, CI's clone), or a slice run there takes none of
+    the committed records and refuses to rewrite their table. Records written before they kept their checkout are
+    read by the scripts/ folder their command ran."""
+    checkouts = {}
+    for name in ("main", "clone"):
+        project = tmp_path / name
+        model = project / ".venv" / "site-packages" / "minilm" / "model"
+        model.mkdir(parents=True)
+        (model / "model.safetensors").write_bytes(b"the same weights in both")
+        out = project / "outputs" / "run"
+        folder = out / "finetune" / "a" / "sst2-seed42"
+        argv = ["--model_name_or_path", str(model), "--output_dir", str(folder), "--seed", "42"]
+        checkouts[name] = Stage("fine-tune A on SST-2 (seed 42)", "scripts/finetune.py", folder, argv,
+                                "eval_results.json", out, project)
+    written = checkouts["main"]
+    record = {"argv": written.argv, "inputs": written.inputs(), "output_dir": str(written.root),
+              "command": f"python {written.project / 'scripts' / 'finetune.py'} --seed 42",
+              "result": {"eval_accuracy": 0.8}}
+    if kept == "project":
+        record["project"] = str(written.project)
+    clone = checkouts["clone"]
+    assert clone.key == written.key  # the records file's name for the stage is the same in both
+    assert clone.recorded({written.key: record}, {}) == record
+    # what differs is still told apart: other weights, or another seed
+    (clone.project / ".venv" / "site-packages" / "minilm" / "model" / "model.safetensors").write_bytes(b"others")
+    assert clone.recorded({written.key: record}, {}) is None
+    other = {**record, "argv": [*written.argv[:-1], "43"]}
+    assert written.recorded({written.key: other}, {}) is None
+
+
 @pytest.mark.parametrize("left, flags", [([], []), (["trainer_state.json"], ["--overwrite_output_dir"]),
                                           (["checkpoint-50/", "checkpoint-100/"], ["--resume_from_checkpoint", "True"])])
 def test_an_interrupted_fine_tune_goes_on_from_its_newest_checkpoint_or_starts_again(tmp_path, left, flags):
