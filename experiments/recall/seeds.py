@@ -157,8 +157,8 @@ def run(folders: list[Path], output_dir: Path, argv: list[str]) -> dict:
 
     rows = combine(folders)
     runs = [got for r in rows for got in r["seeds"].values()]
-    # the machines the stages ran on (each record keeps its own), not the one combining them
-    # grouped by machine, so that each one's instruction sets and matmul peaks stand beside its name
+    # the machines the stages ran on (each record keeps its own), not the one combining them; one group per machine,
+    # so that each one's instruction sets and matmul peaks stand beside its name
     by_machine = {}
     for got in runs:
         by_machine.setdefault(got.get("machine"), []).append(got)
