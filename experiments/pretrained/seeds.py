@@ -57,16 +57,16 @@ def combine(folders: list[Path]) -> tuple[dict, list[dict], dict]:
                 if cell.get("metric") == "f1":
                     raise UsageError(f"{folder}: {name} on {task} is scored by F1 with an exact match: --combine "
                                      "joins the classification tasks' accuracies only")
-                joined = models.setdefault(name, {"tasks": {}}).setdefault("tasks", {}).setdefault(
+                joined = models.setdefault(name, {"tasks": {}})["tasks"].setdefault(
                     task, {"scores": [], "seeds": [], "folders": []})
                 for seed, score in zip(cell["seeds"], cell["scores"]):
                     if seed in joined["seeds"]:
-                        earlier = joined["scores"][joined["seeds"].index(seed)]
-                        if abs(earlier - score) > SAME:
+                        at = joined["seeds"].index(seed)
+                        if abs(joined["scores"][at] - score) > SAME:
                             raise UsageError(
-                                f"{name} on {TASK_TITLES.get(task, task)} at seed {seed}: {earlier:.2f} in "
-                                f"{joined['folders'][joined['seeds'].index(seed)]}, {score:.2f} in {folder}. One seed "
-                                "has one score: leave out one of the folders (or rerun the seed in one place)")
+                                f"{name} on {TASK_TITLES.get(task, task)} at seed {seed}: {joined['scores'][at]:.2f} "
+                                f"in {joined['folders'][at]}, {score:.2f} in {folder}. One seed has one score: leave "
+                                "out one of the folders (or rerun the seed in one place)")
                         # the same score again: the seed rerun elsewhere (a check that the machines agree), or a
                         # stage a folder reused; it counts once, and the sources table says where it agreed
                         again.setdefault(name, {}).setdefault(task, []).append(seed)

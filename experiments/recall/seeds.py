@@ -13,7 +13,7 @@ import statistics
 import time
 from pathlib import Path
 
-from experiments.long_range.stages import load_records, stage_machines, write_atomic
+from experiments.long_range.stages import load_records, write_atomic
 from hf_linear_attn.training.errors import UsageError
 
 from .models import LABELS
@@ -162,8 +162,8 @@ def run(folders: list[Path], output_dir: Path, argv: list[str]) -> dict:
     by_machine = {}
     for got in runs:
         by_machine.setdefault(got.get("machine"), []).append(got)
-    machines = ["; ".join([stage_machines(dict(enumerate(group)), describe_machine()), *hardware_of_records(group)])
-                for group in by_machine.values()]
+    machines = ["; ".join([machine or describe_machine(), *hardware_of_records(group)])
+                for machine, group in by_machine.items()]
     meta = {"command": "python scripts/recall.py " + shlex.join(argv), "folders": [str(f) for f in folders],
             "machine": "; and on ".join(machines), "date": time.strftime("%Y-%m-%d")}
     output_dir = Path(output_dir)

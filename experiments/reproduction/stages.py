@@ -22,6 +22,7 @@ from .preset import (
     TASK_TITLES, ReproductionError, _flags, _merged_config, _read_json, finetune_seeds, project_root, resolve, slug,
 )
 
+
 def recorded_project(record: dict) -> str | None:
     """The root of the checkout a stage record was written in: its "project", or for a record written before that
     was kept, the folder above the scripts/ folder its command ran. Without it a record's paths inside that checkout
@@ -78,6 +79,12 @@ class Stage:
             portable.append(arg)
         return portable
 
+    def ran_with_these_arguments(self, record: dict) -> bool:
+        """Whether a stage record (or launch record) was written for this stage's arguments, wherever its output
+        folder and checkout were."""
+        recorded = self.portable(record.get("argv", []), record.get("output_dir"), recorded_project(record))
+        return recorded == self.portable(self.argv)
+
     def inputs(self, known: dict[str, str] | None = None) -> dict[str, str]:
         """A digest of every file the arguments name, keyed by the portable argument: config files, and the
         weights and tokenizer of a model / tokenizer folder. A config edited in place or an upstream model trained
@@ -105,8 +112,7 @@ class Stage:
         record = records.get(self.key)
         if record is None or "result" not in record:
             return None
-        recorded = self.portable(record.get("argv", []), record.get("output_dir"), recorded_project(record))
-        if recorded != self.portable(self.argv):
+        if not self.ran_with_these_arguments(record):
             return None
         return record if record.get("inputs") == self.inputs(known) else None
 
@@ -117,8 +123,7 @@ class Stage:
         if not self.record_path.is_file():
             self.adopt()
         record = _read_json(self.record_path, "the stage record")
-        if (self.portable(record.get("argv", []), record.get("output_dir"), recorded_project(record))
-                != self.portable(self.argv)):
+        if not self.ran_with_these_arguments(record):
             raise ReproductionError(
                 f"{self.folder} holds a finished run with other arguments than this preset's stage '{self.name}' "
                 f"(recorded: {shlex.join(record.get('argv', ['<none>']))}; now: {shlex.join(self.argv)}); remove "
@@ -138,8 +143,7 @@ class Stage:
         stopped between the two, or the script failed after writing it), from the record kept when it was launched.
         Without one nothing says what arguments made the result: an error."""
         pending = _read_json(self.pending_path, "the launch record") if self.pending_path.is_file() else None
-        if pending is None or (self.portable(pending["argv"], pending["output_dir"], recorded_project(pending))
-                               != self.portable(self.argv)):
+        if pending is None or not self.ran_with_these_arguments(pending):
             raise ReproductionError(
                 f"{self.folder} holds a result ({self.marker}) but no record of the stage that wrote it (stage.json), "
                 f"and no launch record of stage '{self.name}' with these arguments; remove the folder to rerun the "
