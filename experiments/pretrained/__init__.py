@@ -391,7 +391,7 @@ def render_markdown(preset_name: str, preset: dict, results: dict, meta: dict) -
         f"# A real pretrained encoder and its conversions: preset `{preset_name}`", "",
         preset.get("description", ""), "",
         f"Command: `{meta['command']}`  ",
-        f"Machine: {describe_machines(meta)}; {meta.get('cpu_features', 'unknown')}; {_finetune_recipe(preset)}  ",
+        f"Machine: {_machines_text(meta)}; {_finetune_recipe(preset)}  ",
         f"Cores: {_load_note(meta.get('loads', {}))}  ",
         f"Source checkpoint: {meta['source']}  ",
         f"Seeds (fine-tuning): {', '.join(map(str, meta['seeds']))}  ",
@@ -526,6 +526,29 @@ def plot(preset: dict, results: dict, meta: dict, path: Path) -> bool:
     return True
 
 
+def machines_of(records: dict) -> list[str]:
+    """One text per machine the recorded stages ran on: its name, and the instruction sets and matmul peaks its own
+    records hold ("instruction sets not recorded" for stages recorded before they were)."""
+    from benchmarks.measuring import hardware_of_records
+
+    by_machine = {}
+    for record in records.values():
+        if record.get("machine"):
+            by_machine.setdefault(record["machine"], []).append(record)
+    return [f"{machine} ({'; '.join(hardware_of_records(group)) or 'instruction sets not recorded'})"
+            for machine, group in sorted(by_machine.items())]
+
+
+def _machines_text(meta: dict) -> str:
+    """The report's machine line: each machine the stages ran on beside its own instruction sets; a report written
+    before the records were grouped so (no "machines") says what it said: the machines, then the sets of the machine
+    that wrote it."""
+    machines = meta.get("machines")
+    if not machines:
+        return f"{describe_machines(meta)}; {meta.get('cpu_features', 'unknown')}"
+    return ("the stages ran on " if len(machines) > 1 else "") + "; and on ".join(machines)
+
+
 def cpu_features() -> str:
     """The instruction-set extensions that decide CPU speed here (bf16 / AMX / AVX-512 / AVX2), from /proc/cpuinfo."""
     try:
@@ -601,6 +624,7 @@ def run(preset_path: Path, root: Path, output_dir=None, seeds=None, tasks=None, 
         results = collect(preset, whole, records)
         meta = {"preset": preset_name, "command": command, "machine": describe_machine(),
                 "stage_machines": sorted({r["machine"] for r in records.values() if r.get("machine")}),
+                "machines": machines_of(records),
                 "source": str(preset["source"].get("package", source)), "seeds": seeds_used, "majority": majority,
                 "seconds": sum(r.get("seconds", 0.0) for r in records.values()), "stages": len(whole),
                 "stages_done": len(records), "failed": failed, "cpu_features": cpu_features(),

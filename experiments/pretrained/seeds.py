@@ -16,7 +16,7 @@ from pathlib import Path
 
 from hf_linear_attn.training.errors import UsageError
 
-from . import TASK_ORDER, _average_and_noise, load_preset, plot
+from . import TASK_ORDER, _average_and_noise, load_preset, machines_of, plot
 from .reproduction_api import TASK_TITLES, find_preset
 
 SAME = 1e-9  # two folders' scores for one seed agree when they differ by less (the runs write them identically)
@@ -75,8 +75,11 @@ def combine(folders: list[Path]) -> tuple[dict, list[dict], dict]:
                     joined["seeds"].append(seed)
                     joined["folders"].append(str(folder))
                     added.setdefault(name, {}).setdefault(task, []).append(seed)
+        records = Path(folder) / "records.json"  # each machine beside its own instruction sets, where recorded
+        machines = meta.get("machines") or (machines_of(json.loads(records.read_text())["stages"])
+                                            if records.is_file() else [])
         sources.append({"folder": str(folder), "machine": meta.get("machine", "unknown"),
-                        "stage_machines": meta.get("stage_machines", []),
+                        "stage_machines": meta.get("stage_machines", []), "machines": machines,
                         "cpu_features": meta.get("cpu_features", "unknown"), "command": meta.get("command", ""),
                         "written": meta.get("written", ""), "added": added, "again": again})
     for entry in models.values():
@@ -146,14 +149,17 @@ def render_markdown(models: dict, sources: list[dict], meta: dict, baseline: str
               "not a finding. The paired gap is the model's score minus the baseline's at each seed both ran, its "
               "mean ± standard deviation: where the two ran other seeds, the difference of means also holds those "
               "seeds' own luck, and the paired gap is the fairer figure.", "", "## Where the seeds ran", "",
-              "| folder | machine | instruction sets | what it adds | its command |", "|---|---|---|---|---|"]
+              "| folder | machine (its instruction sets) | what it adds | its command |", "|---|---|---|---|"]
     for source in sources:
         added = _seed_list(source["added"]) or "nothing new"
         if source["again"]:
             added += "; the same score again for " + _seed_list(source["again"])
-        machines = "; ".join(source["stage_machines"]) if source["stage_machines"] else source["machine"]
-        lines.append(f"| {source['folder']} | {machines} | {source['cpu_features']} | {added} | "
-                     f"`{source['command']}` |")
+        if source["machines"]:  # from the stages' own records
+            machines = "; and ".join(source["machines"])
+        else:  # a folder without records: its report's machines, and the sets of the machine that wrote it
+            machines = (f"{'; '.join(source['stage_machines']) or source['machine']} ({source['cpu_features']}, "
+                        "the sets of the machine that wrote its report)")
+        lines.append(f"| {source['folder']} | {machines} | {added} | `{source['command']}` |")
     lines += ["", "Plot: results.png (each model's mean score per task, one standard deviation over seeds, every "
               "seed's score as a dot, the majority class dashed)."]
     return "\n".join(lines)

@@ -332,7 +332,8 @@ def test_a_slice_run_adds_its_scores_to_the_whole_presets_table_instead_of_repla
     table = (tmp_path / "committed" / "results.md").read_text()
     assert f"| {preset['baseline']} | 89.0 ± 1.4 (2 seeds) |" in table
     assert f"| {linformer} | 82.0 ± 2.8 (2 seeds) |" in table
-    assert "Machine: a test machine, 64 cores;" in table  # the stages' machine (their records'), not the report's
+    # the stages' machine (their records'), not the report's, and no instruction sets but its records' own
+    assert "Machine: a test machine, 64 cores (instruction sets not recorded);" in table
     # a report from an output folder without those stages (another --output_dir) leaves the committed table alone
     pretrained.run(tmp_path / "p.json", REPO_ROOT, output_dir=tmp_path / "elsewhere",
                    results_dir=tmp_path / "committed", report_only=True, argv=[])

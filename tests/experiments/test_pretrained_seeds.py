@@ -30,9 +30,10 @@ def two_model_preset(tmp_path) -> dict:
     return preset
 
 
-def run_seeds(tmp_path, monkeypatch, folder, seeds, accuracy, machine):
+def run_seeds(tmp_path, monkeypatch, folder, seeds, accuracy, machine, hardware=None):
     """The preset's stages at `seeds` into `folder` (its results folder), each fine-tune scoring `accuracy[model,
-    seed]`: the real runner and report, the stage's subprocess replaced by what a finished stage leaves."""
+    seed]`: the real runner and report, the stage's subprocess replaced by what a finished stage leaves (recorded on
+    `machine`, with `hardware` where given)."""
 
     def fake_run_stage(stage, launcher):
         result = ({"new_parameters": 10, "copied_parameters": 100} if stage.info["kind"] == "convert"
@@ -40,7 +41,7 @@ def run_seeds(tmp_path, monkeypatch, folder, seeds, accuracy, machine):
         stage.folder.mkdir(parents=True, exist_ok=True)
         (stage.folder / stage.marker).write_text(json.dumps(result))
         record = {"argv": stage.argv, "output_dir": str(stage.root), "seconds": 1.0, "result": result,
-                  "machine": machine}
+                  "machine": machine, **({"hardware": hardware} if hardware else {})}
         stage.record_path.write_text(json.dumps(record))
         return record, False
 
@@ -59,7 +60,9 @@ def test_seeds_of_several_folders_join_per_task_with_the_mean_noise_and_paired_g
                 (LINFORMER, 42): 0.86, (LINFORMER, 1): 0.87, (LINFORMER, 2): 0.85}
     first = run_seeds(tmp_path, monkeypatch, "first", [42, 1], accuracy, "machine A, 2 cores")
     # seed 1 of MiniLM again on another machine (the same score), seeds 2 of both, and a MiniLM-only seed 3
-    second = run_seeds(tmp_path, monkeypatch, "second", [1, 2], accuracy, "machine B, 2 cores")
+    second = run_seeds(tmp_path, monkeypatch, "second", [1, 2], accuracy, "machine B, 2 cores",
+                       {"instruction_sets": ["avx2", "avx512_bf16"], "cores": 2, "torch": "2.13.0+cpu",
+                        "matmul_peak_gflops": {"float32": 100.0}})
     third = run_seeds(tmp_path, monkeypatch, "third", [3], {**accuracy, (LINFORMER, 3): 0.88}, "machine C")
     written = json.loads((third / "results.json").read_text())
     written["models"][LINFORMER]["tasks"].pop("sst2")  # as if only MiniLM ran there
@@ -93,7 +96,11 @@ def test_seeds_of_several_folders_join_per_task_with_the_mean_noise_and_paired_g
     assert "other seeds than the baseline's" in row  # MiniLM's mean holds seed 3, the Linformer's does not
     assert "majority class 50.9" in table  # SST-2's dev set, from the runs' own majority reading
     # where each seed came from, and the agreement on the seed two machines both ran
-    assert "| machine B, 2 cores |" in table and f"the same score again for {base}: SST-2 seed 1" in table
+    # each folder's machine beside its own instruction sets, from its stages' records
+    assert "| machine B, 2 cores (instruction sets avx2 avx512_bf16; matmul peak 100.0 GFLOP/s float32) |" in table
+    assert "| machine A, 2 cores (instruction sets not recorded) |" in table
+    assert "Machine: machine B, 2 cores (instruction sets avx2 avx512_bf16; " in (second / "results.md").read_text()
+    assert f"the same score again for {base}: SST-2 seed 1" in table
     assert (out / "results.png").is_file()
     # rewritten byte for byte
     subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT, timeout=300, check=True)
