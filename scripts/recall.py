@@ -15,6 +15,8 @@ the capacity probe: how many of MQAR's pairs one layer's state holds when nothin
     python scripts/recall.py --preset passkey-cpu --estimate      # a probe of a few steps: the preset's hours here
     python scripts/recall.py --preset capacity --output_dir results/recall/capacity   # the state alone, ~1 h
     python scripts/recall.py --preset based-n256 --output_dir results/recall/based-n256 --probe_saved  # saved models
+    python scripts/recall.py --preset delta-n64-lr3e-3 --models linear_gpt2_kda_long_conv --pairs 8 --trace_gates \
+        --output_dir results/recall/gate-traces    # a stage's training retraced, its gate read every 100 steps
 
 Presets are configs/recall/NAME.json (or a path); a preset with "task": "passkey" runs passkey retrieval, one with
 "task": "capacity" the capacity probe (--models then names its memories), any other MQAR. Rerunning the same command
@@ -29,7 +31,7 @@ from pathlib import Path
 import _checkout  # noqa: F401  (experiments/ is beside scripts/, outside the package)
 
 from experiments import find_preset
-from experiments.recall import capacity_runner, passkey_runner, preset_task, runner, seeds
+from experiments.recall import capacity_runner, gate_trace, passkey_runner, preset_task, runner, seeds
 from hf_linear_attn.training.errors import UsageError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -58,6 +60,17 @@ def main(argv=None):
     parser.add_argument("--probe_saved", action="store_true", help="MQAR presets: run nothing; read where each "
                         "saved model (<output_dir>/models/, this machine's) looks up and how long its states keep what "
                         "they hold, into probes.json and probes.md")
+    parser.add_argument("--trace_gates", action="store_true", help="MQAR presets: run no stage; retrace the training "
+                        "of each named model's stages (--models, a gated delta rule: Gated DeltaNet or KDA) step for "
+                        "step and read its gate every --trace_every steps, into <output_dir>/gate_traces/ and "
+                        "gate_traces.md")
+    parser.add_argument("--trace_steps", type=int, help="--trace_gates: only the first N steps of each stage "
+                        "(default all, and then the stage's score too)")
+    parser.add_argument("--trace_every", type=int, help="--trace_gates: read the gates every N steps (default the "
+                        "preset's log_every)")
+    parser.add_argument("--tie_gate_features", action="store_true", help="--trace_gates with KDA: replace its "
+                        "per-feature decays in the forward by their mean over each head's features (a probe: does the "
+                        "per-feature freedom let the decays fall?)")
     parser.add_argument("--estimate", action="store_true", help="passkey presets: time a few steps of each model "
                                                                 "and project the preset's hours on this machine")
     args = parser.parse_args(argv)
@@ -83,6 +96,22 @@ def main(argv=None):
                                  f"{task}")
             runner.probe_saved(preset, output_dir, args.models, log=lambda s: print(s, flush=True))
             print(f"wrote {output_dir}/probes.json, probes.md")
+            return
+        if (args.trace_steps or args.trace_every or args.tie_gate_features) and not args.trace_gates:
+            raise UsageError("--trace_steps, --trace_every and --tie_gate_features shape --trace_gates: add it")
+        if args.trace_gates:
+            if task != "mqar":
+                raise UsageError(f"--trace_gates retraces MQAR stages; this preset is {task}")
+            if not args.models:
+                raise UsageError("--trace_gates traces the models named with --models (Gated DeltaNet or KDA forms, "
+                                 "e.g. --models linear_gpt2_kda_long_conv): name them")
+            preset_dict = runner.load_preset(preset)
+            if args.seed is not None:
+                preset_dict = {**preset_dict, "seed": args.seed}
+            stages, _ = runner.plan(preset_dict, args.models, args.pairs, args.widths)
+            gate_trace.run(stages, output_dir, args.trace_steps, args.trace_every, args.tie_gate_features,
+                           sys.argv[1:] if argv is None else argv, log=lambda s: print(s, flush=True))
+            print(f"wrote {output_dir}/gate_traces.md, gate_traces/")
             return
         if args.device != "cpu" and task != "mqar":
             raise UsageError(f"--device applies to MQAR presets only: leave it out for this {task} preset")

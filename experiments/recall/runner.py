@@ -315,16 +315,20 @@ def render_memory(rows: list[dict]) -> list[str]:
     def table(key):
         lines = _layer_header(depth)
         for r in (r for r in rows if r.get(key)):
-            cells = ["-" if heads is None else " / ".join(f"{h['kept']:.2f} ({h['alpha']:.3f})" for h in heads)
-                     for heads in r[key]["layers"]]
+            cells = ["-" if heads is None else " / ".join(
+                f"{h['kept']:.2f} ({h['alpha']:.3f}" + (f"; {h['features_kept']:.0%}" if "features_kept" in h else "")
+                + ")" for h in heads) for heads in r[key]["layers"]]
             lines.append(_layer_row(r, cells, depth))
         return lines
 
     out = ["## How long each decaying state keeps what it holds", "",
            "Per layer and head of the trained model, on a fresh sequence: the share of the state a token's write keeps "
            "across the context's pairs (2 x pairs tokens, the product of the decays; median over positions), and the "
-           "mean decay per token in brackets; with one decay per feature, their geometric mean. A head that is to "
-           "answer the first query from the first pair must keep most of it. \"-\": a layer without a decay.", "",
+           "mean decay per token in brackets; with one decay per feature, their geometric mean, and after it (stages "
+           "recorded since 2026-12-07) the share of the head's features that keep at least half a write across the "
+           "pairs, each on its own: the geometric mean is ruled by the features that forget, so a head reading 0.00 "
+           "may still keep most of its features. A head that is to answer the first query from the first pair must "
+           "keep most of it. \"-\": a layer without a decay.", "",
            *table("memory"), ""]
     if any(r.get("memory_init") for r in rows):
         out += ["The same at the start, the model as its stage's seed built it, before any step (accuracy: the "
