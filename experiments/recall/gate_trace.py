@@ -13,7 +13,11 @@ At every `every` steps, for each gated layer:
 * ``pushed_to_close``: the share of the layer's decays (per head, or per head and feature) whose loss gradient,
   summed over the window's batches and tokens, is positive, so that a descent step lowers log alpha (forgets more);
   ``agreement`` (KDA's gate): per head, |sum over features| / sum of |.| of those gradients: 1 where every feature is
-  pushed the same way, near 0 where they disagree (which a per-head gate, their sum, cannot follow).
+  pushed the same way, near 0 where they disagree (which a per-head gate, their sum, cannot follow);
+  ``steadiness``: per decay, |its gradient summed over the window's steps| / the sum of the steps' sizes, averaged:
+  1 where every step pushes it the same way. Adam moves a weight about lr a step where its gradient's sign holds and
+  far less where it flips, so this, not the gradient's size, sets how fast a decay can move; for KDA also
+  ``head_steadiness``, the same of each head's sum over its features (what one decay per head would get).
 
 With ``tie_features`` KDA's per-feature decays are replaced in the forward by their mean over the head's features: a
 per-head gate with KDA's parameters (projection, biases, start) otherwise unchanged, the ablation that asks whether
@@ -45,7 +49,9 @@ def delta_gates(model) -> list:
 class GateReader:
     """Hooks on every delta-rule gate of a model: with `tie_features`, the forward's per-feature decays replaced by
     their mean over the head's features; and, while training, each gate's loss gradient on its log alpha summed over
-    batch and tokens ((H,) per head, (H, d_k) per feature), added up until `take()`."""
+    batch and tokens ((H,) per head, (H, d_k) per feature) at each backward, added up until `take()`: the sum, the
+    sum of its sizes, and for a per-feature gate the same of its sum over each head's features (what one decay per
+    head would get from the same gradients)."""
 
     def __init__(self, model, tie_features: bool = False):
         self.gates = delta_gates(model)
@@ -64,10 +70,15 @@ class GateReader:
             log_decay.register_hook(lambda grad: self._add(i, grad.detach().float().sum(dim=(0, 2))))
 
     def _add(self, i: int, grad: torch.Tensor) -> None:
-        self.sums[i] = grad if self.sums[i] is None else self.sums[i] + grad
+        parts = {"sum": grad, "size": grad.abs()}
+        if grad.dim() == 2:  # per feature: and the head's sum of them, as a per-head gate would see it
+            parts.update(head_sum=grad.sum(-1), head_size=grad.sum(-1).abs())
+        known = self.sums[i]
+        self.sums[i] = parts if known is None else {key: known[key] + value for key, value in parts.items()}
 
     def take(self) -> list:
-        """The gradient sums since the last take, per layer (None: no gate, or no backward yet); then zero them."""
+        """Per layer since the last take (None: no gate, or no backward yet), then zeroed: {"sum": the gradient's sum
+        over the backward passes, "size": the sum of its sizes; per feature also "head_sum", "head_size"}."""
         sums, self.sums = self.sums, [None] * len(self.gates)
         return sums
 
@@ -115,12 +126,22 @@ def read_decays(model, task: dict, batch_size: int, seed: int) -> list:
     return out
 
 
-def _pushes(gradient: torch.Tensor | None) -> dict | None:
-    if gradient is None:
+def _steadiness(total: torch.Tensor, size: torch.Tensor) -> float:
+    """|sum of a gradient over steps| / sum of its sizes, averaged over the decays: 1 where every step pushes a decay
+    the same way, near 0 where the steps' pushes cancel. Adam moves a weight about lr a step where its gradient's
+    sign holds, and much less where it flips, so this is what decides how fast a decay can move."""
+    return (total.abs() / size.clamp(min=1e-30)).mean().item()
+
+
+def _pushes(sums: dict | None) -> dict | None:
+    if sums is None:
         return None
-    push = {"pushed_to_close": (gradient > 0).float().mean().item()}
-    if gradient.dim() == 2:  # per feature: do a head's features agree?
+    gradient = sums["sum"]
+    push = {"pushed_to_close": (gradient > 0).float().mean().item(),
+            "steadiness": _steadiness(gradient, sums["size"])}
+    if gradient.dim() == 2:  # per feature: do a head's features agree, and how steady is their sum?
         push["agreement"] = (gradient.sum(-1).abs() / gradient.abs().sum(-1).clamp(min=1e-30)).tolist()
+        push["head_steadiness"] = _steadiness(sums["head_sum"], sums["head_size"])
     return push
 
 
@@ -212,8 +233,12 @@ def render(traces: list[dict]) -> str:
            "averaged in the log (the stage reports' reading); **features >= 1/2** and **<= 5%** (KDA's per-feature "
            "gate), per head, the share of its key features that keep at least half of a write across the pairs, and "
            f"at most {FORGETS:.0%}, each feature on its own; **pushed to close**, the share of the layer's decays "
-           "whose loss gradient summed over the steps since the last row would lower them; **agreement** (KDA), per "
-           "head, |sum of its features' gradients| / sum of their sizes (1: all pushed one way). \"Tied\": KDA's "
+           "whose loss gradient summed over the steps since the last row would lower them; **steadiness**, per "
+           "decay, |its gradient summed over those steps| / the sum of the steps' sizes, averaged (1: every step "
+           "pushes it the same way; Adam moves a weight about lr a step where the sign holds, far less where it "
+           "flips); **per-head steadiness** (KDA), the same of each head's sum over its features, what one decay per "
+           "head would get from the same gradients; **agreement** (KDA), per head, |sum of its features' gradients| "
+           "/ sum of their sizes over the window (1: all pushed one way). \"Tied\": KDA's "
            "per-feature decays replaced in the forward by their mean over the head's features (a probe, not a model).",
            ""]
     for t in traces:
@@ -226,8 +251,9 @@ def render(traces: list[dict]) -> str:
                 f"minutes{score}.", ""]
         layers = [i for i, layer in enumerate(t["points"][0]["layers"]) if layer is not None]
         per_feature = any("features_kept" in t["points"][0]["layers"][i] for i in layers)
-        columns = ["kept"] + (["features >= 1/2", "<= 5%"] if per_feature else []) + ["pushed to close"] + (
-            ["agreement"] if per_feature else [])
+        columns = ["kept"] + (["features >= 1/2", "<= 5%"] if per_feature else []) + ["pushed to close",
+                                                                                     "steadiness"] + (
+            ["per-head steadiness", "agreement"] if per_feature else [])
         out += ["| step | loss | " + " | ".join(f"layer {i + 1} {c}" for i in layers for c in columns) + " |",
                 "|---:|---:|" + "---|" * (len(layers) * len(columns))]
         for p in t["points"]:
@@ -238,7 +264,10 @@ def render(traces: list[dict]) -> str:
                 if per_feature:
                     cells += [_cells(layer["features_kept"], "{:.0%}"), _cells(layer["features_forgotten"], "{:.0%}")]
                 cells.append("-" if push is None else f"{push['pushed_to_close']:.0%}")
+                cells.append("-" if push is None or "steadiness" not in push else f"{push['steadiness']:.2f}")
                 if per_feature:
+                    cells.append("-" if push is None or "head_steadiness" not in push
+                                 else f"{push['head_steadiness']:.2f}")
                     cells.append("-" if push is None else _cells(push["agreement"]))
             loss = "-" if p["loss"] is None else f"{p['loss']:.3f}"
             out.append(f"| {p['step']:,} | {loss} | " + " | ".join(cells) + " |")

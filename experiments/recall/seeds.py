@@ -139,7 +139,10 @@ def render_memory(rows: list[dict]) -> list[str]:
     out = ["## How long the states keep a write, per seed", "",
            "Per layer, the share of a token's write its longest-keeping head keeps across the context's pairs (2 x "
            "pairs tokens; the runs' own reading, \"How long each decaying state keeps what it holds\" in each folder's "
-           "report), as the seed built the model -> trained.", "",
+           "report), as the seed built the model -> trained. With KDA's gate, one decay per key feature, a head's "
+           "reading is its features' geometric mean, which the features that forget rule: a head reading 0.00 may "
+           "keep most of its features (the gate traces, results/recall/gate-traces, read each feature on its "
+           "own).", "",
            "| n | pairs | width | model | lr | seed | accuracy | " + " | ".join(f"layer {i + 1}" for i in range(depth))
            + " |", "|---|---|---|---|---:|---:|---:|" + "---|" * depth]
     for r, s, got in runs:

@@ -60,15 +60,42 @@ def test_the_gradient_reading_is_the_losss_derivative_on_each_decay():
                 shift[None, :, None, :] if shift.dim() == 2 else shift[None, :, None]))
         reader = GateReader(model)
         generator = torch.Generator().manual_seed(1)
+        steps = []  # each backward's gradient on the shifts, alone
         for _ in range(2):
             ids, labels = mqar_batch(3, generator=generator, **TASK)
             model(input_ids=ids, labels=labels).loss.backward()
+            steps.append([shift.grad.clone() for shift in shifts])
+            for shift in shifts:
+                shift.grad = None
         gradient = reader.take()
         assert reader.take() == [None, None]
         reader.remove()
-        for got, shift in zip(gradient, shifts):
-            assert got.shape == shape and shift.grad.abs().max() > 0
-            torch.testing.assert_close(got, shift.grad, rtol=1e-5, atol=1e-9)
+        for i, got in enumerate(gradient):
+            first, second = steps[0][i], steps[1][i]
+            assert got["sum"].shape == shape and first.abs().max() > 0
+            torch.testing.assert_close(got["sum"], first + second, rtol=1e-5, atol=1e-9)
+            torch.testing.assert_close(got["size"], first.abs() + second.abs(), rtol=1e-5, atol=1e-9)
+            if len(shape) == 2:  # a per-head gate's view of the same gradients: each head's sum over its features
+                torch.testing.assert_close(got["head_sum"], first.sum(-1) + second.sum(-1), rtol=1e-5, atol=1e-8)
+                torch.testing.assert_close(got["head_size"], first.sum(-1).abs() + second.sum(-1).abs(), rtol=1e-5,
+                                           atol=1e-8)
+            else:
+                assert "head_sum" not in got
+
+
+def test_steadiness_is_one_for_a_steady_push_and_zero_where_the_steps_cancel():
+    """The pushes' summary from GateReader's sums: the share pushed to close (a positive sum), and steadiness, the
+    mean over decays of |sum over steps| / sum of the steps' sizes."""
+    from experiments.recall.gate_trace import _pushes
+
+    steps = torch.tensor([[[1.0, 2.0], [1.0, -1.0]], [[1.0, -2.0], [1.0, -3.0]]])  # two steps of (2 heads, 2 features)
+    sums = {"sum": steps.sum(0), "size": steps.abs().sum(0), "head_sum": steps.sum(-1).sum(0),
+            "head_size": steps.sum(-1).abs().sum(0)}
+    push = _pushes(sums)
+    assert push["pushed_to_close"] == 0.5  # sums 2, 0, 2, -4: two of four positive
+    assert push["steadiness"] == pytest.approx((1 + 0 + 1 + 1) / 4)
+    assert push["head_steadiness"] == pytest.approx((abs(3 - 1) / (3 + 1) + abs(0 - 2) / (0 + 2)) / 2)
+    assert push["agreement"] == pytest.approx([2 / 2, 2 / 6])
 
 
 def test_the_tie_gives_every_feature_of_a_head_its_mean_decay():
