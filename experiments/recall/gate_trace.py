@@ -37,6 +37,7 @@ from hf_linear_attn.training.errors import UsageError
 
 from .models import LABELS, LINEAR_VARIANTS
 from .tasks import mqar_batch
+from .training import attention_inputs
 
 KEEPS_HALF, FORGETS = 0.5, 0.05  # a feature "keeps" a write across the pairs at >= half of it, "forgets" at <= 5%
 
@@ -92,23 +93,11 @@ def read_decays(model, task: dict, batch_size: int, seed: int) -> list:
     """Per gated layer, on one fresh batch (the stage's memory reading's: the same seed): what a write keeps across
     the context's pairs, per head from the features' geometric mean (`kept`) and, for a per-feature gate, per feature
     (`features_kept`, `features_forgotten`); None for a layer without a gate."""
-    inputs, hooks = {}, []
-    for i, block in enumerate(model.transformer.h):
-        hooks.append(block.attn.register_forward_pre_hook(
-            lambda m, args, kwargs, i=i: inputs.__setitem__(i, args[0] if args else kwargs["hidden_states"]),
-            with_kwargs=True))
-    was_training = model.training
-    model.eval()
-    try:
-        ids, _ = mqar_batch(batch_size, generator=torch.Generator().manual_seed(seed), **task)
-        model(input_ids=ids.to(next(model.parameters()).device))
-    finally:
-        model.train(was_training)
-        for hook in hooks:
-            hook.remove()
+    gates = delta_gates(model)
+    _, inputs = attention_inputs(model, task, batch_size, seed, [i for i, gate in enumerate(gates) if gate is not None])
     span = 2 * task["pairs"]
     out = []
-    for i, gate in enumerate(delta_gates(model)):
+    for i, gate in enumerate(gates):
         if gate is None:
             out.append(None)
             continue

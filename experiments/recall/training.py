@@ -69,6 +69,28 @@ def lookup_attention(model, task: dict, batch_size: int, batches: int, seed: int
 
 
 @torch.no_grad()
+def attention_inputs(model, task: dict, batch_size: int, seed: int, layers) -> tuple[torch.Tensor, dict]:
+    """(input_ids, {layer: its attention's input}) of a forward in eval mode over one fresh MQAR batch drawn from
+    `seed`, for the decoder layers numbered in `layers`: what a layer computes its decays from."""
+    blocks = model.transformer.h
+    inputs, hooks = {}, []
+    for i in layers:
+        hooks.append(blocks[i].attn.register_forward_pre_hook(
+            lambda m, args, kwargs, i=i: inputs.__setitem__(i, args[0] if args else kwargs["hidden_states"]),
+            with_kwargs=True))
+    was_training = model.training
+    model.eval()
+    try:
+        ids, _ = mqar_batch(batch_size, generator=torch.Generator().manual_seed(seed), **task)
+        model(input_ids=ids.to(next(model.parameters()).device))
+    finally:
+        model.train(was_training)
+        for hook in hooks:
+            hook.remove()
+    return ids, inputs
+
+
+@torch.no_grad()
 def memory_spans(model, task: dict, batch_size: int, seed: int) -> dict | None:
     """How long each decayed state keeps what it holds: on a fresh MQAR batch, each layer's and head's per-token
     decay alpha_t (the layer's own ``per_token_inputs``: RetNet's fixed rates, GLA's gate, Gated DeltaNet's or KDA's;
@@ -83,20 +105,7 @@ def memory_spans(model, task: dict, batch_size: int, seed: int) -> dict | None:
     if not any(decayed):
         return None
     span = 2 * task["pairs"]
-    inputs, hooks = {}, []
-    for i, attn in enumerate(attentions):
-        if decayed[i]:  # the layer's input, from which it computes its decay
-            hooks.append(attn.register_forward_pre_hook(lambda m, args, kwargs, i=i: inputs.__setitem__(i, args[0]
-                                                        if args else kwargs["hidden_states"]), with_kwargs=True))
-    was_training = model.training
-    model.eval()
-    try:
-        ids, _ = mqar_batch(batch_size, generator=torch.Generator().manual_seed(seed), **task)
-        model(input_ids=ids.to(next(model.parameters()).device))
-    finally:
-        model.train(was_training)
-        for hook in hooks:
-            hook.remove()
+    ids, inputs = attention_inputs(model, task, batch_size, seed, [i for i, d in enumerate(decayed) if d])
     out = []
     for i, attn in enumerate(attentions):
         if not decayed[i]:
