@@ -105,6 +105,11 @@ def main(argv=None):
             if not args.models:
                 raise UsageError("--trace_gates traces the models named with --models (Gated DeltaNet or KDA forms, "
                                  "e.g. --models linear_gpt2_kda_long_conv): name them")
+            if args.device != "cpu":
+                raise UsageError("--trace_gates retraces a stage on the CPU (its stages' records are CPU runs): leave "
+                                 "--device out")
+            if args.seed is not None and args.seed < 0:
+                raise UsageError(f"--seed {args.seed}: give a whole number >= 0")
             preset_dict = runner.load_preset(preset)
             if args.seed is not None:
                 preset_dict = {**preset_dict, "seed": args.seed}

@@ -143,7 +143,8 @@ def test_the_feature_reading_counts_features_that_the_geometric_mean_hides():
 
 def test_a_trace_that_cannot_run_is_refused_before_training(tmp_path, capsys):
     """A model without a delta-rule gate, a tie of Gated DeltaNet's per-head gate, steps beyond the stage's; and on
-    the command line, the trace's options without --trace_gates, and --trace_gates without --models."""
+    the command line, the trace's options without --trace_gates, --trace_gates without --models, on a GPU, or at a
+    negative seed."""
     import runpy
 
     with pytest.raises(UsageError, match="no delta-rule gate"):
@@ -156,7 +157,11 @@ def test_a_trace_that_cannot_run_is_refused_before_training(tmp_path, capsys):
     for argv, message in ((["--preset", "delta-n64", "--trace_every", "5"], "add it"),
                           (["--preset", "delta-n64", "--trace_gates"], "name them"),
                           (["--preset", "delta-n64", "--trace_gates", "--models", "linear_gpt2_delta_conv"],
-                           "no delta-rule gate")):
+                           "no delta-rule gate"),
+                          (["--preset", "delta-n64", "--trace_gates", "--models", "linear_gpt2_kda_conv", "--device",
+                            "cuda"], "leave --device out"),
+                          (["--preset", "delta-n64", "--trace_gates", "--models", "linear_gpt2_kda_conv", "--seed",
+                            "-1"], "whole number >= 0")):
         with pytest.raises(SystemExit, match=message):
             main(argv + ["--output_dir", str(tmp_path)])
     assert not (tmp_path / "gate_traces").exists()
