@@ -61,7 +61,9 @@ class GateReader:
         for i, gate in enumerate(self.gates):
             if gate is None:
                 continue
-            if tie_features:  # registered first: the capture below sees the tied decays, the ones the rule uses
+            # registered first, so the capture below sees the tied decays, the ones the rule uses; a per-head gate
+            # (no feature axis) has nothing to tie
+            if tie_features and gate.head_dim:
                 self.hooks.append(gate.register_forward_hook(
                     lambda module, inputs, out: out.mean(-1, keepdim=True).expand_as(out)))
             self.hooks.append(gate.register_forward_hook(lambda module, inputs, out, i=i: self._capture(i, out)))
