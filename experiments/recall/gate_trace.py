@@ -238,8 +238,10 @@ def render(traces: list[dict]) -> str:
         score = (f"; held-out accuracy **{t['score']['eval_accuracy']:.1%}** (loss {t['score']['eval_loss']:.3f})"
                  if t.get("score") else f"; the first {t['steps']:,} of its {a['steps']:,} steps")
         out += [f"## {name}: n = {a['length']}, {a['pairs']} pairs, width {a['width']}, lr {a['optimizer']['lr']:g}, "
-                f"seed {a['seed']}", "", f"Command: `{t['command']}`; {t['machine']}; {t['seconds'] / 60:.1f} "
-                f"minutes{score}.", ""]
+                f"seed {a['seed']}", "", f"Command: `{t['command']}`; {t['machine']}"
+                + f" ({t.get('hardware') or 'its instruction sets not recorded: a trace from before they were'})"
+                + f"; {t['seconds'] / 60:.1f} minutes{score}.",
+                ""]
         layers = [i for i, layer in enumerate(t["points"][0]["layers"]) if layer is not None]
         per_feature = any("features_kept" in t["points"][0]["layers"][i] for i in layers)
         columns = ["kept"] + (["features >= 1/2", "<= 5%"] if per_feature else []) + ["pushed to close",
@@ -270,18 +272,19 @@ def run(stages: list, output_dir: Path, steps: int | None, every: int | None, ti
         log=print) -> list[dict]:
     """Trace each stage (a plan's `Stage`s) into output_dir/gate_traces/, then write gate_traces.md of every trace
     there."""
-    from benchmarks.measuring import describe_machine
+    from benchmarks.measuring import describe_hardware, describe_machine, hardware_text
 
     if not stages:
         raise UsageError("--trace_gates found no stage to trace: name the models (--models) of the preset's")
     for stage in stages:  # every stage checked before the first trains
         check_trace(stage.args, steps, every, tie_features)
+    hardware = hardware_text(describe_hardware())  # the instruction sets and matmul peaks, measured once per run
     for stage in stages:
         path = trace_file(output_dir, stage.key, tie_features, stage.args["seed"])
         log(f"{stage.key}{' (tied)' if tie_features else ''}, seed {stage.args['seed']}: tracing")
         trace = trace_gates(stage.args, steps, every, tie_features, log)
         trace.update(command="python scripts/recall.py " + shlex.join(argv), machine=describe_machine(),
-                     date=time.strftime("%Y-%m-%d"))
+                     hardware=hardware, date=time.strftime("%Y-%m-%d"))
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(path, json.dumps(trace, indent=1))
     traces = [json.loads(p.read_text()) for p in sorted((Path(output_dir) / "gate_traces").glob("*.json"))]

@@ -188,5 +188,7 @@ def test_a_trace_is_written_with_its_command_and_machine(tmp_path):
     traces = [json.loads(f.read_text()) for f in files]
     assert [t["tied"] for t in traces] == [False, True]
     assert all("--trace_gates" in t["command"] and t["machine"] and len(t["points"]) == 3 for t in traces)
+    assert all(t["hardware"].startswith("instruction sets ") and "matmul peak" in t["hardware"] for t in traces)
     text = (out / "gate_traces.md").read_text()
+    assert text.count(f"({traces[0]['hardware']})") == 2
     assert text.count("| 4 | ") == 2 and "decays tied per head (probe)" in text and "held-out accuracy" in text
