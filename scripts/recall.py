@@ -108,12 +108,8 @@ def main(argv=None):
             if args.device != "cpu":
                 raise UsageError("--trace_gates retraces a stage on the CPU (its stages' records are CPU runs): leave "
                                  "--device out")
-            if args.seed is not None and args.seed < 0:
-                raise UsageError(f"--seed {args.seed}: give a whole number >= 0")
-            preset_dict = runner.load_preset(preset)
-            if args.seed is not None:
-                preset_dict = {**preset_dict, "seed": args.seed}
-            stages, _ = runner.plan(preset_dict, args.models, args.pairs, args.widths)
+            stages, _ = runner.plan(runner.at_seed(runner.load_preset(preset), args.seed), args.models, args.pairs,
+                                    args.widths)
             gate_trace.run(stages, output_dir, args.trace_steps, args.trace_every, args.tie_gate_features,
                            sys.argv[1:] if argv is None else argv, log=lambda s: print(s, flush=True))
             print(f"wrote {output_dir}/gate_traces.md, gate_traces/")

@@ -37,9 +37,7 @@ from hf_linear_attn.training.errors import UsageError
 
 from .models import LABELS, LINEAR_VARIANTS
 from .tasks import mqar_batch
-from .training import attention_inputs
-
-KEEPS_HALF, FORGETS = 0.5, 0.05  # a feature "keeps" a write across the pairs at >= half of it, "forgets" at <= 5%
+from .training import FORGETS, memory_spans
 
 
 def delta_gates(model) -> list:
@@ -90,31 +88,15 @@ class GateReader:
             hook.remove()
 
 
-@torch.no_grad()
 def read_decays(model, task: dict, batch_size: int, seed: int) -> list:
-    """Per gated layer, on one fresh batch (the stage's memory reading's: the same seed): what a write keeps across
-    the context's pairs, per head from the features' geometric mean (`kept`) and, for a per-feature gate, per feature
-    (`features_kept`, `features_forgotten`); None for a layer without a gate."""
-    gates = delta_gates(model)
-    _, inputs = attention_inputs(model, task, batch_size, seed, [i for i, gate in enumerate(gates) if gate is not None])
-    span = 2 * task["pairs"]
-    out = []
-    for i, gate in enumerate(gates):
-        if gate is None:
-            out.append(None)
-            continue
-        log_decay = gate(inputs[i]).float().cpu()  # through the hooks: the decays the rule uses
-        per_feature = log_decay.dim() == 4
-        log_decay = log_decay if per_feature else log_decay[..., None]  # (B, H, n, g)
-        windows = log_decay.unfold(2, span, 1).sum(-1)  # (B, H, windows, g): log of what a write keeps
-        head = windows.mean(-1).exp().transpose(0, 1).flatten(1).median(-1).values  # (H,)
-        layer = {"kept": head.tolist()}
-        if per_feature:
-            feature = windows.exp().transpose(0, 1).flatten(1, 2).median(1).values  # (H, g)
-            layer["features_kept"] = (feature >= KEEPS_HALF).float().mean(-1).tolist()
-            layer["features_forgotten"] = (feature <= FORGETS).float().mean(-1).tolist()
-        out.append(layer)
-    return out
+    """Per gated layer, `memory_spans`' reading on one fresh batch (the stage's own reading: the same seed), through
+    the gates' hooks (the decays the rule uses): what a write keeps across the context's pairs, per head from the
+    features' geometric mean (`kept`) and, for a per-feature gate, per feature (`features_kept`,
+    `features_forgotten`); None for a layer without a gate."""
+    reading = memory_spans(model, task, batch_size, seed)["layers"]
+    keys = ("kept", "features_kept", "features_forgotten")
+    return [None if gate is None else {key: [h[key] for h in heads] for key in keys if key in heads[0]}
+            for gate, heads in zip(delta_gates(model), reading)]
 
 
 def _steadiness(total: torch.Tensor, size: torch.Tensor) -> float:

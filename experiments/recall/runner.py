@@ -63,6 +63,15 @@ def load_preset(path: Path) -> dict:
     return preset
 
 
+def at_seed(preset: dict, seed: int | None) -> dict:
+    """The preset at another seed (--seed), or as it is for None; a seed that is not a whole number >= 0 refused."""
+    if seed is None:
+        return preset
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        raise UsageError(f"--seed {seed!r}: give a whole number >= 0")
+    return {**preset, "seed": seed}
+
+
 def dims_for(preset: dict, width: int) -> dict:
     return {"hidden_size": width, "num_layers": preset["num_layers"], "num_heads": width // preset["head_size"],
             "intermediate_size": preset["ffn_multiple"] * width}
@@ -538,11 +547,7 @@ def run(preset_path: Path, output_dir: Path, models=None, dry_run=False, report_
     run with other arguments)."""
     from benchmarks.measuring import hardware_of_records
 
-    preset = load_preset(preset_path)
-    if seed is not None:
-        if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
-            raise UsageError(f"--seed {seed!r}: give a whole number >= 0")
-        preset = {**preset, "seed": seed}
+    preset = at_seed(load_preset(preset_path), seed)
     stages, _ = plan(preset, models, pairs, widths)
     whole, left_out = plan(preset)
     if dry_run:

@@ -16,6 +16,9 @@ def evaluate_mqar(model, task: dict, batch_size: int, batches: int, seed: int) -
     return {"eval_loss": score["loss"], "eval_accuracy": score["accuracy"], "eval_queries": score["scored"]}
 
 
+# A feature "keeps" a write across the pairs at >= half of it, "forgets" it at <= 5% (memory_spans' per-feature reading)
+KEEPS_HALF, FORGETS = 0.5, 0.05
+
 # The positions of a queried pair that an attention lookup can land on: the value's (2i + 1; where an induction head
 # looks, the token after the key's first occurrence) and the two after it, the last positions whose short-convolution
 # window (width 4: a position and the 3 before it) still holds the key and its value both.
@@ -96,9 +99,10 @@ def memory_spans(model, task: dict, batch_size: int, seed: int) -> dict | None:
     decay alpha_t (the layer's own ``per_token_inputs``: RetNet's fixed rates, GLA's gate, Gated DeltaNet's or KDA's;
     one alpha per feature averaged in the log, the geometric mean), as the mean alpha and the median share of the state
     kept across the context's pairs (2 x pairs tokens: what a pair written first still has at the first query); with
-    one decay per feature also "features_kept", the share of the head's features that keep at least half a write
-    across the pairs, each feature's median on its own. None for a model without a decaying layer. {"layers":
-    [[{"alpha", "kept"(, "features_kept")} per head] or None per layer], "span"}."""
+    one decay per feature also "features_kept" and "features_forgotten", the shares of the head's features that keep
+    at least half a write across the pairs and at most FORGETS of it, each feature's median on its own. None for a
+    model without a decaying layer. {"layers": [[{"alpha", "kept"(, "features_kept", "features_forgotten")} per
+    head] or None per layer], "span"}."""
     layers = getattr(getattr(model, "transformer", None), "h", None) or []
     attentions = [getattr(block, "attn", None) for block in layers]
     decayed = [a is not None and getattr(a, "state_decay", None) is not None for a in attentions]
@@ -112,17 +116,20 @@ def memory_spans(model, task: dict, batch_size: int, seed: int) -> dict | None:
             out.append(None)
             continue
         log_decay = attn.per_token_inputs(inputs[i])["log_decay"].float().cpu()
-        features = None
+        features = {}
         if log_decay.dim() == 4:  # (B or 1, H, n or 1, g): the geometric mean over features
-            # and each feature on its own: the share of a head's features that keep half a write across the pairs (a
-            # third of them forgetting reads as "keeps nothing" in the geometric mean, whatever the rest keep)
+            # and each feature on its own: the share of a head's features that keep half a write across the pairs, and
+            # that keep at most FORGETS of it (a third of them forgetting reads as "keeps nothing" in the geometric
+            # mean, whatever the rest keep)
             per_feature = log_decay.expand(ids.shape[0], -1, ids.shape[1], -1).unfold(2, span, 1).sum(-1).exp()
-            features = (per_feature.transpose(0, 1).flatten(1, 2).median(1).values >= 0.5).float().mean(-1)
+            per_feature = per_feature.transpose(0, 1).flatten(1, 2).median(1).values  # (H, g): each one's median
+            features = {"features_kept": (per_feature >= KEEPS_HALF).float().mean(-1),
+                        "features_forgotten": (per_feature <= FORGETS).float().mean(-1)}
             log_decay = log_decay.mean(-1)
         log_decay = log_decay.expand(ids.shape[0], -1, ids.shape[1])  # (B, H, n)
         kept = log_decay.unfold(2, span, 1).sum(-1).exp()  # (B, H, windows)
         out.append([{"alpha": log_decay[:, h].exp().mean().item(), "kept": kept[:, h].median().item(),
-                     **({} if features is None else {"features_kept": features[h].item()})}
+                     **{key: share[h].item() for key, share in features.items()}}
                     for h in range(log_decay.shape[1])])
     return {"layers": out, "span": span}
 
