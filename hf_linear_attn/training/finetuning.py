@@ -30,6 +30,7 @@ from transformers import (
     AutoModelForTokenClassification,
     DataCollatorForTokenClassification,
     DataCollatorWithPadding,
+    EvalPrediction,
     TrainingArguments,
     set_seed,
 )
@@ -41,7 +42,7 @@ from .checkpoints import disk_full_error, is_disk_full
 from .data.choice_tasks import ChoiceCollator, ChoiceTask, encode_choice_task, load_choice_data, read_choice_files
 from .data.files import refuse_sources_inside, require_split_sources
 from .data.qa_tasks import check_window_room, encode_qa_split, load_qa_data, read_qa_files, require_offsets
-from .data.tasks import encode_task, get_task, load_task_data, read_task_files
+from .data.tasks import encode_task, get_task, load_task_data, read_task_files, source_lengths
 from .data.token_tasks import (
     TokenTask, encode_token_task, load_token_data, prepare_tokenizer_for_words, read_token_files,
 )
@@ -340,7 +341,36 @@ def encode(args: FinetuneArguments, task, data, tokenizer, plan: Plan):
             return _regression_metrics(np.squeeze(logits, -1), prediction.label_ids)
         return metric.compute(predictions=np.argmax(logits, axis=-1), references=prediction.label_ids)
 
+    if args.eval_length_split is not None and "validation" in data:
+        # lengths before truncation, read from the raw texts (encoding drops them); Trainer evaluates in row order
+        lengths = source_lengths(data["validation"], task, tokenizer)
+        return encoded, collator, LengthSplitMetrics(compute_metrics, lengths, args.eval_length_split), None
     return encoded, collator, compute_metrics, None
+
+
+class LengthSplitMetrics:
+    """compute_metrics, plus the same metrics over the evaluation rows up to `split` tokens long and over those beyond
+    it (`<metric>_within_<split>`, `<metric>_beyond_<split>`, `rows_within_<split>`, `rows_beyond_<split>`). `lengths`
+    are the evaluation rows' lengths in row order; set it to None to score other rows (a test split) plainly."""
+
+    def __init__(self, compute_metrics, lengths: list[int], split: int):
+        self.compute_metrics, self.lengths, self.split = compute_metrics, lengths, split
+
+    def __call__(self, prediction) -> dict:
+        metrics = self.compute_metrics(prediction)
+        if self.lengths is None:
+            return metrics
+        logits = prediction.predictions[0] if isinstance(prediction.predictions, tuple) else prediction.predictions
+        if len(logits) != len(self.lengths):
+            raise RuntimeError(f"--eval_length_split: {len(logits)} predictions for {len(self.lengths)} evaluation "
+                               "rows; the rows' lengths no longer line up with the predictions")
+        beyond = np.asarray(self.lengths) > self.split
+        for name, keep in ((f"within_{self.split}", ~beyond), (f"beyond_{self.split}", beyond)):
+            metrics[f"rows_{name}"] = int(keep.sum())
+            if keep.any():  # a part with no rows has no score
+                part = EvalPrediction(predictions=logits[keep], label_ids=np.asarray(prediction.label_ids)[keep])
+                metrics.update({f"{key}_{name}": value for key, value in self.compute_metrics(part).items()})
+        return metrics
 
 
 def train_and_save(trainer, plan: Plan, output_dir: Path, train_rows: int) -> tuple[dict, object]:
@@ -389,6 +419,8 @@ def predict(trainer, test, task, plan: Plan, output_dir: Path, readback) -> dict
     if plan.task_type == "question_answering":
         return predict_answers(trainer, test, readback, output_dir)
     labelled = bool({"label", "labels"} & set(test.column_names))
+    if isinstance(trainer.compute_metrics, LengthSplitMetrics):
+        trainer.compute_metrics.lengths = None  # the lengths are the evaluation rows'; a test split is scored whole
     output = trainer.predict(test, metric_key_prefix="predict")
     logits = output.predictions[0] if isinstance(output.predictions, tuple) else output.predictions
     predict_metrics = {k: v for k, v in output.metrics.items() if labelled or not k.startswith("predict_loss")}

@@ -78,6 +78,10 @@ class FinetuneArguments:
         "help": "evaluate on N rows, chosen as for --max_train_samples"})
     max_predict_samples: int | None = field(default=None, metadata={
         "help": "predict N rows, chosen as for --max_train_samples"})
+    eval_length_split: int | None = field(default=None, metadata={
+        "help": "sequence classification: also score the evaluation rows up to N tokens and those beyond N apart "
+                "(their length before truncation, special tokens included), e.g. 512 to see what a model that "
+                "reads longer inputs gains on the long ones; adds <metric>_within_N / _beyond_N and rows_beyond_N"})
     metric_source: str = field(default="auto", metadata={
         "help": "evaluate modules from the Hub, the local offline copies, or auto (local when HF_HUB_OFFLINE=1)",
         "choices": ["auto", "hub", "local"]})
@@ -138,6 +142,12 @@ def check_arguments(args: FinetuneArguments, training: TrainingArguments) -> Non
                         ("--max_predict_samples", args.max_predict_samples)):
         if value is not None and value < 1:
             raise UsageError(f"{flag} must be at least 1 (got {value})")
+    if args.eval_length_split is not None:
+        if args.eval_length_split < 1:
+            raise UsageError(f"--eval_length_split must be at least 1 (got {args.eval_length_split}): a number of "
+                             "tokens, e.g. 512")
+        if not training.do_eval:
+            raise UsageError("--eval_length_split splits the evaluation's score: add --do_eval, or leave it out")
     parse_config_overrides(args.config_overrides)
     if not Path(args.model_card_template).is_file():
         raise UsageError(f"model card template not found: {args.model_card_template} (--model_card_template)")
@@ -194,6 +204,9 @@ def check_task_type(args: FinetuneArguments) -> None:
         if args.task_type != task_type and given:
             raise UsageError(f"{', '.join(given)} apply to {TASK_TYPE_WORDS[task_type]}: add --task_type "
                              f"{task_type}, or leave them out")
+    if args.eval_length_split is not None and args.task_type != "sequence_classification":
+        raise UsageError(f"--eval_length_split scores sequence classification by input length; for "
+                         f"{TASK_TYPE_WORDS[args.task_type]} leave it out")
     if args.task_type in ("question_answering", "multiple_choice"):
         check_span_or_choice_arguments(args)
     if args.task_type != "token_classification":

@@ -104,6 +104,44 @@ def test_new_finetuning_flags_refuse_bad_values(tmp_path, base_model, review_fil
     assert not (tmp_path / "out").exists()  # every refusal came before anything was written
 
 
+def test_eval_length_split_scores_the_long_rows_apart(tmp_path, base_model, tokenizer, review_files):
+    """--eval_length_split N: the evaluation rows longer than N tokens before truncation scored apart from the rest.
+    Independent reference: the same checkpoint's predictions of the same rows (--do_predict on that file, whose
+    scoring ignores the split), read back and counted by lengths from the tokenizer."""
+    from finetune import main
+
+    train = review_files[0]
+    texts = [*POSITIVE, *NEGATIVE]
+    rows = [(" and ".join(texts[i: i + 1 + i % 4]), "good" if i < 6 else "bad") for i in range(len(texts))]
+    dev = write_rows(tmp_path / "dev.tsv", [("review", "verdict"), *rows], "\t")
+    lengths = [len(tokenizer(text)["input_ids"]) for text, _ in rows]
+    split = sorted(lengths)[len(lengths) // 2]
+    assert 0 < sum(n > split for n in lengths) < len(lengths) and max(lengths) > 32  # both parts, some rows cut
+    columns = ["--text_columns", "review", "--label_column", "verdict"]
+    tuned = tmp_path / "tuned"
+    main([*common(base_model, tuned), "--do_train", *columns, "--train_file", str(train)])
+    out = tmp_path / "out"
+    main([*common(tuned, out), "--do_eval", "--do_predict", *columns, "--validation_file", str(dev),
+          "--test_file", str(dev), "--eval_length_split", str(split)])
+    results = json.loads((out / "all_results.json").read_text())
+    predicted = [line.split("\t")[1] for line in (out / "predict_results.txt").read_text().splitlines()[1:]]
+    right = [guess == label for guess, (_, label) in zip(predicted, rows)]
+    beyond = [n > split for n in lengths]
+    for part, keep in (("within", [not b for b in beyond]), ("beyond", beyond)):
+        hits = [r for r, k in zip(right, keep) if k]
+        assert results[f"eval_rows_{part}_{split}"] == len(hits)
+        assert results[f"eval_accuracy_{part}_{split}"] == pytest.approx(sum(hits) / len(hits))
+    assert results["eval_accuracy"] == pytest.approx(sum(right) / len(right))
+    assert not any("_beyond_" in key for key in results if key.startswith("predict_"))  # the test split: whole
+    message = script_error(main, [*common(tuned, tmp_path / "x"), "--do_predict", *columns, "--test_file", str(dev),
+                                  "--eval_length_split", "64"])
+    assert "--eval_length_split splits the evaluation's score: add --do_eval" in message
+    message = script_error(main, [*common(tuned, tmp_path / "x"), "--do_eval", *columns, "--validation_file",
+                                  str(dev), "--eval_length_split", "0"])
+    assert "--eval_length_split must be at least 1" in message
+    assert not (tmp_path / "x").exists()
+
+
 def test_config_overrides_reach_the_trained_model_and_bad_ones_are_refused(tmp_path, base_model, review_files):
     """--config_overrides (run_mlm.py's flag) changes the checkpoint's config for the run: the fine-tuned model's
     dropout modules and its saved config carry the new values; a misspelt key, a malformed list or a value of the
