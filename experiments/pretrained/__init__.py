@@ -246,6 +246,18 @@ def _scores(result: dict, task: str) -> dict:
     return {"accuracy": 100 * float(result.get("eval_accuracy", result.get("accuracy")))}
 
 
+def _length_split(result: dict):
+    """(N, accuracy within N tokens, beyond N, (rows within, rows beyond)) from a fine-tune's results written with
+    --eval_length_split N; None without it. Accuracies in percent; a part with no rows has None."""
+    found = [re.fullmatch(r"eval_rows_beyond_(\d+)", key) for key in result]
+    split = next((int(m.group(1)) for m in found if m), None)
+    if split is None:
+        return None
+    score = [result.get(f"eval_accuracy_{part}_{split}") for part in ("within", "beyond")]
+    return (split, *(None if x is None else 100 * float(x) for x in score),
+            (int(result[f"eval_rows_within_{split}"]), int(result[f"eval_rows_beyond_{split}"])))
+
+
 def collect(preset: dict, stages: list, records: dict) -> dict:
     """{model: {"tasks": {task: {"scores", "seeds", "mean", "std"}}, "conversion": ..., "seconds"}} from records.
     Scores are accuracies, or F1 for question answering, whose cells also hold "metric": "f1" and the exact match
@@ -277,6 +289,12 @@ def collect(preset: dict, stages: list, records: dict) -> dict:
         scores = _scores(record["result"], stage.info["task"])
         task["scores"].append(next(iter(scores.values())))
         task["seeds"].append(stage.info["seed"])
+        split = _length_split(record["result"])
+        if split is not None:  # finetune.py --eval_length_split: the long rows scored apart
+            parts = task.setdefault("by_length", {"split": split[0], "within": [], "beyond": []})
+            parts["within"].append(split[1])
+            parts["beyond"].append(split[2])
+            parts["rows"] = split[3]
         if "exact_match" in scores:
             task.update(metric="f1", exact_match=[*task.get("exact_match", []), scores["exact_match"]])
     for entry in results.values():
@@ -379,6 +397,30 @@ def _finetune_recipe(preset: dict) -> str:
     return text + (f", model config changed for the fine-tune: {'; '.join(overrides)}" if overrides else "")
 
 
+def _by_length_lines(results: dict, tasks: list[str]) -> list[str]:
+    """The section of accuracies by input length (stages run with --eval_length_split), or nothing."""
+    cells = {(name, task): entry["tasks"][task]["by_length"] for name, entry in results.items() for task in tasks
+             if "by_length" in entry["tasks"].get(task, {})}
+    if not cells:
+        return []
+
+    def mean(scores):
+        scores = [x for x in scores if x is not None]
+        return f"{statistics.fmean(scores):.1f}" if scores else "(no rows)"
+
+    lines = ["", "## Accuracy (%) by input length", "",
+             "The evaluation rows up to N tokens (before truncation, special tokens included) and those beyond N "
+             "scored apart (finetune.py --eval_length_split N); a model that reads more than N tokens differs from "
+             "one cut at N only on the rows beyond. Mean over the seeds done.", "",
+             "| Model | task | rows within N / beyond N | within N | beyond N | all rows |",
+             "|---|---|---|---:|---:|---:|"]
+    for (name, task), parts in cells.items():
+        split, (within, beyond) = parts["split"], parts["rows"]
+        lines.append(f"| {name} | {TASK_TITLES[task]} | {within} / {beyond} (N = {split:,}) | {mean(parts['within'])} "
+                     f"| {mean(parts['beyond'])} | {results[name]['tasks'][task]['mean']:.1f} |")
+    return lines
+
+
 def render_markdown(preset_name: str, preset: dict, results: dict, meta: dict) -> str:
     tasks = [task for task in TASK_ORDER if task in preset["finetune"]]
     # a preset of classification tasks only keeps its table as it was: accuracy, and the majority class as the floor
@@ -435,6 +477,7 @@ def render_markdown(preset_name: str, preset: dict, results: dict, meta: dict) -
                   for t in tasks if t in meta["majority"]) + "."
                   + (" Question answering's figure is SQuAD's F1 (its exact match beside it); the average and the "
                      "difference to the baseline take that F1." if answers else "")] if not classes_only else []),
+              *_by_length_lines(results, tasks),
               "", "## Conversions", "",
               "| Model | target options | copied parameters | new parameters | distillation (distance before -> after) |",
               "|---|---|---:|---:|---|"]

@@ -342,7 +342,8 @@ def encode(args: FinetuneArguments, task, data, tokenizer, plan: Plan):
         return metric.compute(predictions=np.argmax(logits, axis=-1), references=prediction.label_ids)
 
     if args.eval_length_split is not None and "validation" in data:
-        # lengths before truncation, read from the raw texts (encoding drops them); Trainer evaluates in row order
+        # lengths before truncation, read from the raw texts (encoding drops them), matched to the predictions by
+        # position: AtomicCheckpointTrainer evaluates in row order even where training groups rows by length
         lengths = source_lengths(data["validation"], task, tokenizer)
         return encoded, collator, LengthSplitMetrics(compute_metrics, lengths, args.eval_length_split), None
     return encoded, collator, compute_metrics, None

@@ -633,3 +633,30 @@ def test_qqp_is_scored_by_its_accuracy_though_its_metric_writes_an_f1(tmp_path):
     records = {s.name: {"seconds": 1.0, "result": {"eval_accuracy": 0.875, "eval_f1": 0.81}} for s in stages}
     cell = collect(preset, stages, records)["A"]["tasks"]["qqp"]
     assert cell["scores"] == [87.5] and "metric" not in cell and "exact_match" not in cell
+
+
+def test_stages_scored_by_input_length_get_their_own_table(tmp_path):
+    """Fine-tunes run with --eval_length_split N (finetune.py writes the rows within and beyond N apart): the report
+    gives each model's accuracy on both parts beside all rows, means over seeds; a report without them has none."""
+    preset = {"baseline": "A", "models": {"A": {"stock": True}, "B": {"stock": True}},
+              "finetune": {"imdb": {"config": "x", "args": {"eval_length_split": 512}}}, "seeds": [42, 1]}
+    stages = plan(preset, tmp_path, tmp_path / "out", REPO_ROOT)
+    assert all(s.argv[s.argv.index("--eval_length_split") + 1] == "512" for s in stages)
+    parts = {("A", 42): (0.9, 0.8), ("A", 1): (0.92, 0.7), ("B", 42): (0.85, 0.9), ("B", 1): (0.87, 0.9)}
+    records = {}
+    for s in stages:
+        within, beyond = parts[(s.info["model"], s.info["seed"])]
+        records[s.name] = {"seconds": 1.0, "result": {
+            "eval_accuracy": (850 * within + 150 * beyond) / 1000, "eval_rows_within_512": 850,
+            "eval_rows_beyond_512": 150, "eval_accuracy_within_512": within, "eval_accuracy_beyond_512": beyond}}
+    results = collect(preset, stages, records)
+    assert results["A"]["tasks"]["imdb"]["by_length"]["beyond"] == pytest.approx([80.0, 70.0])
+    meta = {"command": "c", "machine": "m", "source": "s", "seeds": [42, 1], "seconds": 1.0, "stages": 4,
+            "stages_done": 4, "majority": {}}
+    table = render_markdown("t", preset, results, meta)
+    assert "## Accuracy (%) by input length" in table
+    assert "| A | IMDB | 850 / 150 (N = 512) | 91.0 | 75.0 | 88.6 |" in table
+    assert "| B | IMDB | 850 / 150 (N = 512) | 86.0 | 90.0 | 86.6 |" in table
+    for record in records.values():
+        record["result"] = {"eval_accuracy": record["result"]["eval_accuracy"]}
+    assert "by input length" not in render_markdown("t", preset, collect(preset, stages, records), meta)
