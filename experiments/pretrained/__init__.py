@@ -289,6 +289,10 @@ def collect(preset: dict, stages: list, records: dict) -> dict:
         scores = _scores(record["result"], stage.info["task"])
         task["scores"].append(next(iter(scores.values())))
         task["seeds"].append(stage.info["seed"])
+        if record.get("curve") and built_tasks.task_type(stage.info["task"]) == "sequence_classification":
+            task.setdefault("curves", {})[stage.info["seed"]] = [
+                (point["step"], 100 * point["eval_accuracy"], point["eval_loss"]) for point in record["curve"]
+                if "eval_accuracy" in point]
         split = _length_split(record["result"])
         if split is not None:  # finetune.py --eval_length_split: the long rows scored apart
             parts = task.setdefault("by_length", {"split": split[0], "within": [], "beyond": []})
@@ -397,6 +401,26 @@ def _finetune_recipe(preset: dict) -> str:
     return text + (f", model config changed for the fine-tune: {'; '.join(overrides)}" if overrides else "")
 
 
+def _curve_lines(results: dict, tasks: list[str]) -> list[str]:
+    """The section of accuracies during fine-tuning (stages that evaluated every eval_steps), or nothing."""
+    rows = [(name, task, seed, curve) for name, entry in results.items() for task in tasks
+            for seed, curve in entry["tasks"].get(task, {}).get("curves", {}).items()]
+    if not rows:
+        return []
+    steps = sorted({step for *_, curve in rows for step, _, _ in curve})
+    lines = ["", "## Accuracy (%) during fine-tuning", "",
+             "Each fine-tune's scores on its evaluation rows at every evaluation (eval loss in brackets), from its "
+             "trainer_state.json; the learning rate's decay is spread over the whole run, so a score at an earlier "
+             "step is not that of a shorter run.", "",
+             "| Model | task | seed | " + " | ".join(f"step {step:,}" for step in steps) + " |",
+             "|---|---|---|" + "---:|" * len(steps)]
+    for name, task, seed, curve in rows:
+        at = {step: f"{accuracy:.1f} ({loss:.3f})" for step, accuracy, loss in curve}
+        lines.append(f"| {name} | {TASK_TITLES[task]} | {seed} | " + " | ".join(at.get(step, "") for step in steps)
+                     + " |")
+    return lines
+
+
 def _by_length_lines(results: dict, tasks: list[str]) -> list[str]:
     """The section of accuracies by input length (stages run with --eval_length_split), or nothing."""
     cells = {(name, task): entry["tasks"][task]["by_length"] for name, entry in results.items() for task in tasks
@@ -477,6 +501,7 @@ def render_markdown(preset_name: str, preset: dict, results: dict, meta: dict) -
                   for t in tasks if t in meta["majority"]) + "."
                   + (" Question answering's figure is SQuAD's F1 (its exact match beside it); the average and the "
                      "difference to the baseline take that F1." if answers else "")] if not classes_only else []),
+              *_curve_lines(results, tasks),
               *_by_length_lines(results, tasks),
               "", "## Conversions", "",
               "| Model | target options | copied parameters | new parameters | distillation (distance before -> after) |",

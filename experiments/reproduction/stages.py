@@ -351,11 +351,25 @@ def with_outcome(stage: Stage, record: dict) -> dict:
     record = dict(record)
     if "result" not in record:
         record["result"] = _read_json(stage.folder / stage.marker, "the stage's results")
+    if "curve" not in record and (stage.folder / "trainer_state.json").is_file():
+        curve = training_curve(stage.folder / "trainer_state.json")
+        if len(curve) > 1:  # scored during training, not only at the end
+            record["curve"] = curve
     if (stage.script.endswith(("pretrain.py", "convert.py")) or stage.info.get("upstream")) \
             and "output_digest" not in record:
         record["output_digest"] = folder_digest(stage.folder)
         record["parameters"] = count_parameters(stage.folder)
     return record
+
+
+def training_curve(path: Path) -> list[dict]:
+    """The evaluations a Trainer run logged (trainer_state.json's log_history): per evaluation its step and its
+    eval_* metrics, without the timings."""
+    history = _read_json(path, "the fine-tune's trainer state").get("log_history", [])
+    timing = ("_runtime", "_per_second", "_model_preparation_time")
+    return [{"step": entry["step"], **{key: value for key, value in entry.items()
+                                        if key.startswith("eval_") and not key.endswith(timing)}}
+            for entry in history if "eval_loss" in entry]
 
 
 def load_records(path) -> dict:

@@ -660,3 +660,30 @@ def test_stages_scored_by_input_length_get_their_own_table(tmp_path):
     for record in records.values():
         record["result"] = {"eval_accuracy": record["result"]["eval_accuracy"]}
     assert "by input length" not in render_markdown("t", preset, collect(preset, stages, records), meta)
+
+
+def test_a_fine_tune_scored_during_training_keeps_its_curve_in_the_record_and_the_table(tmp_path):
+    """A fine-tune that evaluated every eval_steps: its record takes the evaluations from trainer_state.json (so a
+    records file keeps them without the folder), and the report draws them per model, task and seed."""
+    from experiments.pretrained.reproduction_api import with_outcome
+
+    preset = {"baseline": "A", "models": {"A": {"stock": True}},
+              "finetune": {"imdb": {"config": "x", "args": {}}}, "seeds": [42]}
+    stage = plan(preset, tmp_path, tmp_path / "out", REPO_ROOT)[0]
+    stage.folder.mkdir(parents=True)
+    (stage.folder / stage.marker).write_text(json.dumps({"eval_accuracy": 0.9, "eval_loss": 0.25}))
+    history = [{"step": 100, "loss": 0.6}, {"step": 200, "eval_loss": 0.41, "eval_accuracy": 0.826,
+                                            "eval_runtime": 50.0, "eval_samples_per_second": 20.0},
+               {"step": 400, "eval_loss": 0.25, "eval_accuracy": 0.9, "eval_runtime": 49.0}]
+    (stage.folder / "trainer_state.json").write_text(json.dumps({"log_history": history}))
+    record = with_outcome(stage, {"seconds": 1.0})
+    assert record["curve"] == [{"step": 200, "eval_loss": 0.41, "eval_accuracy": 0.826},
+                               {"step": 400, "eval_loss": 0.25, "eval_accuracy": 0.9}]
+    meta = {"command": "c", "machine": "m", "source": "s", "seeds": [42], "seconds": 1.0, "stages": 1,
+            "stages_done": 1, "majority": {}}
+    table = render_markdown("t", preset, collect(preset, [stage], {stage.name: record}), meta)
+    assert "| Model | task | seed | step 200 | step 400 |" in table
+    assert "| A | IMDB | 42 | 82.6 (0.410) | 90.0 (0.250) |" in table
+    # scored only at the end: no curve
+    (stage.folder / "trainer_state.json").write_text(json.dumps({"log_history": history[:2]}))
+    assert "curve" not in with_outcome(stage, {"seconds": 1.0})
