@@ -364,8 +364,12 @@ def with_outcome(stage: Stage, record: dict) -> dict:
 
 def training_curve(path: Path) -> list[dict]:
     """The evaluations a Trainer run logged (trainer_state.json's log_history): per evaluation its step and its
-    eval_* metrics, without the timings."""
-    history = _read_json(path, "the fine-tune's trainer state").get("log_history", [])
+    eval_* metrics, without the timings. Nothing from a file that does not read as a trainer state (one a stopped launch
+    left empty): the curve is an extra of the record, the stage's result is its results file."""
+    try:
+        history = json.loads(Path(path).read_text()).get("log_history", [])
+    except (OSError, ValueError, AttributeError):
+        return []
     timing = ("_runtime", "_per_second", "_model_preparation_time")
     return [{"step": entry["step"], **{key: value for key, value in entry.items()
                                         if key.startswith("eval_") and not key.endswith(timing)}}
