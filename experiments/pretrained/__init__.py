@@ -295,10 +295,9 @@ def collect(preset: dict, stages: list, records: dict) -> dict:
                 if "eval_accuracy" in point]
         split = _length_split(record["result"])
         if split is not None:  # finetune.py --eval_length_split: the long rows scored apart
-            parts = task.setdefault("by_length", {"split": split[0], "within": [], "beyond": []})
-            parts["within"].append(split[1])
-            parts["beyond"].append(split[2])
-            parts["rows"] = split[3]
+            parts = task.setdefault("by_length", {"split": split[0], "within": [], "beyond": [], "rows": []})
+            for key, value in zip(("within", "beyond", "rows"), split[1:]):
+                parts[key].append(value)  # per seed: the held-out rows, and so the counts, can differ by seed
         if "exact_match" in scores:
             task.update(metric="f1", exact_match=[*task.get("exact_match", []), scores["exact_match"]])
     for entry in results.values():
@@ -438,9 +437,13 @@ def _by_length_lines(results: dict, tasks: list[str]) -> list[str]:
              "one cut at N only on the rows beyond. Mean over the seeds done.", "",
              "| Model | task | rows within N / beyond N | within N | beyond N | all rows |",
              "|---|---|---|---:|---:|---:|"]
+    def counts(values):  # one count, or the range over the seeds
+        return f"{min(values)}" if min(values) == max(values) else f"{min(values)}-{max(values)}"
+
     for (name, task), parts in cells.items():
-        split, (within, beyond) = parts["split"], parts["rows"]
-        lines.append(f"| {name} | {TASK_TITLES[task]} | {within} / {beyond} (N = {split:,}) | {mean(parts['within'])} "
+        within, beyond = (counts([rows[i] for rows in parts["rows"]]) for i in (0, 1))
+        lines.append(f"| {name} | {TASK_TITLES[task]} | {within} / {beyond} (N = {parts['split']:,}) | "
+                     f"{mean(parts['within'])} "
                      f"| {mean(parts['beyond'])} | {results[name]['tasks'][task]['mean']:.1f} |")
     return lines
 

@@ -86,7 +86,7 @@ def _token_metric_function(task: TokenTask, metric, entity_level: bool):
     names = [n if schemed or n == "O" else f"B-{n}" for n in task.label_names]
 
     def compute_metrics(prediction):
-        logits = prediction.predictions[0] if isinstance(prediction.predictions, tuple) else prediction.predictions
+        logits = _logits(prediction)
         guesses, labels = np.argmax(logits, axis=-1), prediction.label_ids
         kept = [row != -100 for row in labels]
         predictions = [[names[i] for i in guess[keep]] for guess, keep in zip(guesses, kept)]
@@ -120,6 +120,11 @@ def _warn_cut_rows(data, encoded, max_seq_length: int) -> None:
                 print(f"warning: {cut} of {len(encoded[split])} {split} rows are longer than --max_seq_length "
                       f"{max_seq_length} tokens: their last words are neither scored nor predicted (raise "
                       "--max_seq_length)")
+
+
+def _logits(output) -> np.ndarray:
+    """The logits of a Trainer prediction (an EvalPrediction or predict's output): the first of a tuple of outputs."""
+    return output.predictions[0] if isinstance(output.predictions, tuple) else output.predictions
 
 
 def _regression_metrics(predictions, references) -> dict:
@@ -336,7 +341,7 @@ def encode(args: FinetuneArguments, task, data, tokenizer, plan: Plan):
         collator = DataCollatorWithPadding(tokenizer)
 
     def compute_metrics(prediction):
-        logits = prediction.predictions[0] if isinstance(prediction.predictions, tuple) else prediction.predictions
+        logits = _logits(prediction)
         if task.regression:
             return _regression_metrics(np.squeeze(logits, -1), prediction.label_ids)
         return metric.compute(predictions=np.argmax(logits, axis=-1), references=prediction.label_ids)
@@ -352,16 +357,14 @@ def encode(args: FinetuneArguments, task, data, tokenizer, plan: Plan):
 class LengthSplitMetrics:
     """compute_metrics, plus the same metrics over the evaluation rows up to `split` tokens long and over those beyond
     it (`<metric>_within_<split>`, `<metric>_beyond_<split>`, `rows_within_<split>`, `rows_beyond_<split>`). `lengths`
-    are the evaluation rows' lengths in row order; set it to None to score other rows (a test split) plainly."""
+    are the evaluation rows' lengths in row order; other rows (a test split) are scored by `compute_metrics` itself."""
 
     def __init__(self, compute_metrics, lengths: list[int], split: int):
         self.compute_metrics, self.lengths, self.split = compute_metrics, lengths, split
 
     def __call__(self, prediction) -> dict:
         metrics = self.compute_metrics(prediction)
-        if self.lengths is None:
-            return metrics
-        logits = prediction.predictions[0] if isinstance(prediction.predictions, tuple) else prediction.predictions
+        logits = _logits(prediction)
         if len(logits) != len(self.lengths):
             raise RuntimeError(f"--eval_length_split: {len(logits)} predictions for {len(self.lengths)} evaluation "
                                "rows; the rows' lengths no longer line up with the predictions")
@@ -420,10 +423,10 @@ def predict(trainer, test, task, plan: Plan, output_dir: Path, readback) -> dict
     if plan.task_type == "question_answering":
         return predict_answers(trainer, test, readback, output_dir)
     labelled = bool({"label", "labels"} & set(test.column_names))
-    if isinstance(trainer.compute_metrics, LengthSplitMetrics):
-        trainer.compute_metrics.lengths = None  # the lengths are the evaluation rows'; a test split is scored whole
+    if isinstance(trainer.compute_metrics, LengthSplitMetrics):  # its lengths are the evaluation rows': whole here
+        trainer.compute_metrics = trainer.compute_metrics.compute_metrics
     output = trainer.predict(test, metric_key_prefix="predict")
-    logits = output.predictions[0] if isinstance(output.predictions, tuple) else output.predictions
+    logits = _logits(output)
     predict_metrics = {k: v for k, v in output.metrics.items() if labelled or not k.startswith("predict_loss")}
     predict_metrics["predict_samples"] = len(test)
     trainer.log_metrics("predict", predict_metrics)

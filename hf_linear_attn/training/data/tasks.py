@@ -163,12 +163,8 @@ def load_task_data(task: Task, dataset_name=None, dataset_config_name=None, trai
 
 def source_lengths(rows, task: Task, tokenizer) -> list[int]:
     """Each row's length in tokens before any truncation, special tokens included (what --max_seq_length cuts)."""
-    columns = [rows[c] for c in task.text_columns]
-    lengths = []
-    for start in range(0, len(rows), 1000):
-        texts = [c[start: start + 1000] for c in columns]
-        lengths += [len(ids) for ids in tokenizer(*texts, verbose=False)["input_ids"]]
-    return lengths
+    texts = [list(rows[c]) for c in task.text_columns]
+    return [len(ids) for ids in tokenizer(*texts, verbose=False)["input_ids"]]
 
 
 def encode_task(dataset: DatasetDict, task: Task, tokenizer, max_length: int, head_fraction: float = 0.25):
